@@ -1,0 +1,184 @@
+"""Frozen configuration objects. `ModelConfig` mirrors the text part of a `glm5_next` config.json."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory or its config cannot be used; the message says what to fix."""
+
+
+def _default_layer_types(n: int) -> list[str]:
+    # Three KDA layers then one DSA layer, repeating (transformers' default schedule).
+    return ["linear_attention" if i % 4 != 3 else "indexed_attention" for i in range(n)]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 154880
+    hidden_size: int = 4096
+    intermediate_size: int = 12288
+    moe_intermediate_size: int = 2048
+    num_hidden_layers: int = 45
+    num_attention_heads: int = 64
+    n_shared_experts: int = 1
+    n_routed_experts: int = 288
+    routed_scaling_factor: float = 2.5
+    kv_lora_rank: int = 512
+    q_lora_rank: int = 1536
+    qk_nope_head_dim: int = 256
+    v_head_dim: int = 256
+    n_group: int = 1
+    topk_group: int = 1
+    num_experts_per_tok: int = 8
+    norm_topk_prob: bool = True
+    max_position_embeddings: int = 1048576
+    rms_norm_eps: float = 1e-5
+    index_topk: int = 2048
+    index_head_dim: int = 128
+    index_n_heads: int = 32
+    index_kpool: int = 16
+    index_kpool_always_select_tail: bool = True
+    swiglu_limit: float = 10.0
+    linear_head_dim: int = 128
+    linear_num_heads: int = 64
+    linear_conv_kernel_dim: int = 4
+    linear_lower_bound: float | None = -5.0
+    hc_mult: int = 4
+    hc_eps: float = 1e-6
+    hc_sinkhorn_iters: int = 20
+    tie_word_embeddings: bool = False
+    pad_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    layer_types: tuple[str, ...] = ()
+    mlp_layer_types: tuple[str, ...] = ()
+    indexer_types: tuple[str, ...] = ()
+    has_mtp: bool = False  # checkpoint layer `num_hidden_layers` is an MTP draft layer
+
+    def __post_init__(self):
+        n = self.num_hidden_layers
+        if not self.layer_types:
+            object.__setattr__(self, "layer_types", tuple(_default_layer_types(n)))
+        if not self.mlp_layer_types:
+            object.__setattr__(self, "mlp_layer_types", tuple(["dense"] * min(3, n) + ["sparse"] * (n - 3)))
+        if not self.indexer_types:
+            object.__setattr__(self, "indexer_types", tuple(["full"] * n))
+        # transformers accepts the old name "full_attention" for DSA layers
+        object.__setattr__(self, "layer_types", tuple(
+            "indexed_attention" if t == "full_attention" else t for t in self.layer_types))
+        for name in ("layer_types", "mlp_layer_types", "indexer_types"):
+            if len(getattr(self, name)) != n:
+                raise CheckpointError(f"config: {name} has {len(getattr(self, name))} entries, expected {n}")
+        if self.index_topk % self.index_kpool:
+            raise CheckpointError(f"config: index_topk {self.index_topk} must be a multiple of index_kpool")
+        if self.n_routed_experts % self.n_group:
+            raise CheckpointError("config: n_routed_experts must be divisible by n_group")
+        first_dsa = next((i for i, t in enumerate(self.layer_types) if t == "indexed_attention"), None)
+        if first_dsa is not None and self.indexer_types[first_dsa] == "shared":
+            raise CheckpointError(f"config: layer {first_dsa} is the first DSA layer but its indexer is 'shared'")
+
+    # ---- derived facts used across the package ----
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim  # NoPE: qk_rope_head_dim is always 0
+
+    @property
+    def kda_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == "linear_attention"]
+
+    @property
+    def dsa_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == "indexed_attention"]
+
+    @property
+    def indexer_layers(self) -> list[int]:
+        """DSA layers that run their own indexer (and so own an indexer cache)."""
+        return [i for i in self.dsa_layers if self.indexer_types[i] == "full"]
+
+    @property
+    def linear_dim(self) -> int:
+        return self.linear_num_heads * self.linear_head_dim
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        e = self.eos_token_id
+        return [] if e is None else ([e] if isinstance(e, int) else list(e))
+
+    # ---- (de)serialisation in the Hugging Face layout ----
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        text = d.get("text_config") or d  # flat (text-only) configs keep fields at top level
+        names = {f.name for f in dataclasses.fields(cls)}
+        kw = {k: v for k, v in text.items() if k in names}
+        for k in ("layer_types", "mlp_layer_types", "indexer_types"):
+            if kw.get(k) is not None:
+                kw[k] = tuple(kw[k])
+            else:
+                kw.pop(k, None)
+        if "linear_attn_config" in text:  # older nested spelling of the KDA fields
+            lac = text["linear_attn_config"]
+            kw.setdefault("linear_head_dim", lac.get("head_dim", cls.linear_head_dim))
+            kw.setdefault("linear_num_heads", lac.get("num_heads", cls.linear_num_heads))
+            kw.setdefault("linear_conv_kernel_dim", lac.get("short_conv_kernel_size", cls.linear_conv_kernel_dim))
+        if text.get("qk_rope_head_dim", 0):
+            raise CheckpointError("config: glm5_next DSA layers are NoPE; qk_rope_head_dim must be 0")
+        if "eos_token_id" not in kw and d.get("eos_token_id") is not None:
+            kw["eos_token_id"] = d["eos_token_id"]
+        if "tie_word_embeddings" in d:
+            kw["tie_word_embeddings"] = d["tie_word_embeddings"]
+        return cls(**kw)
+
+    @classmethod
+    def from_hf(cls, directory: str | Path) -> "ModelConfig":
+        path = Path(directory) / "config.json"
+        if not path.is_file():
+            raise CheckpointError(f"{directory}: no config.json (expected a Hugging Face glm5_next checkpoint directory)")
+        d = json.loads(path.read_text())
+        if d.get("model_type") not in ("glm5_next", "glm5_next_text"):
+            raise CheckpointError(
+                f"{path}: model_type is {d.get('model_type')!r}, ouro serves only 'glm5_next' checkpoints")
+        return cls.from_dict(d)
+
+    def to_text_config(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.pop("has_mtp")
+        for k in ("layer_types", "mlp_layer_types", "indexer_types"):
+            d[k] = list(d[k])
+        d.update(model_type="glm5_next_text", qk_rope_head_dim=0, head_dim=0, num_key_value_heads=self.num_attention_heads,
+                 hidden_act="silu", attention_bias=False)
+        return d
+
+    def to_hf_dict(self, vision_config: dict | None = None) -> dict:
+        return {
+            "architectures": ["Glm5NextForConditionalGeneration"],
+            "model_type": "glm5_next",
+            "text_config": self.to_text_config(),
+            "vision_config": vision_config or {},
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "dtype": "float32",
+        }
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine runs a model: device, dtype, memory and batching budgets."""
+    device: str = "cpu"
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    page_size: int = 64
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_memory: int | None = None
+    kda_chunk_size: int = 64
+    seed: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def torch_dtype(self):
+        import torch
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
+        return getattr(torch, self.dtype)

@@ -1,0 +1,119 @@
+"""What one forward pass needs to know about its batch, and where the per-sequence caches live.
+
+The engine (or a simple runner) builds a `ForwardContext` per step; layers read positions, page
+tables and state-slot indices from it and read/write `ModelCache` in place. Layers never import
+the engine: this file is the whole contract between them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config import ModelConfig
+
+
+class ModelCache:
+    """Storage for every sequence's model state.
+
+    - KDA layers: one state slot per sequence (conv window [3*linear_dim, K-1] and fp32 recurrent
+      state [H, dk, dv] for every KDA layer); size does not grow with context.
+    - DSA layers: paged latent KV [n_pages, page_size, kv_lora_rank] per DSA layer, and for layers
+      with their own indexer the indexer keys and pool-gate scores [n_pages, page_size, d].
+    """
+
+    def __init__(self, config: ModelConfig, n_slots: int, n_pages: int, page_size: int,
+                 dtype=torch.float32, device="cpu"):
+        if page_size % config.index_kpool:
+            raise ValueError(f"page_size {page_size} must be a multiple of index_kpool {config.index_kpool}")
+        c = config
+        self.page_size = page_size
+        self.n_slots, self.n_pages = n_slots, n_pages
+        kw = dict(device=device)
+        self.conv = torch.zeros(len(c.kda_layers), n_slots, 3 * c.linear_dim, c.linear_conv_kernel_dim - 1,
+                                dtype=torch.float32, **kw)
+        self.recurrent = torch.zeros(len(c.kda_layers), n_slots, c.linear_num_heads, c.linear_head_dim,
+                                     c.linear_head_dim, dtype=torch.float32, **kw)
+        self.latent = torch.zeros(len(c.dsa_layers), n_pages, page_size, c.kv_lora_rank, dtype=dtype, **kw)
+        self.index_keys = torch.zeros(len(c.indexer_layers), n_pages, page_size, c.index_head_dim, dtype=dtype, **kw)
+        self.index_gates = torch.zeros_like(self.index_keys)
+
+    @staticmethod
+    def bytes_per_token(config: ModelConfig, dtype=torch.float32) -> int:
+        """Paged bytes one token of context costs across all DSA layers."""
+        e = torch.empty(0, dtype=dtype).element_size()
+        return e * (len(config.dsa_layers) * config.kv_lora_rank + 2 * len(config.indexer_layers) * config.index_head_dim)
+
+    @staticmethod
+    def bytes_per_slot(config: ModelConfig) -> int:
+        """Bytes of one KDA state slot (all KDA layers), independent of context length."""
+        c = config
+        per_layer = 3 * c.linear_dim * (c.linear_conv_kernel_dim - 1) + c.linear_num_heads * c.linear_head_dim ** 2
+        return 4 * len(c.kda_layers) * per_layer
+
+    def poison(self):
+        """Fill everything with NaN so a read of never-written memory shows up in outputs."""
+        for t in (self.conv, self.recurrent, self.latent, self.index_keys, self.index_gates):
+            t.fill_(float("nan"))
+
+
+@dataclass
+class ForwardContext:
+    """Batch metadata for one forward over a flat batch of B sequences' new tokens."""
+    cache: ModelCache
+    query_lens: list[int]        # new tokens per sequence
+    start_pos: list[int]         # tokens each sequence already has in the cache
+    cu_seqlens: torch.Tensor     # [B+1]
+    positions: torch.Tensor      # [T] absolute position of each new token
+    seq_index: torch.Tensor      # [T] which sequence each token belongs to
+    local_index: torch.Tensor    # [T] index of the token among its sequence's new tokens
+    state_slots: torch.Tensor    # [B] KDA state slot of each sequence
+    fresh: torch.Tensor          # [B] bool: sequence starts here (its KDA state must read as zero)
+    page_table: torch.Tensor     # [B, max_pages] cache page ids
+    slot_mapping: torch.Tensor   # [T] flat cache row (page * page_size + offset) of each new token
+    logits_index: torch.Tensor | None  # rows whose logits are wanted (None: all)
+
+    @classmethod
+    def build(cls, cache: ModelCache, query_lens, start_pos, state_slots, page_table, logits: str = "last"):
+        dev = cache.latent.device
+        B = len(query_lens)
+        ql = torch.tensor(query_lens, dtype=torch.long)
+        cu = torch.zeros(B + 1, dtype=torch.long)
+        cu[1:] = ql.cumsum(0)
+        seq_index = torch.repeat_interleave(torch.arange(B), ql)
+        local = torch.arange(int(cu[-1])) - cu[:-1][seq_index]
+        positions = torch.tensor(start_pos, dtype=torch.long)[seq_index] + local
+        pt = torch.as_tensor(page_table, dtype=torch.long).reshape(B, -1)
+        ps = cache.page_size
+        slot_mapping = pt[seq_index, positions // ps] * ps + positions % ps
+        idx = {"all": None, "last": cu[1:] - 1}[logits] if isinstance(logits, str) else torch.as_tensor(logits)
+        to = lambda t: None if t is None else t.to(dev)
+        return cls(cache=cache, query_lens=list(query_lens), start_pos=list(start_pos), cu_seqlens=to(cu),
+                   positions=to(positions), seq_index=to(seq_index), local_index=to(local),
+                   state_slots=to(torch.as_tensor(state_slots, dtype=torch.long)),
+                   fresh=to(torch.tensor([s == 0 for s in start_pos])), page_table=to(pt),
+                   slot_mapping=to(slot_mapping), logits_index=to(idx))
+
+    @property
+    def is_decode(self) -> bool:
+        return all(n == 1 for n in self.query_lens)
+
+    def context_len(self, b: int) -> int:
+        return self.start_pos[b] + self.query_lens[b]
+
+    def rows(self, b: int) -> slice:
+        return slice(int(self.cu_seqlens[b]), int(self.cu_seqlens[b + 1]))
+
+    def pad(self, x: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+        """[T, ...] flat -> [B, max_len, ...] right-padded with `fill`."""
+        out = x.new_full((len(self.query_lens), max(self.query_lens), *x.shape[1:]), fill)
+        out[self.seq_index, self.local_index] = x
+        return out
+
+    def unpad(self, x: torch.Tensor) -> torch.Tensor:
+        return x[self.seq_index, self.local_index]
+
+    def sequence_pages(self, b: int) -> torch.Tensor:
+        n = -(-self.context_len(b) // self.cache.page_size)
+        return self.page_table[b, :n]

@@ -1,0 +1,87 @@
+"""DSA attention: NoPE MLA with q-LoRA over a paged latent cache, with a lightning indexer that
+picks the tokens each query attends to. `shared` layers reuse the previous full layer's picks."""
+
+import torch
+from torch import nn
+
+from ..ops.dsa import absorb_weights, index_select, pool_keys, sparse_mla
+from .norm import RMSNorm
+
+
+class Indexer(nn.Module):
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        D, d, Hi = config.hidden_size, config.index_head_dim, config.index_n_heads
+        self.Hi, self.d, self.kpool = Hi, d, config.index_kpool
+        self.cache_index = config.indexer_layers.index(layer_idx)
+        self.select_k = config.index_topk // config.index_kpool
+        self.width = config.index_topk + config.index_kpool - 1
+        self.wq_b = nn.Linear(config.q_lora_rank, Hi * d, bias=False)
+        self.wk = nn.Linear(D, d, bias=False)
+        self.k_norm = nn.LayerNorm(d, eps=1e-6)
+        self.weights_proj = nn.Linear(D, Hi, bias=False)
+        self.index_kpool_compress_ape = nn.Parameter(torch.zeros(config.index_kpool, d))
+        self.index_kpool_compress_gate = nn.Parameter(torch.zeros(d, D))
+
+    @torch.no_grad()
+    def forward(self, x, q_resid, ctx):
+        """Returns, per sequence, [n_b, width] selected token indices (-1 = unused)."""
+        cache, ci = ctx.cache, self.cache_index
+        keys = self.k_norm(self.wk(x))
+        gates = x @ self.index_kpool_compress_gate.T
+        cache.index_keys[ci].view(-1, self.d)[ctx.slot_mapping] = keys.to(cache.index_keys.dtype)
+        cache.index_gates[ci].view(-1, self.d)[ctx.slot_mapping] = gates.to(cache.index_gates.dtype)
+        q = self.wq_b(q_resid).view(-1, self.Hi, self.d)
+        w = self.weights_proj(x).float() * self.Hi ** -0.5
+        selections = []
+        for b in range(len(ctx.query_lens)):
+            L = ctx.context_len(b)
+            n_tok = L // self.kpool * self.kpool
+            pages = ctx.sequence_pages(b)
+            pk = pool_keys(cache.index_keys[ci][pages].view(-1, self.d)[:n_tok],
+                           cache.index_gates[ci][pages].view(-1, self.d)[:n_tok], self.index_kpool_compress_ape)
+            r = ctx.rows(b)
+            selections.append(index_select(q[r], w[r], pk, ctx.positions[r], self.select_k, self.kpool,
+                                           self.d ** -0.5, self.width))
+        return selections
+
+
+class DSAttention(nn.Module):
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        D, H = config.hidden_size, config.num_attention_heads
+        self.H, self.qk, self.v, self.r = H, config.qk_nope_head_dim, config.v_head_dim, config.kv_lora_rank
+        self.kpool, self.topk = config.index_kpool, config.index_topk
+        self.cache_index = config.dsa_layers.index(layer_idx)
+        self.scale = self.qk ** -0.5
+        self.q_a_proj = nn.Linear(D, config.q_lora_rank, bias=False)
+        self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
+        self.q_b_proj = nn.Linear(config.q_lora_rank, H * self.qk, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(D, self.r, bias=False)
+        self.kv_a_layernorm = RMSNorm(self.r, config.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(self.r, H * (self.qk + self.v), bias=False)
+        self.o_proj = nn.Linear(H * self.v, D, bias=False)
+        self.indexer = Indexer(config, layer_idx) if config.indexer_types[layer_idx] == "full" else None
+
+    def forward(self, x, ctx, prev_selection=None):
+        """Returns (output [T, D], the selection this layer used)."""
+        cache, li = ctx.cache, self.cache_index
+        q_resid = self.q_a_layernorm(self.q_a_proj(x))
+        q = self.q_b_proj(q_resid).view(-1, self.H, self.qk)
+        latent = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x))
+        cache.latent[li].view(-1, self.r)[ctx.slot_mapping] = latent.to(cache.latent.dtype)
+        if self.indexer is not None:
+            selection = self.indexer(x, q_resid, ctx)
+        elif prev_selection is None:
+            raise ValueError("a 'shared' DSA layer needs a previous 'full' DSA layer's selection")
+        else:
+            selection = prev_selection
+        w_uk, w_uv = absorb_weights(self.kv_b_proj.weight, self.H, self.qk, self.v)
+        out = q.new_empty(q.shape[0], self.H, self.v)
+        for b in range(len(ctx.query_lens)):
+            L, r = ctx.context_len(b), ctx.rows(b)
+            latents = cache.latent[li][ctx.sequence_pages(b)].view(-1, self.r)[:L].to(q.dtype)
+            # while no query has more complete pools than it may keep, the selection is the whole causal prefix
+            dense = (L // self.kpool) <= self.topk // self.kpool
+            out[r] = sparse_mla(q[r], latents, None if dense else selection[b], w_uk, w_uv, self.scale)
+        return self.o_proj(out.reshape(q.shape[0], -1)), selection

@@ -1,0 +1,85 @@
+"""KDA (Kimi Delta Attention) linear-attention layer over a flat batch, with per-sequence state
+slots in `ModelCache`: short conv window + fp32 recurrent state."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..ops.conv1d import causal_conv1d
+from ..ops.kda import kda_chunk, kda_recurrent_step
+from .norm import GatedRMSNorm
+
+
+def l2_normalize(x, eps: float = 1e-6):
+    return x / torch.sqrt(x.square().sum(-1, keepdim=True) + eps)
+
+
+class ShortConv(nn.Module):
+    """Holds one depthwise conv kernel [C, 1, K] (the checkpoint stores q, k and v kernels apart)."""
+
+    def __init__(self, channels: int, kernel: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(channels, 1, kernel, dtype=torch.float32))
+
+
+class KDAttention(nn.Module):
+    def __init__(self, config, layer_idx: int, chunk_size: int = 64):
+        super().__init__()
+        D, H, dk = config.hidden_size, config.linear_num_heads, config.linear_head_dim
+        C = H * dk
+        self.layer_idx, self.H, self.dk = layer_idx, H, dk
+        self.state_index = config.kda_layers.index(layer_idx)
+        self.chunk_size = chunk_size
+        self.lower_bound = config.linear_lower_bound
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(D, C, bias=False) for _ in range(3))
+        K = config.linear_conv_kernel_dim
+        self.q_conv1d, self.k_conv1d, self.v_conv1d = (ShortConv(C, K) for _ in range(3))
+        self.f_a_proj = nn.Linear(D, dk, bias=False)
+        self.f_b_proj = nn.Linear(dk, C, bias=False)
+        self.dt_bias = nn.Parameter(torch.zeros(C, dtype=torch.float32))
+        self.A_log = nn.Parameter(torch.zeros(H, dtype=torch.float32))
+        self.b_proj = nn.Linear(D, H, bias=False)
+        self.g_a_proj = nn.Linear(D, dk, bias=False)
+        self.g_b_proj = nn.Linear(dk, C, bias=False)
+        self.o_norm = GatedRMSNorm(dk, config.rms_norm_eps)
+        self.o_proj = nn.Linear(C, D, bias=False)
+
+    def forget_gate(self, x):
+        """Per-channel log-decay g <= 0, [T, H, dk]."""
+        raw = (self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()).view(-1, self.H, self.dk)
+        rate = self.A_log.float().exp().view(1, self.H, 1)
+        if self.lower_bound is not None:  # bounded form: lower_bound * sigmoid(.) lies in (lb, 0)
+            return self.lower_bound * torch.sigmoid(rate * raw)
+        return -rate * F.softplus(raw)
+
+    def forward(self, x, ctx):
+        T = x.shape[0]
+        cache, si = ctx.cache, self.state_index
+        slots = ctx.state_slots
+        fresh = ctx.fresh.view(-1, 1, 1)
+        conv_state = cache.conv[si][slots].masked_fill(fresh, 0.0)
+        rec_state = cache.recurrent[si][slots].masked_fill(fresh[..., None], 0.0)
+        weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]).squeeze(1)
+
+        mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)      # [T, 3C]
+        lengths = torch.tensor(ctx.query_lens, device=x.device)
+        conv_out, conv_state = causal_conv1d(ctx.pad(mixed).transpose(1, 2), weight, conv_state, lengths)
+        mixed = F.silu(ctx.unpad(conv_out.transpose(1, 2)))
+        q, k, v = (t.reshape(T, self.H, self.dk).float() for t in mixed.chunk(3, dim=-1))
+        q = l2_normalize(q) * self.dk ** -0.5
+        k = l2_normalize(k)
+        g = self.forget_gate(x)
+        beta = torch.sigmoid(self.b_proj(x).float())
+
+        if ctx.is_decode:
+            o = kda_recurrent_step(q, k, v, g, beta, rec_state)
+        else:  # padding steps get g = 0, beta = 0: they leave the state untouched
+            o, rec_state = kda_chunk(ctx.pad(q), ctx.pad(k), ctx.pad(v), ctx.pad(g), ctx.pad(beta),
+                                     rec_state, self.chunk_size)
+            o = ctx.unpad(o)
+        cache.conv[si].index_copy_(0, slots, conv_state.float())
+        cache.recurrent[si].index_copy_(0, slots, rec_state)
+
+        gate = self.g_b_proj(self.g_a_proj(x)).view(T, self.H, self.dk)
+        o = self.o_norm(o.to(x.dtype), gate).reshape(T, -1)
+        return self.o_proj(o)

@@ -1,0 +1,30 @@
+"""mHC: the residual is `hc_mult` streams; each block reads a weighted sum of them and writes back
+through post (its output) and comb (a doubly-stochastic mix of the streams)."""
+
+import torch
+from torch import nn
+
+from ..ops.mhc import hc_weights
+
+
+class HyperConnection(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        n, D = config.hc_mult, config.hidden_size
+        self.n = n
+        self.fn = nn.Parameter(torch.zeros((2 + n) * n, n * D))
+        self.base = nn.Parameter(torch.zeros((2 + n) * n, dtype=torch.float32))
+        self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32))
+        self.norm_eps, self.hc_eps, self.iters = config.rms_norm_eps, config.hc_eps, config.hc_sinkhorn_iters
+
+    def forward(self, streams):
+        """streams [T, n, D] -> (block input [T, D], post [T, n], comb [T, n, n])."""
+        pre, post, comb = hc_weights(streams, self.fn, self.base, self.scale, self.norm_eps, self.hc_eps, self.iters)
+        block_in = (pre.unsqueeze(-1) * streams).sum(1).to(streams.dtype)
+        return block_in, post, comb
+
+    @staticmethod
+    def merge(block_out, streams, post, comb):
+        """new stream i = post_i * block_out + sum_j comb[j, i] * stream j."""
+        dt = streams.dtype
+        return post.to(dt).unsqueeze(-1) * block_out.unsqueeze(1) + comb.to(dt).transpose(-1, -2) @ streams

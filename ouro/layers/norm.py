@@ -1,0 +1,32 @@
+"""RMSNorm and the sigmoid-gated RMSNorm used on the KDA output."""
+
+import torch
+from torch import nn
+
+
+def rms_normalize(x, eps: float):
+    x = x.float()
+    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        return self.weight * rms_normalize(x, self.eps).to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm over the last dim, then times sigmoid(gate); computed in fp32."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x, gate):
+        y = self.weight.float() * rms_normalize(x, self.eps) * torch.sigmoid(gate.float())
+        return y.to(x.dtype)

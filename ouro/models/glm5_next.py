@@ -1,0 +1,60 @@
+"""GLM-5.3-Flash (`glm5_next`) text model: wiring only. The pieces live in `ouro.layers`."""
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from ..layers.context import ForwardContext
+from ..layers.dsa import DSAttention
+from ..layers.kda import KDAttention
+from ..layers.mhc import HyperConnection
+from ..layers.moe import MLP, MoE
+from ..layers.norm import RMSNorm
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, kda_chunk_size: int = 64):
+        super().__init__()
+        self.is_kda = config.layer_types[layer_idx] == "linear_attention"
+        self.self_attn = KDAttention(config, layer_idx, kda_chunk_size) if self.is_kda else DSAttention(config, layer_idx)
+        self.mlp = MoE(config) if config.mlp_layer_types[layer_idx] == "sparse" else MLP(config, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn_hc = HyperConnection(config)
+        self.ffn_hc = HyperConnection(config)
+
+    def forward(self, streams, ctx, selection):
+        x, post, comb = self.attn_hc(streams)
+        x = self.input_layernorm(x)
+        if self.is_kda:
+            out = self.self_attn(x, ctx)
+        else:
+            out, selection = self.self_attn(x, ctx, selection)
+        streams = HyperConnection.merge(out, streams, post, comb)
+        x, post, comb = self.ffn_hc(streams)
+        out = self.mlp(self.post_attention_layernorm(x))
+        return HyperConnection.merge(out, streams, post, comb), selection
+
+
+class Glm5NextModel(nn.Module):
+    """Takes a flat batch of new tokens of several sequences (see `ForwardContext`), updates their
+    caches in place and returns logits for the rows `ctx.logits_index` asks for."""
+
+    def __init__(self, config: ModelConfig, kda_chunk_size: int = 64):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, kda_chunk_size) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        streams = x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
+        selection = None
+        for layer in self.layers:
+            streams, selection = layer(streams, ctx, selection)
+        if ctx.logits_index is not None:
+            streams = streams[ctx.logits_index]
+        return self.lm_head(self.norm(streams.mean(1)))

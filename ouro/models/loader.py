@@ -1,0 +1,189 @@
+"""Read and write `glm5_next` checkpoints in the Hugging Face on-disk layout (what transformers'
+`save_pretrained` writes): `model.language_model.*`, per-expert `mlp.experts.E.*_proj`, separate
+`q/k/v_conv1d`, `hc_attn_fn` and friends, `lm_head.weight`.
+
+One table (`checkpoint_layout`) maps each model parameter to its on-disk tensors; loading and
+writing both use it. Loading goes tensor by tensor, so peak memory is the model plus one tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from ..config import CheckpointError, ModelConfig
+
+PREFIX = "model.language_model."
+
+
+@dataclass
+class DiskTensors:
+    """How one model tensor is stored: `names` on disk, shapes, and how to split/join them."""
+    param: str
+    names: list[str]
+    shapes: list[tuple]
+    join: Callable[[list[torch.Tensor]], torch.Tensor]
+    split: Callable[[torch.Tensor], list[torch.Tensor]]
+
+
+def _same(shape):
+    return [tuple(shape)], (lambda ts: ts[0]), (lambda t: [t])
+
+
+def checkpoint_layout(model: torch.nn.Module) -> list[DiskTensors]:
+    out = []
+    for param, t in model.state_dict().items():
+        shape = tuple(t.shape)
+        m = re.fullmatch(r"layers\.(\d+)\.(attn|ffn)_hc\.(fn|base|scale)", param)
+        e = re.fullmatch(r"layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)", param)
+        if m:
+            names = [f"{PREFIX}layers.{m[1]}.hc_{m[2]}_{m[3]}"]
+            shapes, join, split = _same(shape)
+        elif e and e[2] == "gate_up_proj":
+            E, two_i, D = shape
+            base = f"{PREFIX}layers.{e[1]}.mlp.experts"
+            names = [f"{base}.{x}.{p}_proj.weight" for x in range(E) for p in ("gate", "up")]
+            shapes = [(two_i // 2, D)] * (2 * E)
+            join = lambda ts, E=E: torch.stack([torch.cat(ts[2 * x: 2 * x + 2]) for x in range(E)])
+            split = lambda t: [h for x in t for h in x.chunk(2)]
+        elif e:
+            E, D, I = shape
+            names = [f"{PREFIX}layers.{e[1]}.mlp.experts.{x}.down_proj.weight" for x in range(E)]
+            shapes = [(D, I)] * E
+            join, split = torch.stack, (lambda t: list(t.unbind(0)))
+        else:
+            names = [param if param.startswith("lm_head.") else PREFIX + param]
+            shapes, join, split = _same(shape)
+        out.append(DiskTensors(param, names, shapes, join, split))
+    return out
+
+
+def _index_files(directory: Path) -> dict[str, Path]:
+    """Disk tensor name -> file holding it (single file or sharded with an index)."""
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {k: directory / v for k, v in weight_map.items()}
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{directory}: no *.safetensors files")
+    where = {}
+    for f in files:
+        with safe_open(str(f), "pt") as h:
+            where.update({k: f for k in h.keys()})
+    return where
+
+
+def _ignored_kind(name: str, config: ModelConfig) -> str | None:
+    if name.startswith("model.visual.") or name.startswith("visual."):
+        return "vision"
+    if re.match(rf"{re.escape(PREFIX)}layers\.(\d+)\.", name):
+        if int(name[len(PREFIX) + 7:].split(".")[0]) >= config.num_hidden_layers:
+            return "mtp"
+    return None
+
+
+def load_weights(model: torch.nn.Module, directory: str | Path, progress: bool = False) -> dict:
+    """Copy a checkpoint into `model`. Raises CheckpointError naming every missing, unexpected
+    or mis-shaped tensor. Returns a report: counts of ignored vision / MTP tensors."""
+    directory = Path(directory)
+    config: ModelConfig = model.config
+    where = _index_files(directory)
+    layout = checkpoint_layout(model)
+    if config.tie_word_embeddings:
+        layout = [d for d in layout if not (d.param == "lm_head.weight" and d.names[0] not in where)]
+    expected = {n: s for d in layout for n, s in zip(d.names, d.shapes)}
+    problems, ignored = [], {"vision": 0, "mtp": 0}
+    shapes = {}
+    for f in sorted(set(where.values())):
+        with safe_open(str(f), "pt") as h:
+            for k in h.keys():
+                if where.get(k) == f:
+                    shapes[k] = tuple(h.get_slice(k).get_shape())
+    for name in sorted(expected.keys() - shapes.keys()):
+        problems.append(f"missing tensor {name} (expected shape {list(expected[name])})")
+    for name in sorted(shapes.keys() - expected.keys()):
+        kind = _ignored_kind(name, config)
+        if kind:
+            ignored[kind] += 1
+        else:
+            problems.append(f"unexpected tensor {name} with shape {list(shapes[name])}")
+    for name in sorted(expected.keys() & shapes.keys()):
+        if shapes[name] != expected[name]:
+            problems.append(f"tensor {name} has shape {list(shapes[name])}, expected {list(expected[name])}")
+    if problems:
+        raise CheckpointError(f"{directory}: checkpoint does not match the config:\n  " + "\n  ".join(problems))
+    state = model.state_dict()
+    handles = {}
+    try:
+        from tqdm import tqdm
+        it = tqdm(layout, desc="loading", unit="tensor", disable=not progress)
+        for d in it:
+            parts = []
+            for n in d.names:
+                f = where[n]
+                if f not in handles:
+                    handles[f] = safe_open(str(f), "pt")
+                parts.append(handles[f].get_tensor(n))
+            with torch.no_grad():
+                state[d.param].copy_(d.join(parts))
+            del parts
+    finally:
+        handles.clear()
+    if config.tie_word_embeddings and "lm_head.weight" not in [d.param for d in layout]:
+        with torch.no_grad():
+            state["lm_head.weight"].copy_(state["embed_tokens.weight"])
+    return ignored
+
+
+def save_weights(model: torch.nn.Module, directory: str | Path, max_shard_bytes: int = 2 << 30,
+                 progress: bool = False) -> list[Path]:
+    """Write the model's tensors in the on-disk layout, sharded with an index when large."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    state = model.state_dict()
+    shards, current, size = [], {}, 0
+    from tqdm import tqdm
+    for d in tqdm(checkpoint_layout(model), desc="writing", unit="tensor", disable=not progress):
+        for n, t in zip(d.names, d.split(state[d.param].detach())):
+            t = t.contiguous().clone()
+            if current and size + t.nbytes > max_shard_bytes:
+                shards.append(current)
+                current, size = {}, 0
+            current[n] = t
+            size += t.nbytes
+    shards.append(current)
+    paths = []
+    if len(shards) == 1:
+        paths.append(directory / "model.safetensors")
+        save_file(shards[0], str(paths[0]), metadata={"format": "pt"})
+        return paths
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        p = directory / f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(p), metadata={"format": "pt"})
+        weight_map.update({k: p.name for k in shard})
+        paths.append(p)
+    total = sum(t.nbytes for s in shards for t in s.values())
+    (directory / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    return paths
+
+
+def load_model(directory: str | Path, dtype=torch.float32, device="cpu", kda_chunk_size: int = 64,
+               progress: bool = False):
+    """Build a `Glm5NextModel` from a checkpoint directory."""
+    from .glm5_next import Glm5NextModel
+    config = ModelConfig.from_hf(directory)
+    with torch.device(device):
+        model = Glm5NextModel(config, kda_chunk_size).to(dtype)
+    report = load_weights(model, directory, progress=progress)
+    model.load_report = report
+    return model.eval()

@@ -1,0 +1,121 @@
+"""Built-in model shapes and deterministic random initialisation (`ouro make-model`).
+
+- `tiny`: < 1M parameters, 3 KDA + 1 DSA layers, sparse selection kicks in past 16 tokens; tests.
+- `small`: about 135M parameters; benchmarks on a CPU.
+- `flash`: the published GLM-5.3-Flash dimensions; config only (memory planning).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from ..config import ModelConfig
+
+KDA, DSA = "linear_attention", "indexed_attention"
+
+PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=4,
+        num_attention_heads=2, n_routed_experts=8, n_group=2, topk_group=1, num_experts_per_tok=2,
+        kv_lora_rank=16, q_lora_rank=32, qk_nope_head_dim=16, v_head_dim=16, index_topk=16, index_head_dim=16,
+        index_n_heads=2, index_kpool=4, linear_head_dim=16, linear_num_heads=2, max_position_embeddings=4096,
+        layer_types=(KDA, KDA, KDA, DSA), mlp_layer_types=("dense", "sparse", "sparse", "sparse"),
+        indexer_types=("full",) * 4, pad_token_id=0, eos_token_id=[0, 7, 9]),
+    "small": ModelConfig(
+        vocab_size=32000, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256, num_hidden_layers=8,
+        num_attention_heads=8, n_routed_experts=32, n_group=4, topk_group=2, num_experts_per_tok=4,
+        kv_lora_rank=128, q_lora_rank=192, qk_nope_head_dim=64, v_head_dim=64, index_topk=256, index_head_dim=64,
+        index_n_heads=4, index_kpool=4, linear_head_dim=64, linear_num_heads=8, max_position_embeddings=65536,
+        layer_types=(KDA, KDA, KDA, DSA) * 2, mlp_layer_types=("dense",) + ("sparse",) * 7,
+        indexer_types=("full",) * 8, pad_token_id=0, eos_token_id=[0, 7, 9]),
+    "flash": ModelConfig(),  # defaults are the published GLM-5.3-Flash dimensions
+}
+
+CONFIG_ONLY = {"flash"}
+
+
+def parameter_count(config: ModelConfig) -> int:
+    from .glm5_next import Glm5NextModel
+    with torch.device("meta"):
+        return sum(p.numel() for p in Glm5NextModel(config).parameters())
+
+
+@torch.no_grad()
+def init_weights(model: torch.nn.Module, seed: int = 0, std: float = 0.02) -> None:
+    """Deterministic random init (same values on every machine): normal(0, std) matrices, unit
+    norms, the KDA gate and mHC initialisations transformers uses, then `condition_indexer`."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in sorted(model.state_dict().items()):
+        leaf = name.rsplit(".", 1)[-1]
+        if "norm" in name and leaf in ("weight",) or name.endswith(("hc.scale", "compress_gate")):
+            p.fill_(1.0)
+        elif name.endswith(("hc.base", "k_norm.bias", "A_log", "compress_ape", "e_score_correction_bias")):
+            p.zero_()
+        elif name.endswith("dt_bias"):  # dt ~ logUniform(1e-3, 1e-1), stored as softplus^-1(dt)
+            dt = torch.empty(p.shape).uniform_(math.log(1e-3), math.log(1e-1), generator=gen).exp().clamp_min(1e-4)
+            p.copy_(dt + torch.log(-torch.expm1(-dt)))
+        elif "conv1d" in name:
+            bound = 1 / math.sqrt(p.shape[-1])
+            p.copy_(torch.empty(p.shape).uniform_(-bound, bound, generator=gen))
+        else:
+            p.copy_(torch.empty(p.shape).normal_(0.0, std, generator=gen))
+    condition_indexer(dict(model.state_dict()), model.config)
+
+
+@torch.no_grad()
+def condition_indexer(params: dict[str, torch.Tensor], config: ModelConfig, prefix: str = "") -> None:
+    """Make a random checkpoint's indexer scores free of exact ties.
+
+    With random weights, ReLU(q.k) is zero for every indexer head on about 2^-heads of the pools,
+    so many pools score exactly 0 and top-k among them is arbitrary (torch breaks such ties
+    differently for different row lengths). Trained checkpoints do not behave like that. Here
+    the embeddings get a constant component, the indexer keys a shared bias direction and the
+    queries a positive projection onto it, so q.k > 0 and scores are distinct. `params` maps
+    names (after `prefix`, e.g. "model.language_model." for a transformers model) to tensors,
+    edited in place.
+    """
+    emb = params[prefix + "embed_tokens.weight"]
+    emb[:, 0] += 5 * emb[:, 1:].std()
+    for i in config.indexer_layers:
+        a = f"{prefix}layers.{i}.self_attn."
+        d = config.index_head_dim
+        u = torch.zeros(d)
+        u[0] = 1.0
+        params[a + "indexer.k_norm.weight"].fill_(0.5)
+        params[a + "indexer.k_norm.bias"].copy_(3.0 * u)
+        params[a + "q_a_proj.weight"][0, 0] = 1.0                      # q_resid[0] tracks the embedding offset
+        wq = params[a + "indexer.wq_b.weight"].view(config.index_n_heads, d, -1)
+        wq[:, :, 0] = 2.0 * u                                          # every head's query leans on u
+
+
+def generation_config(config: ModelConfig) -> dict:
+    return {"eos_token_id": config.eos_token_ids, "pad_token_id": config.pad_token_id,
+            "do_sample": False, "max_new_tokens": 256}
+
+
+def make_model(preset: str, directory: str | Path, seed: int = 0, progress: bool = True) -> Path:
+    """Write a random-init checkpoint of `preset` (config, weights, tokenizer, generation config)."""
+    from .glm5_next import Glm5NextModel
+    from .loader import save_weights
+    from .tokenizer_factory import write_tokenizer_files
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    config = PRESETS[preset]
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    # a tiny vision tower config so transformers can build the full model class
+    vision = {"depth": 1, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64,
+              "out_hidden_size": config.hidden_size, "projection_intermediate_size": 64}
+    (directory / "config.json").write_text(json.dumps(config.to_hf_dict(vision), indent=2))
+    (directory / "generation_config.json").write_text(json.dumps(generation_config(config), indent=2))
+    write_tokenizer_files(directory, config.vocab_size, config.max_position_embeddings)
+    if preset in CONFIG_ONLY:
+        return directory
+    model = Glm5NextModel(config)
+    init_weights(model, seed)
+    save_weights(model, directory, progress=progress)
+    return directory

@@ -1,0 +1,32 @@
+"""Depthwise causal short convolution with a carried window (the KDA q/k/v conv)."""
+
+import torch
+import torch.nn.functional as F
+
+
+def causal_conv1d(x, weight, conv_state, lengths):
+    """x: [B, C, T] new inputs, right-padded per sequence to T; weight: [C, K];
+    conv_state: [B, C, K-1] the previous K-1 inputs (zeros for a fresh sequence);
+    lengths: [B] real token counts (<= T).
+    Returns (out [B, C, T] before activation, new_state [B, C, K-1]: the last K-1 real inputs)."""
+    K = weight.shape[-1]
+    full = torch.cat([conv_state.to(x.dtype), x], dim=-1)                 # [B, C, K-1+T]
+    out = F.conv1d(full, weight.to(x.dtype).unsqueeze(1), groups=x.shape[1])
+    # token i sits at column K-1+i, so the last K-1 real inputs start at column lengths[b]
+    idx = lengths.view(-1, 1, 1) + torch.arange(K - 1, device=x.device).view(1, 1, -1)
+    new_state = full.gather(-1, idx.expand(-1, x.shape[1], -1))
+    return out, new_state
+
+
+def causal_conv1d_naive(x, weight, conv_state, lengths):
+    """Reference: explicit sum over kernel taps, one sequence at a time."""
+    B, C, T = x.shape
+    K = weight.shape[-1]
+    out = torch.full((B, C, T), float("nan"))
+    states = []
+    for b in range(B):
+        seq = torch.cat([conv_state[b], x[b, :, : int(lengths[b])]], dim=-1)
+        for t in range(int(lengths[b])):
+            out[b, :, t] = sum(weight[:, j] * seq[:, t + j] for j in range(K))
+        states.append(seq[:, seq.shape[-1] - (K - 1):])
+    return out, torch.stack(states)

@@ -1,0 +1,56 @@
+"""Sparse MLA over the latent cache, in the latent space.
+
+The key/value up-projection (`kv_b_proj`) is absorbed: queries are mapped into the latent space
+(q . W_uk), attention runs against the cached latents of the selected tokens only, and the
+attended latent is mapped out through W_uv. No per-head K/V is ever expanded over the context.
+"""
+
+import torch
+
+
+def absorb_weights(kv_b_weight, n_heads: int, qk_dim: int, v_dim: int):
+    """kv_b_proj weight [H*(qk+v), r] -> (W_uk [H, qk, r], W_uv [H, v, r])."""
+    w = kv_b_weight.view(n_heads, qk_dim + v_dim, -1)
+    return w[:, :qk_dim], w[:, qk_dim:]
+
+
+def sparse_mla(q_nope, latents, selected, w_uk, w_uv, scale: float, block: int = 256):
+    """q_nope: [n, H, qk]; latents: [L, r] the sequence's cached latents; selected: [n, W] token
+    indices (-1 = unused) or None for causal-dense (query i at position L-n+i sees 0..L-n+i).
+    Returns [n, H, v]."""
+    n = q_nope.shape[0]
+    q_lat = torch.einsum("nhd,hdr->nhr", q_nope, w_uk)
+    out = q_nope.new_empty(n, w_uv.shape[0], w_uv.shape[1])
+    L = latents.shape[0]
+    for s in range(0, n, block):  # bound the [block, H, W] score tensor
+        e = min(n, s + block)
+        if selected is None:
+            scores = torch.einsum("nhr,lr->nhl", q_lat[s:e], latents) * scale
+            pos = torch.arange(L - n + s, L - n + e, device=latents.device)
+            mask = torch.arange(L, device=latents.device)[None, :] <= pos[:, None]
+            probs = scores.masked_fill(~mask[:, None, :], float("-inf")).softmax(-1)
+            o_lat = torch.einsum("nhl,lr->nhr", probs, latents)
+        else:
+            sel = selected[s:e]
+            kv = latents[sel.clamp(min=0)]                                   # [b, W, r]
+            scores = torch.einsum("nhr,nwr->nhw", q_lat[s:e], kv) * scale
+            probs = scores.masked_fill((sel < 0)[:, None, :], float("-inf")).softmax(-1)
+            o_lat = torch.einsum("nhw,nwr->nhr", probs, kv)
+        out[s:e] = torch.einsum("nhr,hvr->nhv", o_lat, w_uv)
+    return out
+
+
+def sparse_mla_naive(q_nope, latents, selected, kv_b_weight, scale: float):
+    """Reference: expand K and V for every context token and head, dense mask from the selection."""
+    n, H, qk = q_nope.shape
+    L = latents.shape[0]
+    kv = (latents @ kv_b_weight.T).view(L, H, -1)
+    k, v = kv[..., :qk], kv[..., qk:]
+    mask = torch.zeros(n, L, dtype=torch.bool)
+    for i in range(n):
+        for t in selected[i].tolist():
+            if t >= 0:
+                mask[i, t] = True
+    scores = torch.einsum("nhd,lhd->nhl", q_nope, k) * scale
+    probs = scores.masked_fill(~mask[:, None, :], float("-inf")).softmax(-1)
+    return torch.einsum("nhl,lhv->nhv", probs, v)
