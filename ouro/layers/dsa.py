@@ -77,7 +77,7 @@ class DSAttention(nn.Module):
         else:
             selection = prev_selection
         w_uk, w_uv = absorb_weights(self.kv_b_proj.weight, self.H, self.qk, self.v)
-        out = q.new_empty(q.shape[0], self.H, self.v)
+        out = q.new_full((q.shape[0], self.H, self.v), float("nan"))
         for b in range(len(ctx.query_lens)):
             L, r = ctx.context_len(b), ctx.rows(b)
             latents = cache.latent[li][ctx.sequence_pages(b)].view(-1, self.r)[:L].to(q.dtype)

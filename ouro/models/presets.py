@@ -73,13 +73,15 @@ def condition_indexer(params: dict[str, torch.Tensor], config: ModelConfig, pref
     With random weights, ReLU(q.k) is zero for every indexer head on about 2^-heads of the pools,
     so many pools score exactly 0 and top-k among them is arbitrary (torch breaks such ties
     differently for different row lengths). Trained checkpoints do not behave like that. Here
-    the embeddings get a constant component, the indexer keys a shared bias direction and the
-    queries a positive projection onto it, so q.k > 0 and scores are distinct. `params` maps
+    the indexer keys get a shared bias direction u, the queries' first latent channel (which
+    follows a constant component added to the embeddings) a large projection onto +u in even
+    heads and -u in odd heads, so for every query some head has q.k > 0 on every pool and scores
+    are distinct. `params` maps
     names (after `prefix`, e.g. "model.language_model." for a transformers model) to tensors,
     edited in place.
     """
     emb = params[prefix + "embed_tokens.weight"]
-    emb[:, 0] += 5 * emb[:, 1:].std()
+    emb[:, 0] += 10 * emb[:, 1:].std()
     for i in config.indexer_layers:
         a = f"{prefix}layers.{i}.self_attn."
         d = config.index_head_dim
@@ -89,7 +91,8 @@ def condition_indexer(params: dict[str, torch.Tensor], config: ModelConfig, pref
         params[a + "indexer.k_norm.bias"].copy_(3.0 * u)
         params[a + "q_a_proj.weight"][0, 0] = 1.0                      # q_resid[0] tracks the embedding offset
         wq = params[a + "indexer.wq_b.weight"].view(config.index_n_heads, d, -1)
-        wq[:, :, 0] = 2.0 * u                                          # every head's query leans on u
+        sign = torch.tensor([1.0 if h % 2 == 0 else -1.0 for h in range(config.index_n_heads)])
+        wq[:, :, 0] = 2.0 * sign[:, None] * u              # whichever sign q_resid[0] has, a head has q.k > 0
 
 
 def generation_config(config: ModelConfig) -> dict:

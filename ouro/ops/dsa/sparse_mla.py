@@ -20,7 +20,7 @@ def sparse_mla(q_nope, latents, selected, w_uk, w_uv, scale: float, block: int =
     Returns [n, H, v]."""
     n = q_nope.shape[0]
     q_lat = torch.einsum("nhd,hdr->nhr", q_nope, w_uk)
-    out = q_nope.new_empty(n, w_uv.shape[0], w_uv.shape[1])
+    out = q_nope.new_full((n, w_uv.shape[0], w_uv.shape[1]), float("nan"))
     L = latents.shape[0]
     for s in range(0, n, block):  # bound the [block, H, W] score tensor
         e = min(n, s + block)

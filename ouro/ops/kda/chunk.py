@@ -32,7 +32,7 @@ def kda_chunk(q, k, v, g, beta, initial_state=None, chunk_size: int = 64):
     strict = lower.clone().fill_diagonal_(False)
     eye = torch.eye(C, device=q.device)
     S = q.new_zeros(B, H, dk, dv) if initial_state is None else initial_state.float().clone()
-    out = q.new_empty(B, H, n_chunks, C, dv)
+    out = q.new_full((B, H, n_chunks, C, dv), float("nan"))  # NaN: unwritten rows show
     for n in range(n_chunks):
         qc, kc, vc, gcn, bc = q[:, :, n], k[:, :, n], v[:, :, n], gc[:, :, n], beta[:, :, n]
         # decay from token j to token i, per key channel: exp(gc_i - gc_j) for j <= i

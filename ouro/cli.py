@@ -1,0 +1,54 @@
+"""`ouro` command line: make-model, generate (serve, bench, ... arrive with later work)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _cmd_make_model(args) -> int:
+    from .models.presets import make_model, parameter_count, PRESETS
+    path = make_model(args.preset, args.directory, seed=args.seed)
+    print(f"wrote {args.preset} ({parameter_count(PRESETS[args.preset]) / 1e6:.2f}M parameters) to {path}")
+    return 0
+
+
+def _cmd_generate(args) -> int:
+    from .generate import generate_cli
+    return generate_cli(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ouro", description="Serve and study GLM-5.3-Flash-class models.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    mk = sub.add_parser("make-model", help="write a deterministic random-init checkpoint of a preset")
+    mk.add_argument("preset", help="tiny | small | flash (flash: config and tokenizer only)")
+    mk.add_argument("directory")
+    mk.add_argument("--seed", type=int, default=0)
+    mk.set_defaults(func=_cmd_make_model)
+
+    gen = sub.add_parser("generate", help="greedily continue a prompt, printing tokens as they come")
+    gen.add_argument("model", nargs="?", default="tiny", help="checkpoint directory or preset name (default: tiny)")
+    gen.add_argument("--prompt", default="The ouro engine serves")
+    gen.add_argument("--prompt-token-ids", default=None, help="comma-separated token ids instead of --prompt")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--device", default="cpu")
+    gen.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.set_defaults(func=_cmd_generate)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    from .config import CheckpointError
+    try:
+        return args.func(args)
+    except (CheckpointError, ValueError) as e:
+        print(f"ouro: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,30 @@
+"""Turn what a user typed (a checkpoint directory or a preset name) into a checkpoint directory."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ..config import CheckpointError
+from .presets import CONFIG_ONLY, PRESETS
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("OURO_CACHE", Path.home() / ".cache" / "ouro"))
+
+
+def resolve_model(name_or_dir: str, progress: bool = True) -> Path:
+    """A directory is used as is; a preset name is written once under $OURO_CACHE (default
+    ~/.cache/ouro) by `make_model` and reused afterwards."""
+    path = Path(name_or_dir)
+    if path.is_dir():
+        return path
+    if name_or_dir in PRESETS:
+        if name_or_dir in CONFIG_ONLY:
+            raise CheckpointError(f"preset {name_or_dir!r} is config-only (no weights); use it for memory planning")
+        target = cache_root() / "presets" / name_or_dir
+        if not (target / "config.json").is_file() or not any(target.glob("*.safetensors")):
+            from .presets import make_model
+            make_model(name_or_dir, target, progress=progress)
+        return target
+    raise CheckpointError(f"{name_or_dir!r} is neither a checkpoint directory nor a preset ({', '.join(PRESETS)})")

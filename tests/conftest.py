@@ -1,0 +1,28 @@
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture(scope="session")
+def hf_pair(tmp_path_factory):
+    """shape -> (checkpoint dir, transformers model, ouro model); built once per session."""
+    from hf_reference import make_hf_checkpoint
+    from transformers import Glm5NextForConditionalGeneration
+
+    from ouro.models.loader import load_model
+    made = {}
+
+    def get(shape):
+        if shape not in made:
+            d = tmp_path_factory.mktemp(f"hf_{shape}")
+            make_hf_checkpoint(shape, d)
+            hf = Glm5NextForConditionalGeneration.from_pretrained(d, dtype=torch.float32).eval()
+            made[shape] = (d, hf, load_model(d))
+        return made[shape]
+    return get

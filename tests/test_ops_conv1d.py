@@ -1,0 +1,74 @@
+"""Depthwise causal conv with a carried window: fast (F.conv1d + gather) against the tap-by-tap loop."""
+
+import pytest
+import torch
+
+from ouro.ops.conv1d import causal_conv1d, causal_conv1d_naive
+
+
+def rel_rms(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+def assert_close(a, b, tol=1e-5):
+    assert not torch.isnan(a).any(), "NaN in the fast result"
+    assert not torch.isnan(b).any(), "NaN in the reference"
+    assert a.shape == b.shape
+    err = rel_rms(a, b)
+    assert err <= tol, f"rel RMS {err:.3e} > {tol:.0e}"
+
+
+CASES = [  # (K, T, lengths)
+    (4, 10, [10, 7, 2, 1]),   # full, partial, shorter than K-1, a single token
+    (4, 1, [1, 1]),           # decode: T = 1
+    (4, 3, [3, 2, 1]),        # every length < K-1 or == K-1
+    (2, 6, [6, 1, 3]),        # K-1 = 1
+    (5, 9, [9, 4, 3, 8, 1]),  # length == K-1 and < K-1 with a wider kernel
+    (4, 5, [5, 0]),           # a sequence with no new tokens keeps its state
+]
+
+
+@pytest.mark.parametrize("fresh", [True, False], ids=["fresh", "carried"])
+@pytest.mark.parametrize("K,T,lengths", CASES, ids=[f"K{c[0]}-T{c[1]}-{'_'.join(map(str, c[2]))}" for c in CASES])
+def test_conv_matches_naive(K, T, lengths, fresh):
+    gen = torch.Generator().manual_seed(K * 1000 + T * 10 + len(lengths))
+    B, C = len(lengths), 6
+    x = torch.randn(B, C, T, generator=gen)
+    lens = torch.tensor(lengths)
+    for b, n in enumerate(lengths):  # padding holds garbage, it must not leak anywhere
+        x[b, :, n:] = 1e3
+    weight = torch.randn(C, K, generator=gen)
+    state = torch.zeros(B, C, K - 1) if fresh else torch.randn(B, C, K - 1, generator=gen)
+    state_copy = state.clone()
+
+    out, new_state = causal_conv1d(x, weight, state, lens)
+    out_ref, state_ref = causal_conv1d_naive(x, weight, state, lens)
+    assert out.shape == (B, C, T)
+    assert new_state.shape == (B, C, K - 1)
+    assert torch.equal(state, state_copy), "causal_conv1d modified the caller's conv_state"
+
+    valid = torch.arange(T)[None, :] < lens[:, None]                 # [B, T]
+    if valid.any():
+        a = out.transpose(1, 2)[valid]                               # [n_valid, C]
+        b = out_ref.transpose(1, 2)[valid]
+        assert_close(a, b)
+    assert_close(new_state, state_ref)
+    # the new state is exactly the last K-1 real inputs (no arithmetic involved)
+    for b, n in enumerate(lengths):
+        seq = torch.cat([state[b], x[b, :, :n]], dim=-1)
+        assert torch.equal(new_state[b], seq[:, seq.shape[-1] - (K - 1):])
+
+
+def test_chunked_prefill_equals_one_pass():
+    """Feeding a sequence in pieces, carrying the state, equals one pass over the whole sequence."""
+    gen = torch.Generator().manual_seed(3)
+    C, K, T = 5, 4, 11
+    x = torch.randn(1, C, T, generator=gen)
+    weight = torch.randn(C, K, generator=gen)
+    full, full_state = causal_conv1d(x, weight, torch.zeros(1, C, K - 1), torch.tensor([T]))
+    state, outs = torch.zeros(1, C, K - 1), []
+    for s, e in [(0, 2), (2, 3), (3, 9), (9, 11)]:
+        o, state = causal_conv1d(x[..., s:e], weight, state, torch.tensor([e - s]))
+        outs.append(o)
+    assert_close(torch.cat(outs, dim=-1), full)
+    assert_close(state, full_state)

@@ -1,0 +1,186 @@
+"""MoE kernels: group-limited sigmoid routing against a brute-force recomputation, and the
+expert-batched clamped-SwiGLU experts against the token-by-token loop."""
+
+import pytest
+import torch
+
+from ouro.ops.moe import clamped_swiglu, experts_grouped, experts_naive, route
+
+
+def rel_rms(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+def assert_close(a, b, tol=1e-5):
+    assert not torch.isnan(a).any(), "NaN in the fast result"
+    assert not torch.isnan(b).any(), "NaN in the reference"
+    assert a.shape == b.shape
+    err = rel_rms(a, b)
+    assert err <= tol, f"rel RMS {err:.3e} > {tol:.0e}"
+
+
+# ---------------------------------------------------------------------------------------------
+# experts
+
+
+def expert_weights(E, D, I, gen):
+    gate_up = torch.randn(E, 2 * I, D, generator=gen) * D ** -0.5 * 4   # large enough to hit the clamp
+    down = torch.randn(E, D, I, generator=gen) * I ** -0.5
+    return gate_up, down
+
+
+@pytest.mark.parametrize("limit", [7.0, 1.0])
+def test_experts_grouped_skewed_assignment(limit):
+    """Expert 0 and 3 receive no tokens, expert 5 receives every token, the others a few."""
+    gen = torch.Generator().manual_seed(0)
+    T, D, I, E, k = 13, 16, 8, 6, 3
+    x = torch.randn(T, D, generator=gen)
+    gate_up, down = expert_weights(E, D, I, gen)
+    others = torch.tensor([1, 2, 4])
+    experts = torch.stack([torch.full((T,), 5), others[torch.arange(T) % 3], others[(torch.arange(T) + 1) % 3]], -1)
+    experts = experts[:, torch.tensor([1, 0, 2])]  # expert 5 not always in the first slot
+    weights = torch.rand(T, k, generator=gen)
+    counts = torch.bincount(experts.flatten(), minlength=E)
+    assert counts[0] == 0 and counts[3] == 0 and counts[5] == T
+    h = torch.einsum("td,eid->tei", x, gate_up)
+    assert (h.abs() > limit).any(), "the clamp must be exercised"
+
+    got = experts_grouped(x, weights, experts, gate_up, down, limit)
+    ref = experts_naive(x, weights, experts, gate_up, down, limit)
+    assert got.shape == x.shape
+    assert_close(got, ref)
+
+
+@pytest.mark.parametrize("T,E,k", [(1, 4, 2), (20, 8, 4), (5, 16, 1)])
+def test_experts_grouped_random(T, E, k):
+    gen = torch.Generator().manual_seed(T * 100 + E + k)
+    D, I = 12, 6
+    x = torch.randn(T, D, generator=gen)
+    gate_up, down = expert_weights(E, D, I, gen)
+    experts = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])  # distinct per token
+    weights = torch.rand(T, k, generator=gen)
+    assert_close(experts_grouped(x, weights, experts, gate_up, down, 7.0),
+                 experts_naive(x, weights, experts, gate_up, down, 7.0))
+
+
+def test_experts_weights_follow_their_expert():
+    """Permuting the (expert, weight) pairs within a token must not change the output, while
+    permuting only the weights must (guards against weights being applied in sorted order)."""
+    gen = torch.Generator().manual_seed(4)
+    T, D, I, E, k = 6, 8, 4, 5, 3
+    x = torch.randn(T, D, generator=gen)
+    gate_up, down = expert_weights(E, D, I, gen)
+    experts = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
+    weights = torch.tensor([[0.7, 0.2, 0.1]]).repeat(T, 1)
+    base = experts_grouped(x, weights, experts, gate_up, down, 7.0)
+    perm = torch.tensor([2, 0, 1])
+    assert_close(experts_grouped(x, weights[:, perm], experts[:, perm], gate_up, down, 7.0), base)
+    assert rel_rms(experts_grouped(x, weights[:, perm], experts, gate_up, down, 7.0), base) > 1e-2
+
+
+def test_clamped_swiglu():
+    gate = torch.tensor([-20.0, -1.0, 0.0, 3.0, 50.0])
+    up = torch.tensor([100.0, 2.0, 5.0, -9.0, -0.5])
+    got = clamped_swiglu(gate, up, 7.0)
+    g = torch.tensor([-20.0, -1.0, 0.0, 3.0, 7.0])
+    u = torch.tensor([7.0, 2.0, 5.0, -7.0, -0.5])
+    assert torch.allclose(got, g * torch.sigmoid(g) * u)
+
+
+# ---------------------------------------------------------------------------------------------
+# route
+
+
+def brute_route(logits, bias, top_k, n_group, topk_group):
+    """Per token in plain Python: group score = sum of the two best biased scores in the group;
+    keep the topk_group best groups; pick top_k experts by biased score inside them."""
+    scores = logits.sigmoid()
+    choice = scores + bias
+    T, E = choice.shape
+    per = E // n_group
+    kept_groups, chosen = [], []
+    for t in range(T):
+        c = choice[t].tolist()
+        gs = [sum(sorted(c[g * per:(g + 1) * per], reverse=True)[:2]) for g in range(n_group)]
+        groups = set(sorted(range(n_group), key=lambda g: -gs[g])[:topk_group])
+        cand = [e for e in range(E) if e // per in groups]
+        chosen.append(set(sorted(cand, key=lambda e: -c[e])[:top_k]))
+        kept_groups.append(groups)
+    return kept_groups, chosen
+
+
+ROUTE_CASES = [  # (E, top_k, n_group, topk_group)
+    (16, 4, 4, 2),
+    (32, 8, 8, 4),
+    (12, 3, 1, 1),   # no group limit
+    (16, 2, 4, 1),   # a single group
+]
+
+
+@pytest.mark.parametrize("norm", [True, False], ids=["norm", "no_norm"])
+@pytest.mark.parametrize("E,top_k,n_group,topk_group", ROUTE_CASES,
+                         ids=[f"E{a}-k{b}-g{c}-tg{d}" for a, b, c, d in ROUTE_CASES])
+def test_route_against_brute_force(E, top_k, n_group, topk_group, norm):
+    gen = torch.Generator().manual_seed(E * 10 + top_k + n_group)
+    T, scaling = 24, 2.5
+    logits = torch.randn(T, E, generator=gen) * 2
+    bias = torch.randn(E, generator=gen) * 0.3
+    weights, experts = route(logits, bias, top_k, n_group, topk_group, norm, scaling)
+    assert weights.shape == (T, top_k) and experts.shape == (T, top_k)
+    assert weights.dtype == torch.float32
+    assert not torch.isnan(weights).any()
+    kept_groups, chosen = brute_route(logits, bias, top_k, n_group, topk_group)
+    per = E // n_group
+    for t in range(T):
+        ex = experts[t].tolist()
+        assert len(set(ex)) == top_k, f"token {t}: repeated experts {ex}"
+        assert {e // per for e in ex} <= kept_groups[t], f"token {t}: experts {ex} outside groups {kept_groups[t]}"
+        assert set(ex) == chosen[t]
+    # weights come from the unbiased sigmoid scores of the chosen experts
+    raw = logits.sigmoid().gather(1, experts)
+    if norm:
+        assert torch.allclose(weights.sum(-1), torch.full((T,), scaling), atol=1e-5)
+        assert torch.allclose(weights, raw / raw.sum(-1, keepdim=True) * scaling, atol=1e-6)
+    else:
+        assert torch.allclose(weights, raw * scaling, atol=1e-6)
+    assert (weights > 0).all()
+
+
+def test_route_group_limit_excludes_a_strong_expert():
+    """An expert with the single highest score in a group whose second best is poor loses to two
+    groups of consistently good experts: group limiting is by top-2 sum, not by the max."""
+    E, n_group = 8, 4
+    logits = torch.full((1, E), -4.0)
+    logits[0, 0] = 6.0                 # group 0: one star, one dud
+    logits[0, 2:4] = 2.0               # group 1: two good
+    logits[0, 4:6] = 1.5               # group 2: two decent
+    weights, experts = route(logits, torch.zeros(E), 2, n_group, 2, True, 1.0)
+    assert sorted(experts[0].tolist()) == [2, 3]
+    # without the group limit the star wins
+    _, experts_free = route(logits, torch.zeros(E), 2, 1, 1, True, 1.0)
+    assert 0 in experts_free[0].tolist()
+
+
+def test_route_bias_steers_selection_not_weights():
+    gen = torch.Generator().manual_seed(3)
+    T, E, top_k, n_group, topk_group, scaling = 32, 16, 4, 4, 2, 1.5
+    logits = torch.randn(T, E, generator=gen)
+    zero = torch.zeros(E)
+    bias = torch.zeros(E)
+    bias[7] = 5.0    # makes expert 7 (and its group) win everywhere
+    bias[12] = -5.0  # makes expert 12 lose everywhere
+    w0, e0 = route(logits, zero, top_k, n_group, topk_group, True, scaling)
+    w1, e1 = route(logits, bias, top_k, n_group, topk_group, True, scaling)
+    assert (e1 == 7).any(-1).all(), "a large positive bias must select expert 7 for every token"
+    assert not (e1 == 12).any(), "a large negative bias must deselect expert 12"
+    assert not torch.equal(e0.sort(-1).values, e1.sort(-1).values), "the bias must change the selection"
+    assert (e0 == 12).any() and not (e0 == 7).any(-1).all(), "without the bias 7 is not always chosen, 12 sometimes"
+    # expert 7's weight is its unbiased sigmoid score share, not inflated by the +5 bias
+    raw = logits.sigmoid().gather(1, e1)
+    assert torch.allclose(w1, raw / raw.sum(-1, keepdim=True) * scaling, atol=1e-6)
+    w7 = (w1 * (e1 == 7)).sum(-1)
+    assert (w7 < scaling * 0.999).all()
+    # unnormalised: exactly scaling * sigmoid(logit) for every chosen expert, bias or not
+    w1n, e1n = route(logits, bias, top_k, n_group, topk_group, False, scaling)
+    assert torch.allclose(w1n, logits.sigmoid().gather(1, e1n) * scaling, atol=1e-6)
+    assert (w1n < scaling).all()
