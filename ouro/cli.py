@@ -18,6 +18,19 @@ def _cmd_generate(args) -> int:
     return generate_cli(args)
 
 
+def _cmd_bench(args) -> int:
+    import json
+    from .models.resolve import resolve_model
+    if args.kind == "prefill":
+        from .bench.prefill import bench_prefill, format_prefill
+        r = bench_prefill(resolve_model(args.model), args.input_len, args.repeats, args.compare == "transformers")
+        print(format_prefill(r))
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(r, f, indent=2)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ouro", description="Serve and study GLM-5.3-Flash-class models.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -37,6 +50,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16")
     gen.add_argument("--ignore-eos", action="store_true")
     gen.set_defaults(func=_cmd_generate)
+
+    bench = sub.add_parser("bench", help="benchmarks, measured side by side in one run")
+    bench.add_argument("kind", choices=["prefill"])
+    bench.add_argument("--model", default="small", help="checkpoint directory or preset name")
+    bench.add_argument("--input-len", type=int, default=1024)
+    bench.add_argument("--repeats", type=int, default=3)
+    bench.add_argument("--compare", choices=["transformers", "none"], default="transformers")
+    bench.add_argument("--output-json", default=None)
+    bench.set_defaults(func=_cmd_bench)
     return p
 
 

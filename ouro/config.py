@@ -173,7 +173,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_memory: int | None = None
-    kda_chunk_size: int = 64
+    kda_chunk_size: int = 16
     seed: int = 0
     extra: dict = field(default_factory=dict)
 

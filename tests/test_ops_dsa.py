@@ -123,6 +123,7 @@ def check_selection(out, ref, positions, width):
 
 
 INDEX_CASES = [  # (kpool, select_k, L)
+    (16, 2, 9),    # no complete pool yet (P = 0): only the tail
     (4, 3, 10),    # context shorter than topk (P = 2 <= select_k)
     (4, 3, 12),    # P == select_k
     (4, 3, 41),    # longer (P = 10)
@@ -138,7 +139,7 @@ def test_index_select_matches_naive(kpool, select_k, L):
     d, Hi = 16, 4
     keys, gates, ape = make_context(L, kpool, d, Hi, gen)
     positions = torch.arange(L)  # every position: the first tokens, pool boundaries and in between
-    assert any((p + 1) % kpool == 0 for p in positions.tolist())
+    assert L < kpool or any((p + 1) % kpool == 0 for p in positions.tolist())
     assert any((p + 1) % kpool != 0 for p in positions.tolist())
     q = torch.randn(L, Hi, d, generator=gen)
     w = torch.randn(L, Hi, generator=gen)  # signed head weights, as weights_proj produces

@@ -140,3 +140,21 @@ def test_strong_decay_long_chunk_no_overflow():
     assert torch.isfinite(o).all() and torch.isfinite(s).all()
     assert_close(o, o_ref)
     assert_close(s, s_ref)
+
+
+@pytest.mark.parametrize("C", [16, 64])
+def test_chunk_repeated_key_full_beta(C):
+    """Stress the in-chunk triangular solve: the same key at every step, beta = 1, no decay (a
+    repeated token). The delta rule then overwrites the memory each step."""
+    B, T, H, dk, dv = 1, 96, 2, 8, 8
+    q, k, v, _, _, _ = make_inputs(B, T, H, dk, dv, seed=21)
+    k = k[:, :1].expand_as(k).contiguous()
+    g = torch.zeros(B, T, H, dk)
+    beta = torch.ones(B, T, H)
+    o_ref, s_ref = kda_naive(q, k, v, g, beta)
+    o, s = kda_chunk(q, k, v, g, beta, chunk_size=C)
+    assert_close(o, o_ref)
+    assert_close(s, s_ref)
+    # with beta = 1 and a unit key, the memory recalls exactly the last value for that key
+    recalled = torch.einsum("bhk,bhkv->bhv", k[:, -1], s)
+    assert torch.allclose(recalled, v[:, -1], atol=1e-5)

@@ -184,3 +184,18 @@ def test_route_bias_steers_selection_not_weights():
     w1n, e1n = route(logits, bias, top_k, n_group, topk_group, False, scaling)
     assert torch.allclose(w1n, logits.sigmoid().gather(1, e1n) * scaling, atol=1e-6)
     assert (w1n < scaling).all()
+
+
+def test_route_never_leaves_the_kept_groups():
+    """top_k equals the number of experts in the kept groups and one of them has a very negative
+    biased score: it must still be picked over every expert of a dropped group."""
+    E, n_group, topk_group, top_k = 8, 4, 2, 4
+    logits = torch.zeros(3, E)
+    logits[1] = torch.linspace(-3, 3, E)
+    logits[2] = torch.linspace(3, -3, E)
+    bias = torch.tensor([-3.0, 0.0, -10.0, -10.0, -10.0, -10.0, 0.0, 0.0])
+    weights, experts = route(logits, bias, top_k, n_group, topk_group, True, 1.0)
+    for t in range(3):
+        assert sorted(experts[t].tolist()) == [0, 1, 6, 7]
+    raw = logits.sigmoid().gather(1, experts)
+    assert torch.allclose(weights, raw / raw.sum(-1, keepdim=True), atol=1e-6)

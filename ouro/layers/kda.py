@@ -23,7 +23,7 @@ class ShortConv(nn.Module):
 
 
 class KDAttention(nn.Module):
-    def __init__(self, config, layer_idx: int, chunk_size: int = 64):
+    def __init__(self, config, layer_idx: int, chunk_size: int = 16):
         super().__init__()
         D, H, dk = config.hidden_size, config.linear_num_heads, config.linear_head_dim
         C = H * dk

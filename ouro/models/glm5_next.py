@@ -13,7 +13,7 @@ from ..layers.norm import RMSNorm
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, kda_chunk_size: int = 64):
+    def __init__(self, config: ModelConfig, layer_idx: int, kda_chunk_size: int = 16):
         super().__init__()
         self.is_kda = config.layer_types[layer_idx] == "linear_attention"
         self.self_attn = KDAttention(config, layer_idx, kda_chunk_size) if self.is_kda else DSAttention(config, layer_idx)
@@ -40,7 +40,7 @@ class Glm5NextModel(nn.Module):
     """Takes a flat batch of new tokens of several sequences (see `ForwardContext`), updates their
     caches in place and returns logits for the rows `ctx.logits_index` asks for."""
 
-    def __init__(self, config: ModelConfig, kda_chunk_size: int = 64):
+    def __init__(self, config: ModelConfig, kda_chunk_size: int = 16):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)

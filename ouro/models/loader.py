@@ -177,7 +177,7 @@ def save_weights(model: torch.nn.Module, directory: str | Path, max_shard_bytes:
     return paths
 
 
-def load_model(directory: str | Path, dtype=torch.float32, device="cpu", kda_chunk_size: int = 64,
+def load_model(directory: str | Path, dtype=torch.float32, device="cpu", kda_chunk_size: int = 16,
                progress: bool = False):
     """Build a `Glm5NextModel` from a checkpoint directory."""
     from .glm5_next import Glm5NextModel

@@ -15,20 +15,19 @@ def experts_grouped(x, weights, experts, gate_up, down, limit: float):
     flat = experts.flatten()
     order = flat.argsort(stable=True)
     counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
-    token_of = order // k
-    w_sorted = weights.flatten()[order].to(x.dtype)
-    out = torch.zeros_like(x)
+    x_sorted = x[order // k]                       # token copies grouped by expert
+    y_sorted = torch.full_like(x_sorted, float("nan"))
     start = 0
     for e, c in enumerate(counts):
         if c == 0:
             continue
-        rows = token_of[start:start + c]
-        h = x[rows] @ gate_up[e].T
-        gate, up = h.chunk(2, dim=-1)
-        y = (clamped_swiglu(gate, up, limit) @ down[e].T) * w_sorted[start:start + c, None]
-        out.index_add_(0, rows, y)
+        gate, up = (x_sorted[start:start + c] @ gate_up[e].T).chunk(2, dim=-1)
+        y_sorted[start:start + c] = clamped_swiglu(gate, up, limit) @ down[e].T
         start += c
-    return out
+    # back to (token, choice) order, then a weighted sum over the k choices (no scatter-add)
+    y = torch.empty_like(y_sorted)
+    y[order] = y_sorted
+    return torch.einsum("tkd,tk->td", y.view(T, k, -1), weights.to(x.dtype))
 
 
 def experts_naive(x, weights, experts, gate_up, down, limit: float):

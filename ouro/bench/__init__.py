@@ -1,0 +1,1 @@
+"""Benchmarks: measured side by side in one process, medians, with the machine's roofline."""

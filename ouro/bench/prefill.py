@@ -1,0 +1,73 @@
+"""Prefill of one prompt: ouro against transformers on the same checkpoint, interleaved."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from .roofline import Roofline, count_flops
+
+
+def bench_prefill(model_dir, input_len: int = 1024, repeats: int = 3, compare: bool = True, seed: int = 0,
+                  progress: bool = True) -> dict:
+    from tqdm import tqdm
+
+    from ..engine.simple_runner import SimpleRunner
+    from ..models.loader import load_model
+    model = load_model(model_dir)
+    cfg = model.config
+    ids = torch.randint(0, cfg.vocab_size, (input_len,), generator=torch.Generator().manual_seed(seed))
+    roof = Roofline.measure()
+    run_ouro = lambda: SimpleRunner(model, 1, input_len).step([ids.tolist()])
+    hf = None
+    if compare:
+        from transformers import Glm5NextForConditionalGeneration
+        from transformers.utils import logging
+        logging.set_verbosity_error()
+        hf = Glm5NextForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    def run_hf():
+        with torch.no_grad():
+            return hf(ids.view(1, -1), logits_to_keep=1).logits[0, -1]
+    if hf is not None:  # the comparison only counts when both compute the same thing
+        a, b = run_ouro()[0], run_hf()
+        err = float((a - b).norm() / b.norm())
+        if not err <= 1e-4:
+            raise RuntimeError(f"ouro and transformers disagree (rel. RMS {err:.2e}); not timing a wrong result")
+    flops = count_flops(run_ouro)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    times = {"ouro": [], "transformers": []}
+    run_ouro()  # warm-up
+    if hf is not None:
+        run_hf()
+    for _ in tqdm(range(repeats), desc=f"prefill {input_len}", disable=not progress):
+        for name, fn in (("ouro", run_ouro), ("transformers", run_hf)):  # interleaved
+            if name == "transformers" and hf is None:
+                continue
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    result = {
+        "input_len": input_len, "repeats": repeats,
+        "ouro_s": statistics.median(times["ouro"]),
+        "flops": flops, "matmul_flops_per_s": roof.flops_per_s, "copy_bytes_per_s": roof.bytes_per_s,
+        "floor_s": roof.floor_s(flops, weight_bytes),
+    }
+    if hf is not None:
+        result["transformers_s"] = statistics.median(times["transformers"])
+        result["ratio"] = result["transformers_s"] / result["ouro_s"]  # > 1: ouro is faster
+    result["ouro_over_floor"] = result["ouro_s"] / result["floor_s"]
+    return result
+
+
+def format_prefill(r: dict) -> str:
+    lines = [f"prefill of {r['input_len']} tokens, median of {r['repeats']} (interleaved)",
+             f"  ouro          {r['ouro_s']:.3f} s  ({r['input_len'] / r['ouro_s']:.0f} tok/s)"]
+    if "transformers_s" in r:
+        lines.append(f"  transformers  {r['transformers_s']:.3f} s  ({r['input_len'] / r['transformers_s']:.0f} tok/s)")
+        lines.append(f"  speed-up      {r['ratio']:.2f}x (transformers time / ouro time)")
+    lines.append(f"  floor         {r['floor_s']:.3f} s  ({r['flops'] / 1e9:.1f} GFLOP at "
+                 f"{r['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s measured); ouro is {r['ouro_over_floor']:.1f}x the floor")
+    return "\n".join(lines)

@@ -1,0 +1,57 @@
+"""The machine's roofline, measured at start-up: matmul FLOP/s and memory copy bandwidth."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+
+def median_time(fn, repeats: int = 5, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+@dataclass
+class Roofline:
+    flops_per_s: float     # dense fp32 matmul rate
+    bytes_per_s: float     # large-tensor copy bandwidth (read + write counted)
+
+    @classmethod
+    def measure(cls, device="cpu", dtype=torch.float32) -> "Roofline":
+        a = torch.randn(1024, 1024, device=device, dtype=dtype)
+        b = torch.randn(1024, 2048, device=device, dtype=dtype)
+        sync = torch.cuda.synchronize if str(device).startswith("cuda") else (lambda: None)
+
+        def mm():
+            a @ b
+            sync()
+        t_mm = median_time(mm, repeats=7)
+        src = torch.empty(32 << 20, device=device, dtype=torch.float32)  # 128 MiB
+        dst = torch.empty_like(src)
+
+        def cp():
+            dst.copy_(src)
+            sync()
+        t_cp = median_time(cp, repeats=7)
+        return cls(flops_per_s=2 * 1024 * 1024 * 2048 / t_mm, bytes_per_s=2 * src.nbytes / t_cp)
+
+    def floor_s(self, flops: float, bytes_moved: float) -> float:
+        """Lower bound on time: the slower of compute and memory traffic."""
+        return max(flops / self.flops_per_s, bytes_moved / self.bytes_per_s)
+
+
+def count_flops(fn) -> int:
+    """FLOPs of the matmul-like ops `fn` actually dispatches (torch's FlopCounterMode)."""
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return counter.get_total_flops()
