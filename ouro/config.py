@@ -77,6 +77,9 @@ class ModelConfig:
             raise CheckpointError(f"config: index_topk {self.index_topk} must be a multiple of index_kpool")
         if self.n_routed_experts % self.n_group:
             raise CheckpointError("config: n_routed_experts must be divisible by n_group")
+        if self.n_group > 1 and self.n_routed_experts // self.n_group < 2:
+            raise CheckpointError("config: group-limited routing scores each group by its top 2 experts; "
+                                  "n_routed_experts / n_group must be at least 2")
         first_dsa = next((i for i, t in enumerate(self.layer_types) if t == "indexed_attention"), None)
         if first_dsa is not None and self.indexer_types[first_dsa] == "shared":
             raise CheckpointError(f"config: layer {first_dsa} is the first DSA layer but its indexer is 'shared'")
