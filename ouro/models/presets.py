@@ -72,27 +72,27 @@ def condition_indexer(params: dict[str, torch.Tensor], config: ModelConfig, pref
 
     With random weights, ReLU(q.k) is zero for every indexer head on about 2^-heads of the pools,
     so many pools score exactly 0 and top-k among them is arbitrary (torch breaks such ties
-    differently for different row lengths). Trained checkpoints do not behave like that. Here
-    the indexer keys get a shared bias direction u, the queries' first latent channel (which
-    follows a constant component added to the embeddings) a large projection onto +u in even
-    heads and -u in odd heads, so for every query some head has q.k > 0 on every pool and scores
-    are distinct. `params` maps
-    names (after `prefix`, e.g. "model.language_model." for a transformers model) to tensors,
-    edited in place.
+    differently for different row lengths). Trained checkpoints do not behave like that. Here the
+    embeddings get a large constant channel 0, which `q_a_proj` row 0 copies into the first
+    channel of the query latent (so that channel is rarely near zero), the indexer keys get a
+    shared bias direction u, and that latent channel projects onto +u in even heads and -u in odd
+    heads: whatever its sign, some head has q.k > 0 on every pool, and scores are distinct. `params` maps names (after `prefix`, e.g.
+    "model.language_model." for a transformers model) to tensors, edited in place.
     """
     emb = params[prefix + "embed_tokens.weight"]
     emb[:, 0] += 10 * emb[:, 1:].std()
+    d = config.index_head_dim
+    u = torch.zeros(d)
+    u[0] = 1.0
+    sign = torch.tensor([1.0 if h % 2 == 0 else -1.0 for h in range(config.index_n_heads)])
     for i in config.indexer_layers:
         a = f"{prefix}layers.{i}.self_attn."
-        d = config.index_head_dim
-        u = torch.zeros(d)
-        u[0] = 1.0
         params[a + "indexer.k_norm.weight"].fill_(0.5)
         params[a + "indexer.k_norm.bias"].copy_(3.0 * u)
-        params[a + "q_a_proj.weight"][0, 0] = 1.0                      # q_resid[0] tracks the embedding offset
+        q_a = params[a + "q_a_proj.weight"]                       # [q_lora, hidden]
+        q_a[0, 0] = 50 * q_a[1:].std()                            # latent channel 0 follows hidden channel 0
         wq = params[a + "indexer.wq_b.weight"].view(config.index_n_heads, d, -1)
-        sign = torch.tensor([1.0 if h % 2 == 0 else -1.0 for h in range(config.index_n_heads)])
-        wq[:, :, 0] = 2.0 * sign[:, None] * u              # whichever sign q_resid[0] has, a head has q.k > 0
+        wq[:, :, 0] = 2.0 * sign[:, None] * u
 
 
 def generation_config(config: ModelConfig) -> dict:
