@@ -51,7 +51,8 @@ def make_hf_checkpoint(shape: str, directory, seed: int = 0):
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.normal_(0.0, 0.05)
-    params = dict(model.named_parameters())
+    params = {n.replace("model.language_model.", "", 1) if n.startswith("lm_head") else n: p
+              for n, p in model.named_parameters()}
     params.update(dict(model.named_buffers()))
     condition_indexer(params, ModelConfig.from_dict(text), prefix="model.language_model.")
     model.save_pretrained(directory)

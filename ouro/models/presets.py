@@ -73,14 +73,22 @@ def condition_indexer(params: dict[str, torch.Tensor], config: ModelConfig, pref
     With random weights, ReLU(q.k) is zero for every indexer head on about 2^-heads of the pools,
     so many pools score exactly 0 and top-k among them is arbitrary (torch breaks such ties
     differently for different row lengths). Trained checkpoints do not behave like that. Here the
-    embeddings get a large constant channel 0, which `q_a_proj` row 0 copies into the first
-    channel of the query latent (so that channel is rarely near zero), the indexer keys get a
-    shared bias direction u, and that latent channel projects onto +u in even heads and -u in odd
-    heads: whatever its sign, some head has q.k > 0 on every pool, and scores are distinct. `params` maps names (after `prefix`, e.g.
+    embeddings get a large constant channel 0 that no block writes to (the output projections'
+    row 0 is zeroed, and the head ignores it), so every layer sees it unchanged; `q_a_proj` row 0
+    copies it (alone) into the first channel of the query latent, the indexer keys get a shared bias
+    direction u, and that latent channel projects onto +u in even heads and -u in odd heads:
+    whatever its sign, some head has q.k > 0 on every pool, and scores are distinct. `params` maps names (after `prefix`, e.g.
     "model.language_model." for a transformers model) to tensors, edited in place.
     """
     emb = params[prefix + "embed_tokens.weight"]
     emb[:, 0] += 10 * emb[:, 1:].std()
+    for name, t in params.items():
+        if name.startswith(prefix + "layers.") and name.endswith(("o_proj.weight", "down_proj.weight")):
+            t[0] = 0.0                                            # blocks never write channel 0
+        elif name.startswith(prefix + "layers.") and name.endswith("experts.down_proj"):
+            t[:, 0] = 0.0
+    if "lm_head.weight" in params:
+        params["lm_head.weight"][:, 0] = 0.0                      # logits carry no constant part
     d = config.index_head_dim
     u = torch.zeros(d)
     u[0] = 1.0
@@ -90,7 +98,9 @@ def condition_indexer(params: dict[str, torch.Tensor], config: ModelConfig, pref
         params[a + "indexer.k_norm.weight"].fill_(0.5)
         params[a + "indexer.k_norm.bias"].copy_(3.0 * u)
         q_a = params[a + "q_a_proj.weight"]                       # [q_lora, hidden]
-        q_a[0, 0] = 50 * q_a[1:].std()                            # latent channel 0 follows hidden channel 0
+        std = q_a[1:].std()
+        q_a[0] = 0.0
+        q_a[0, 0] = 500 * std                                     # latent channel 0 reads only hidden channel 0
         wq = params[a + "indexer.wq_b.weight"].view(config.index_n_heads, d, -1)
         wq[:, :, 0] = 2.0 * sign[:, None] * u
 
