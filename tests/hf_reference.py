@@ -8,6 +8,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch
 
+from numerics import rel_rms  # noqa: F401  (re-exported for model tests)
 from ouro.config import ModelConfig
 from ouro.models.presets import condition_indexer
 
@@ -57,11 +58,3 @@ def make_hf_checkpoint(shape: str, directory, seed: int = 0):
     condition_indexer(params, ModelConfig.from_dict(text), prefix="model.language_model.")
     model.save_pretrained(directory)
     return model
-
-
-def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Relative RMS error of a against reference b; NaN anywhere counts as infinitely wrong."""
-    a, b = a.double(), b.double()
-    if torch.isnan(a).any() or torch.isnan(b).any():
-        return float("inf")
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))

@@ -7,16 +7,7 @@ import torch
 from ouro.ops.moe import clamped_swiglu, experts_grouped, experts_naive, route
 
 
-def rel_rms(a, b):
-    return ((a - b).norm() / b.norm()).item()
-
-
-def assert_close(a, b, tol=1e-5):
-    assert not torch.isnan(a).any(), "NaN in the fast result"
-    assert not torch.isnan(b).any(), "NaN in the reference"
-    assert a.shape == b.shape
-    err = rel_rms(a, b)
-    assert err <= tol, f"rel RMS {err:.3e} > {tol:.0e}"
+from numerics import assert_close, rel_rms  # noqa: F401
 
 
 # ---------------------------------------------------------------------------------------------
