@@ -1,0 +1,176 @@
+"""The engine: requests in, incremental outputs out, one scheduler step at a time."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+import torch
+
+from ..config import EngineConfig
+from .detokenizer import IncrementalDetokenizer
+from .memory import available_bytes, plan_memory
+from .model_runner import ModelRunner
+from .page_pool import PagePool, SlotPool
+from .request import Request, RequestOutput, Status
+from .sampling import Sampler, SamplingParams, make_generator
+from .scheduler import Scheduler
+
+log = logging.getLogger("ouro.engine")
+
+
+class LLMEngine:
+    def __init__(self, model, tokenizer=None, config: EngineConfig = EngineConfig(), enable_prefix_caching=False,
+                 checkpoint_interval: int = 1, verbose: bool = True, record_logits: bool = False):
+        self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.record_logits = record_logits    # keep each sampled step's logits (tests, probes)
+        self.logits_history: dict[str, list[torch.Tensor]] = {}
+        mc = model.config
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        budget = config.max_memory or int(0.5 * available_bytes(config.device))
+        dtype = model.embed_tokens.weight.dtype
+        self.plan = plan_memory(mc, budget, config.page_size, config.max_num_seqs, dtype,
+                                checkpoint_fraction=0.1 if enable_prefix_caching else 0.0)
+        if verbose:
+            print(f"ouro: {self.plan.describe(min(self.max_model_len, 4096))}", flush=True)
+        self.pages, self.slots = PagePool(self.plan.n_pages), SlotPool(self.plan.n_slots)
+        self.runner = ModelRunner(model, self.plan, config.device)
+        self.prefix_cache = None
+        if enable_prefix_caching and self.runner.checkpoints is not None:
+            from .prefix_cache import PrefixCache
+            self.prefix_cache = PrefixCache(config.page_size, self.pages, self.plan.n_checkpoints,
+                                            checkpoint_interval=checkpoint_interval,
+                                            on_evict_checkpoint=self.runner.checkpoints.release)
+        self.scheduler = Scheduler(self.pages, self.slots, config.page_size, min(config.max_num_seqs, self.plan.n_slots),
+                                   config.max_num_batched_tokens, self.prefix_cache,
+                                   align_chunks=self.prefix_cache is not None)
+        self.sampler = Sampler()
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self._pending_ckpt: dict[str, dict[int, int]] = {}
+
+    # ---- requests ----
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        ids = self._prompt_ids(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        total = len(ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds the "
+                             f"model's context length {self.max_model_len}")
+        if total > self.plan.max_tokens:
+            raise ValueError(f"prompt + max_tokens = {total} tokens exceeds the cache's total capacity "
+                             f"{self.plan.max_tokens} tokens; raise --max-memory or lower max_tokens")
+        bad = [t for t in ids if not 0 <= t < self.model.config.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {self.model.config.vocab_size}): {bad[:5]}")
+        n = next(self._ids)
+        request_id = request_id or f"req-{n}"
+        if request_id in self.requests:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        req = Request(request_id, ids, params, generator=make_generator(params.seed, self.config.seed + n))
+        if self.tokenizer is not None:
+            req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.stop_list, params.skip_special_tokens)
+        elif params.stop_list:
+            raise ValueError("stop strings need a tokenizer; this checkpoint has none (use stop_token_ids)")
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        return request_id
+
+    def _prompt_ids(self, prompt) -> list[int]:
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return [int(t) for t in prompt["prompt_token_ids"]]
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return list(prompt)
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this checkpoint has no tokenizer (tokenizer.json missing): "
+                                 "pass {'prompt_token_ids': [...]} instead of text")
+            return self.tokenizer.encode(prompt).ids
+        raise ValueError("a prompt is a string or {'prompt_token_ids': [...]}")
+
+    def abort(self, request_id: str) -> bool:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        self._drop_checkpoints(req)
+        self.scheduler.finish(req, "abort")
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- one step ----
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        logits = self.runner.execute(batch)
+        self._checkpoint(batch)
+        rows = [i for i, r in enumerate(batch.requests) if r.num_computed == r.num_tokens]
+        if not rows:
+            return []
+        reqs = [batch.requests[i] for i in rows]
+        sampled = self.sampler.sample(logits[rows], [r.params for r in reqs], [r.generator for r in reqs])
+        outputs = []
+        for k, r in enumerate(reqs):
+            if self.record_logits:
+                self.logits_history.setdefault(r.request_id, []).append(logits[rows[k]].clone())
+            tok = sampled.token_ids[k]
+            r.output_ids.append(tok)
+            r.logprobs.append(sampled.logprobs[k])
+            r.top_logprobs.append(sampled.top_logprobs[k])
+            new_text = r.detokenizer.add(tok) if r.detokenizer else ""
+            self._check_stop(r, tok)
+            if r.is_finished and r.detokenizer and r.finish_reason != "stop":
+                new_text += r.detokenizer.flush()
+            outputs.append(self._output(r, [tok], new_text))
+        return outputs
+
+    def _check_stop(self, r: Request, tok: int) -> None:
+        p = r.params
+        reason = None
+        if not p.ignore_eos and tok in self.model.config.eos_token_ids:
+            reason, r.stop_reason = "stop", tok
+        elif p.stop_token_ids and tok in p.stop_token_ids:
+            reason, r.stop_reason = "stop", tok
+        elif r.detokenizer is not None and r.detokenizer.stopped:
+            reason, r.stop_reason = "stop", r.detokenizer.stop_reason
+        elif len(r.output_ids) >= p.max_tokens or r.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason:
+            self.requests.pop(r.request_id, None)
+            self._drop_checkpoints(r)
+            self.scheduler.finish(r, reason)
+
+    def _output(self, r: Request, new_ids, new_text) -> RequestOutput:
+        text = r.detokenizer.text if r.detokenizer else ""
+        return RequestOutput(r.request_id, new_ids, new_text, list(r.output_ids), text, r.is_finished,
+                             r.finish_reason, r.stop_reason, r.prompt_ids, r.cached_tokens,
+                             list(r.logprobs), list(r.top_logprobs))
+
+    # ---- prefix caching: KDA checkpoints at page boundaries, inserted once the prompt is computed ----
+    def _checkpoint(self, batch) -> None:
+        if self.prefix_cache is None:
+            return
+        ps = self.config.page_size
+        for r, count in zip(batch.requests, batch.num_new_tokens):
+            if r.num_computed - count >= len(r.prompt_ids):
+                continue                      # a decode step: the prompt is already in the tree
+            pending = self._pending_ckpt.setdefault(r.request_id, {})
+            n = r.num_computed
+            if n % ps == 0 and n <= len(r.prompt_ids) and n not in pending and self.prefix_cache.should_checkpoint(n):
+                ckpt = self.runner.checkpoints.save(r.slot)
+                if ckpt is not None:
+                    pending[n] = ckpt
+            if n >= len(r.prompt_ids) and r.request_id in self._pending_ckpt:
+                full = len(r.prompt_ids) // ps
+                pending = self._pending_ckpt.pop(r.request_id)
+                rejected = self.prefix_cache.insert(r.prompt_ids[: full * ps], r.pages[:full], pending)
+                for c in rejected:
+                    self.runner.checkpoints.release(c)
+
+    def _drop_checkpoints(self, r: Request) -> None:
+        for c in self._pending_ckpt.pop(r.request_id, {}).values():
+            self.runner.checkpoints.release(c)

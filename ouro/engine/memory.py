@@ -1,0 +1,68 @@
+"""Size the cache pools from a memory budget and the model config, and say what limits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config import ModelConfig
+from ..layers.context import ModelCache
+
+
+def available_bytes(device: str = "cpu") -> int:
+    if str(device).startswith("cuda"):
+        free, _ = torch.cuda.mem_get_info()
+        return free
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("cannot read available memory; pass --max-memory")
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    page_size: int
+    n_pages: int
+    n_slots: int
+    n_checkpoints: int
+    page_bytes: int
+    slot_bytes: int
+
+    @property
+    def max_tokens(self) -> int:
+        return self.n_pages * self.page_size
+
+    @property
+    def total_bytes(self) -> int:
+        return self.n_pages * self.page_bytes + (self.n_slots + self.n_checkpoints) * self.slot_bytes
+
+    def limit(self, context_len: int) -> str:
+        """Which pool caps concurrency for sequences of `context_len` tokens."""
+        by_pages = self.n_pages // max(1, -(-context_len // self.page_size))
+        return "state slots" if self.n_slots < by_pages else "pages"
+
+    def describe(self, context_len: int) -> str:
+        by_pages = self.n_pages // max(1, -(-context_len // self.page_size))
+        fit = min(self.n_slots, by_pages)
+        return (f"cache: {self.n_pages} pages x {self.page_size} tokens = {self.max_tokens} tokens "
+                f"({self.n_pages * self.page_bytes / 2**20:.1f} MiB), {self.n_slots} KDA state slots "
+                f"({self.n_slots * self.slot_bytes / 2**20:.1f} MiB), {self.n_checkpoints} prefix checkpoints; "
+                f"{fit} concurrent sequences of {context_len} tokens fit, limited by {self.limit(context_len)}")
+
+
+def plan_memory(config: ModelConfig, budget_bytes: int, page_size: int, max_num_seqs: int,
+                dtype=torch.float32, checkpoint_fraction: float = 0.0) -> MemoryPlan:
+    """Give the state-slot pool what `max_num_seqs` need (at most half the budget), optionally a
+    share for prefix-cache KDA checkpoints, and the rest to pages."""
+    page_bytes = page_size * ModelCache.bytes_per_token(config, dtype)
+    slot_bytes = ModelCache.bytes_per_slot(config)
+    n_slots = max(1, min(max_num_seqs, budget_bytes // 2 // max(slot_bytes, 1)))
+    n_ckpt = int(budget_bytes * checkpoint_fraction) // max(slot_bytes, 1)
+    rest = budget_bytes - (n_slots + n_ckpt) * slot_bytes
+    n_pages = rest // page_bytes if page_bytes else 0
+    if n_pages < 1:
+        raise ValueError(f"memory budget {budget_bytes / 2**20:.1f} MiB is too small for one page "
+                         f"({page_bytes} B) and {n_slots} state slots ({slot_bytes} B each); raise --max-memory")
+    return MemoryPlan(page_size, int(n_pages), int(n_slots), int(n_ckpt), page_bytes, slot_bytes)

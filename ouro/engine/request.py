@@ -1,0 +1,68 @@
+"""A request's lifetime in the engine: its tokens, cache holdings and state."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: "SamplingParams"  # noqa: F821
+    generator: torch.Generator | None = None
+    arrival: float = field(default_factory=time.monotonic)
+    status: Status = Status.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list = field(default_factory=list)
+    num_computed: int = 0          # tokens whose KV / state are in the cache
+    pages: list[int] = field(default_factory=list)
+    slot: int | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    cached_tokens: int = 0         # prompt tokens served from the prefix cache
+    num_preemptions: int = 0
+    detokenizer: object | None = None
+    prefix_match: object | None = None   # locked prefix-cache match, released when pages are freed
+    restore_from: int | None = None      # KDA checkpoint to copy into the slot before computing
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+
+@dataclass
+class RequestOutput:
+    """What `LLMEngine.step` reports for one request: the new tokens since the last report."""
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    stop_reason: str | int | None
+    prompt_token_ids: list[int]
+    cached_tokens: int
+    logprobs: list[float]
+    top_logprobs: list

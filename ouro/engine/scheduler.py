@@ -1,0 +1,143 @@
+"""FCFS scheduler: a per-step token budget, chunked prefill, one decode step for every running
+request, admission only with both pages and a KDA state slot, preemption by recompute."""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+from .page_pool import OutOfPages, PagePool, SlotPool
+from .request import Request, Status
+
+log = logging.getLogger("ouro.scheduler")
+
+
+@dataclass
+class ScheduledBatch:
+    requests: list[Request]
+    num_new_tokens: list[int]
+
+    def __bool__(self):
+        return bool(self.requests)
+
+
+class Scheduler:
+    def __init__(self, pages: PagePool, slots: SlotPool, page_size: int, max_num_seqs: int,
+                 max_num_batched_tokens: int, prefix_cache=None, align_chunks: bool = False):
+        self.pages, self.slots, self.page_size = pages, slots, page_size
+        self.max_num_seqs, self.token_budget = max_num_seqs, max_num_batched_tokens
+        self.prefix_cache = prefix_cache
+        self.align_chunks = align_chunks      # end prefill chunks on page boundaries (for checkpoints)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.slot_limited_steps = 0           # steps where a free slot, not pages, blocked admission
+        self.num_preemptions = 0
+
+    # ---- bookkeeping ----
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def free(self, req: Request) -> None:
+        """Return everything the request holds. Safe to call twice."""
+        if req.pages:
+            own = req.pages[len(req.prefix_match.usable_pages):] if req.prefix_match else req.pages
+            if own:
+                self.pages.decref(own)
+            req.pages = []
+        if req.prefix_match is not None:
+            self.prefix_cache.unlock(req.prefix_match)
+            req.prefix_match = None
+        if req.slot is not None:
+            self.slots.free(req.slot)
+            req.slot = None
+
+    def finish(self, req: Request, reason: str) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.free(req)
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+
+    def preempt(self, req: Request) -> None:
+        """Recompute later: drop its cache, keep its tokens (prompt + outputs so far)."""
+        self.running.remove(req)
+        self.free(req)
+        req.num_computed = 0
+        req.status = Status.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+        log.info("preempted %s (pages exhausted)", req.request_id)
+
+    def _grow(self, req: Request, upto_tokens: int) -> bool:
+        need = -(-upto_tokens // self.page_size) - len(req.pages)
+        if need <= 0:
+            return True
+        try:
+            req.pages += self.pages.alloc(need)
+            return True
+        except OutOfPages:
+            if self.prefix_cache is not None and self.prefix_cache.evict_pages(need - self.pages.num_free) > 0:
+                return self._grow(req, upto_tokens)
+            return False
+
+    def _chunk(self, req: Request, budget: int) -> int:
+        n = min(req.num_tokens - req.num_computed, budget)
+        end = req.num_computed + n
+        if self.align_chunks and end < req.num_tokens:
+            n = end // self.page_size * self.page_size - req.num_computed
+        return max(n, 0)
+
+    # ---- one step ----
+    def schedule(self) -> ScheduledBatch:
+        budget = self.token_budget
+        batch = ScheduledBatch([], [])
+        for req in list(self.running):
+            if req not in self.running:      # preempted below to make room
+                continue
+            n = self._chunk(req, budget)
+            if n == 0:
+                continue
+            while not self._grow(req, req.num_computed + n):
+                victim = self.running[-1]    # latest arrival gives way
+                self.preempt(victim)
+                if victim is req:
+                    break
+            if req.status is Status.RUNNING:
+                batch.requests.append(req)
+                batch.num_new_tokens.append(n)
+                budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            if self.slots.num_free == 0:
+                self.slot_limited_steps += 1
+                break
+            if self.prefix_cache is not None and req.num_computed == 0 and req.prefix_match is None:
+                self._attach_prefix(req)
+            n = self._chunk(req, budget)
+            if n == 0 or not self._grow(req, req.num_computed + n):
+                break
+            self.waiting.popleft()
+            req.slot = self.slots.alloc()
+            req.status = Status.RUNNING
+            self.running.append(req)
+            batch.requests.append(req)
+            batch.num_new_tokens.append(n)
+            budget -= n
+        return batch
+
+    def _attach_prefix(self, req: Request) -> None:
+        m = self.prefix_cache.match(req.all_ids)
+        if m.usable_tokens > 0:
+            self.prefix_cache.lock(m)
+            req.prefix_match = m
+            req.pages = list(m.usable_pages)
+            req.num_computed = m.usable_tokens
+            req.cached_tokens = m.usable_tokens
+            req.restore_from = m.checkpoint[1]
