@@ -68,7 +68,7 @@ class IncrementalDetokenizer:
             self.text += new
             self.stopped, self.stop_reason = True, stop
             return new
-        new = pending
+        new = pending[:len(pending) - self._stop_prefix_len(pending)]
         self.text += new
         return new
 
