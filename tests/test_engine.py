@@ -75,3 +75,94 @@ def test_oversized_requests_are_rejected(hf_pair):
     with pytest.raises(ValueError, match="no tokenizer"):
         engine.add_request("text needs a tokenizer")
     assert not engine.has_unfinished() and pools_full(engine)
+
+
+def drive(engine, limit=10_000):
+    """Step until idle; returns {request_id: final RequestOutput}."""
+    done = {}
+    for _ in range(limit):
+        if not engine.has_unfinished():
+            return done
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    raise AssertionError("engine did not drain")
+
+
+def state_of(engine, rid):
+    req = next((r for r in [*engine.scheduler.running, *engine.scheduler.waiting] if r.request_id == rid), None)
+    return None if req is None else req.status.value
+
+
+@pytest.mark.parametrize("when", ["waiting", "mid-prefill", "mid-decode", "preempted"])
+def test_abort_in_every_state_frees_everything(hf_pair, when):
+    _, _, model = hf_pair("tiny")
+    engine = make_engine(model, max_memory=budget_for(model.config, pages=12, slots=4), max_num_seqs=4,
+                         max_num_batched_tokens=32)
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    if when == "waiting":
+        rid = engine.add_request(list(range(50)), greedy)
+        assert state_of(engine, rid) == "waiting"
+    elif when == "mid-prefill":
+        rid = engine.add_request(list(range(100)), greedy)  # 100 tokens at 32 a step
+        engine.step()
+        req = engine.requests[rid]
+        assert req.status.value == "running" and 0 < req.num_computed < 100
+    elif when == "mid-decode":
+        rid = engine.add_request(list(range(20)), greedy)
+        for _ in range(4):
+            engine.step()
+        assert engine.requests[rid].output_ids
+    else:
+        # two long requests on 12 pages: the later one is preempted when the earlier grows
+        first = engine.add_request(list(range(90)), greedy)
+        rid = engine.add_request(list(range(1, 90)), greedy)
+        for _ in range(200):
+            engine.step()
+            if state_of(engine, rid) == "preempted":
+                break
+        assert state_of(engine, rid) == "preempted"
+        engine.abort(first)
+    assert engine.abort(rid)
+    assert not engine.abort(rid)  # a second abort is a no-op
+    drive(engine)
+    assert pools_full(engine)
+
+
+def test_randomized_run_with_aborts_ends_with_full_pools(hf_pair):
+    """300 requests of random sizes arrive over time; a third are aborted at random moments."""
+    _, _, model = hf_pair("tiny")
+    engine = make_engine(model, max_memory=budget_for(model.config, pages=40, slots=6), max_num_seqs=6,
+                         max_num_batched_tokens=64)
+    rng = random.Random(1)
+    live, submitted, finished = [], 0, 0
+    while submitted < 300 or engine.has_unfinished():
+        for _ in range(rng.randrange(0, 4)):
+            if submitted < 300:
+                prompt = [rng.randrange(512) for _ in range(rng.randrange(1, 60))]
+                p = SamplingParams(temperature=rng.choice([0, 0.8]), max_tokens=rng.randrange(1, 12), seed=submitted)
+                live.append(engine.add_request(prompt, p))
+                submitted += 1
+        if live and rng.random() < 0.3:
+            engine.abort(live.pop(rng.randrange(len(live))))
+        for out in engine.step():
+            if out.finished:
+                finished += 1
+                live.remove(out.request_id)
+                assert out.finish_reason == "length" and len(out.token_ids) >= 1
+    assert finished > 100 and not engine.requests
+    assert pools_full(engine)
+
+
+def test_seeded_sampling_is_batch_independent(hf_pair):
+    _, _, model = hf_pair("tiny")
+    p = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=12, ignore_eos=True)
+    alone = make_engine(model, max_memory=budget_for(model.config, pages=40, slots=8))
+    rid = alone.add_request(list(range(30)), p)
+    want = drive(alone)[rid].token_ids
+    busy = make_engine(model, max_memory=budget_for(model.config, pages=40, slots=8))
+    others = [busy.add_request(list(range(i, i + 20)), SamplingParams(temperature=1.0, seed=i, max_tokens=20,
+                                                                       ignore_eos=True)) for i in range(4)]
+    busy.step()
+    rid = busy.add_request(list(range(30)), p)  # joins mid-run, shares batches with the others
+    got = drive(busy)
+    assert got[rid].token_ids == want
+    assert len({tuple(got[o].token_ids) for o in others}) == 4

@@ -36,6 +36,9 @@ class LLMEngine:
         self.pages, self.slots = PagePool(self.plan.n_pages), SlotPool(self.plan.n_slots)
         self.runner = ModelRunner(model, self.plan, config.device)
         self.prefix_cache = None
+        if enable_prefix_caching and checkpoint_interval * config.page_size > config.max_num_batched_tokens:
+            raise ValueError("the prefix-cache checkpoint interval (pages x page size) must fit in "
+                             "max_num_batched_tokens, or prefill could never reach a checkpoint")
         if enable_prefix_caching and self.runner.checkpoints is not None:
             from .prefix_cache import PrefixCache
             self.prefix_cache = PrefixCache(config.page_size, self.pages, self.plan.n_checkpoints,
@@ -43,7 +46,7 @@ class LLMEngine:
                                             on_evict_checkpoint=self.runner.checkpoints.release)
         self.scheduler = Scheduler(self.pages, self.slots, config.page_size, min(config.max_num_seqs, self.plan.n_slots),
                                    config.max_num_batched_tokens, self.prefix_cache,
-                                   align_chunks=self.prefix_cache is not None)
+                                   chunk_align=checkpoint_interval * config.page_size if self.prefix_cache else 0)
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()

@@ -24,11 +24,11 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, pages: PagePool, slots: SlotPool, page_size: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, prefix_cache=None, align_chunks: bool = False):
+                 max_num_batched_tokens: int, prefix_cache=None, chunk_align: int = 0):
         self.pages, self.slots, self.page_size = pages, slots, page_size
         self.max_num_seqs, self.token_budget = max_num_seqs, max_num_batched_tokens
         self.prefix_cache = prefix_cache
-        self.align_chunks = align_chunks      # end prefill chunks on page boundaries (for checkpoints)
+        self.chunk_align = chunk_align        # end prefill chunks on multiples of this (checkpoint boundaries)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.slot_limited_steps = 0           # steps where a free slot, not pages, blocked admission
@@ -90,14 +90,19 @@ class Scheduler:
     def _chunk(self, req: Request, budget: int) -> int:
         n = min(req.num_tokens - req.num_computed, budget)
         end = req.num_computed + n
-        if self.align_chunks and end < req.num_tokens:
-            n = end // self.page_size * self.page_size - req.num_computed
+        if self.chunk_align:  # stop at the last checkpoint boundary the chunk would cross
+            aligned = end // self.chunk_align * self.chunk_align - req.num_computed
+            if aligned > 0:
+                n = aligned
+            elif end < req.num_tokens:
+                n = 0                        # not even one boundary fits in the budget: wait
         return max(n, 0)
 
     # ---- one step ----
     def schedule(self) -> ScheduledBatch:
         budget = self.token_budget
         batch = ScheduledBatch([], [])
+        preempted_before = self.num_preemptions
         for req in list(self.running):
             if req not in self.running:      # preempted below to make room
                 continue
@@ -113,7 +118,9 @@ class Scheduler:
                 batch.requests.append(req)
                 batch.num_new_tokens.append(n)
                 budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        # no admission in a step that had to preempt: the freed pages went to the running requests
+        while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
+               and self.num_preemptions == preempted_before):
             req = self.waiting[0]
             if self.slots.num_free == 0:
                 self.slot_limited_steps += 1
