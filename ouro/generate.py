@@ -1,13 +1,11 @@
-"""`ouro generate`: greedy continuation of one prompt, streamed to stdout."""
+"""`ouro generate`: continue one prompt through the engine, streaming text as it comes."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-import torch
-
-from .config import CheckpointError, EngineConfig
+from .config import CheckpointError
 
 
 def load_tokenizer(directory: Path):
@@ -20,38 +18,23 @@ def load_tokenizer(directory: Path):
 
 
 def generate_cli(args) -> int:
-    from .engine.simple_runner import SimpleRunner
-    from .models.loader import load_model
-    from .models.resolve import resolve_model
-    directory = resolve_model(args.model)
-    dtype = EngineConfig(device=args.device, dtype=args.dtype).torch_dtype()
-    model = load_model(directory, dtype=dtype, device=args.device, progress=True)
-    tok = load_tokenizer(directory)
+    from .engine.llm import LLM
+    from .engine.sampling import SamplingParams
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_memory=args.max_memory, verbose=True)
+    engine = llm.engine
     if args.prompt_token_ids:
-        ids = [int(x) for x in args.prompt_token_ids.split(",")]
-    elif tok is None:
-        raise CheckpointError(f"{directory} has no tokenizer.json: pass --prompt-token-ids instead of --prompt")
+        prompt = {"prompt_token_ids": [int(x) for x in args.prompt_token_ids.split(",")]}
+    elif engine.tokenizer is None:
+        raise CheckpointError("the checkpoint has no tokenizer.json: pass --prompt-token-ids instead of --prompt")
     else:
-        ids = tok.encode(args.prompt).ids
-    eos = set(model.config.eos_token_ids)
-    runner = SimpleRunner(model, 1, len(ids) + args.max_tokens)
-    out, shown = [], ""
-    logits = runner.step([ids])
-    for _ in range(args.max_tokens):
-        nxt = int(logits[0].argmax())
-        if nxt in eos and not args.ignore_eos:
-            break
-        out.append(nxt)
-        if tok is not None:  # print only the newly completed text
-            text = tok.decode(out)
-            if not text.endswith("\ufffd"):
-                sys.stdout.write(text[len(shown):])
-                shown = text
-        else:
-            sys.stdout.write(f"{nxt} ")
-        sys.stdout.flush()
-        logits = runner.step([[nxt]])
-    if tok is not None:
-        sys.stdout.write(tok.decode(out)[len(shown):])
+        prompt = args.prompt
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                            max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
+    engine.add_request(prompt, params)
+    while engine.has_unfinished():
+        for out in engine.step():
+            text = out.new_text if engine.tokenizer is not None else "".join(f"{t} " for t in out.new_token_ids)
+            sys.stdout.write(text)
+            sys.stdout.flush()
     sys.stdout.write("\n")
     return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import sys
 
 import torch
 
@@ -30,9 +31,10 @@ class LLMEngine:
         budget = config.max_memory or int(0.5 * available_bytes(config.device))
         dtype = model.embed_tokens.weight.dtype
         self.plan = plan_memory(mc, budget, config.page_size, config.max_num_seqs, dtype,
-                                checkpoint_fraction=0.1 if enable_prefix_caching else 0.0)
+                                checkpoint_fraction=0.1 if enable_prefix_caching else 0.0,
+                                max_model_len=self.max_model_len)
         if verbose:
-            print(f"ouro: {self.plan.describe(min(self.max_model_len, 4096))}", flush=True)
+            print(f"ouro: {self.plan.describe(min(self.max_model_len, 4096))}", file=sys.stderr, flush=True)
         self.pages, self.slots = PagePool(self.plan.n_pages), SlotPool(self.plan.n_slots)
         self.runner = ModelRunner(model, self.plan, config.device)
         self.prefix_cache = None

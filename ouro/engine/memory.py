@@ -53,15 +53,18 @@ class MemoryPlan:
 
 
 def plan_memory(config: ModelConfig, budget_bytes: int, page_size: int, max_num_seqs: int,
-                dtype=torch.float32, checkpoint_fraction: float = 0.0) -> MemoryPlan:
+                dtype=torch.float32, checkpoint_fraction: float = 0.0, max_model_len: int | None = None) -> MemoryPlan:
     """Give the state-slot pool what `max_num_seqs` need (at most half the budget), optionally a
-    share for prefix-cache KDA checkpoints, and the rest to pages."""
+    share for prefix-cache KDA checkpoints, and the rest to pages -- but never more pages than
+    `max_num_seqs` sequences of `max_model_len` tokens could use."""
     page_bytes = page_size * ModelCache.bytes_per_token(config, dtype)
     slot_bytes = ModelCache.bytes_per_slot(config)
     n_slots = max(1, min(max_num_seqs, budget_bytes // 2 // max(slot_bytes, 1)))
     n_ckpt = int(budget_bytes * checkpoint_fraction) // max(slot_bytes, 1)
     rest = budget_bytes - (n_slots + n_ckpt) * slot_bytes
     n_pages = rest // page_bytes if page_bytes else 0
+    if max_model_len:
+        n_pages = min(n_pages, max_num_seqs * -(-max_model_len // page_size))
     if n_pages < 1:
         raise ValueError(f"memory budget {budget_bytes / 2**20:.1f} MiB is too small for one page "
                          f"({page_bytes} B) and {n_slots} state slots ({slot_bytes} B each); raise --max-memory")
