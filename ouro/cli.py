@@ -21,6 +21,11 @@ def _cmd_generate(args) -> int:
 def _cmd_bench(args) -> int:
     import json
     from .models.resolve import resolve_model
+    if args.kind == "offline":
+        from .bench.offline import bench_offline, format_offline
+        r = bench_offline(resolve_model(args.model), args.num_prompts, args.input_len, args.output_len,
+                          args.max_concurrency, args.compare == "transformers")
+        print(format_offline(r))
     if args.kind == "prefill":
         from .bench.prefill import bench_prefill, format_prefill
         r = bench_prefill(resolve_model(args.model), args.input_len, args.repeats, args.compare == "transformers")
@@ -56,11 +61,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_cmd_generate)
 
     bench = sub.add_parser("bench", help="benchmarks, measured side by side in one run")
-    bench.add_argument("kind", choices=["prefill"])
+    bench.add_argument("kind", choices=["offline", "prefill"])
     bench.add_argument("--model", default="small", help="checkpoint directory or preset name")
-    bench.add_argument("--input-len", type=int, default=1024)
+    bench.add_argument("--input-len", type=int, default=256)
+    bench.add_argument("--output-len", type=int, default=64)
+    bench.add_argument("--num-prompts", type=int, default=64)
+    bench.add_argument("--max-concurrency", type=int, default=32)
     bench.add_argument("--repeats", type=int, default=3)
-    bench.add_argument("--compare", choices=["transformers", "none"], default="transformers")
+    bench.add_argument("--compare", nargs="?", const="transformers", choices=["transformers", "none"],
+                       default="none", help="also run transformers on the same work (--compare transformers)")
     bench.add_argument("--output-json", default=None)
     bench.set_defaults(func=_cmd_bench)
     return p
