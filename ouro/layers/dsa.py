@@ -1,11 +1,24 @@
 """DSA attention: NoPE MLA with q-LoRA over a paged latent cache, with a lightning indexer that
-picks the tokens each query attends to. `shared` layers reuse the previous full layer's picks."""
+picks the tokens each query attends to. `shared` layers reuse the previous full layer's picks.
+
+A selection is a [T, width] tensor of token positions (-1 unused), one row per new token of the
+flat batch. A decode batch (one new token per sequence) is handled in one batched pass; prefill
+chunks go sequence by sequence.
+"""
 
 import torch
 from torch import nn
 
 from ..ops.dsa import absorb_weights, index_select, pool_keys, sparse_mla
 from .norm import RMSNorm
+
+
+def cache_rows(ctx, seq_of_row, tokens):
+    """Token positions [T, W] of the sequences `seq_of_row` [T] -> flat cache rows (-1 stays -1)."""
+    ps = ctx.cache.page_size
+    t = tokens.clamp(min=0)
+    rows = ctx.page_table[seq_of_row[:, None], t // ps] * ps + t % ps
+    return rows.masked_fill(tokens < 0, -1)
 
 
 class Indexer(nn.Module):
@@ -23,9 +36,19 @@ class Indexer(nn.Module):
         self.index_kpool_compress_ape = nn.Parameter(torch.zeros(config.index_kpool, d))
         self.index_kpool_compress_gate = nn.Parameter(torch.zeros(d, D))
 
+    def _pooled(self, ctx, seqs, n_pools: int):
+        """Pool keys of the first `n_pools` pools of each sequence in `seqs`: [len(seqs), n_pools, d]."""
+        ci = self.cache_index
+        tok = torch.arange(n_pools * self.kpool, device=ctx.positions.device).expand(len(seqs), -1)
+        rows = cache_rows(ctx, seqs, tok)
+        keys = ctx.cache.index_keys[ci].view(-1, self.d)[rows]
+        gates = ctx.cache.index_gates[ci].view(-1, self.d)[rows]
+        pooled = pool_keys(keys.reshape(-1, self.d), gates.reshape(-1, self.d), self.index_kpool_compress_ape)
+        return pooled.view(len(seqs), n_pools, self.d)
+
     @torch.no_grad()
     def forward(self, x, q_resid, ctx):
-        """Returns, per sequence, [n_b, width] selected token indices (-1 = unused)."""
+        """Returns the selection [T, width] for the batch's new tokens."""
         cache, ci = ctx.cache, self.cache_index
         keys = self.k_norm(self.wk(x))
         gates = x @ self.index_kpool_compress_gate.T
@@ -33,17 +56,17 @@ class Indexer(nn.Module):
         cache.index_gates[ci].view(-1, self.d)[ctx.slot_mapping] = gates.to(cache.index_gates.dtype)
         q = self.wq_b(q_resid).view(-1, self.Hi, self.d)
         w = self.weights_proj(x).float() * self.Hi ** -0.5
-        selections = []
+        args = (self.select_k, self.kpool, self.d ** -0.5, self.width)
+        if ctx.is_decode:  # one query per sequence: pools padded to the longest context
+            n_pools = max(ctx.context_len(b) for b in range(len(ctx.query_lens))) // self.kpool
+            pooled = self._pooled(ctx, ctx.seq_index, n_pools)
+            return index_select(q, w, pooled, ctx.positions, *args)
+        out = []
         for b in range(len(ctx.query_lens)):
-            L = ctx.context_len(b)
-            n_tok = L // self.kpool * self.kpool
-            pages = ctx.sequence_pages(b)
-            pk = pool_keys(cache.index_keys[ci][pages].view(-1, self.d)[:n_tok],
-                           cache.index_gates[ci][pages].view(-1, self.d)[:n_tok], self.index_kpool_compress_ape)
             r = ctx.rows(b)
-            selections.append(index_select(q[r], w[r], pk, ctx.positions[r], self.select_k, self.kpool,
-                                           self.d ** -0.5, self.width))
-        return selections
+            pooled = self._pooled(ctx, ctx.seq_index[r][:1], ctx.context_len(b) // self.kpool)[0]
+            out.append(index_select(q[r], w[r], pooled, ctx.positions[r], *args))
+        return torch.cat(out)
 
 
 class DSAttention(nn.Module):
@@ -69,7 +92,8 @@ class DSAttention(nn.Module):
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_b_proj(q_resid).view(-1, self.H, self.qk)
         latent = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x))
-        cache.latent[li].view(-1, self.r)[ctx.slot_mapping] = latent.to(cache.latent.dtype)
+        flat = cache.latent[li].view(-1, self.r)
+        flat[ctx.slot_mapping] = latent.to(flat.dtype)
         if self.indexer is not None:
             selection = self.indexer(x, q_resid, ctx)
         elif prev_selection is None:
@@ -77,11 +101,17 @@ class DSAttention(nn.Module):
         else:
             selection = prev_selection
         w_uk, w_uv = absorb_weights(self.kv_b_proj.weight, self.H, self.qk, self.v)
-        out = q.new_full((q.shape[0], self.H, self.v), float("nan"))
-        for b in range(len(ctx.query_lens)):
-            L, r = ctx.context_len(b), ctx.rows(b)
-            latents = cache.latent[li][ctx.sequence_pages(b)].view(-1, self.r)[:L].to(q.dtype)
-            # while no query has more complete pools than it may keep, the selection is the whole causal prefix
-            dense = (L // self.kpool) <= self.topk // self.kpool
-            out[r] = sparse_mla(q[r], latents, None if dense else selection[b], w_uk, w_uv, self.scale)
+        if ctx.is_decode:
+            out = sparse_mla(q, flat, cache_rows(ctx, ctx.seq_index, selection), w_uk, w_uv, self.scale)
+        else:
+            out = q.new_full((q.shape[0], self.H, self.v), float("nan"))
+            for b in range(len(ctx.query_lens)):
+                L, r = ctx.context_len(b), ctx.rows(b)
+                # while no query has more complete pools than it may keep, it sees the whole causal prefix
+                if L // self.kpool <= self.topk // self.kpool:
+                    latents = flat[cache_rows(ctx, ctx.seq_index[r][:1], torch.arange(L, device=x.device)[None])[0]]
+                    out[r] = sparse_mla(q[r], latents.to(q.dtype), None, w_uk, w_uv, self.scale)
+                else:
+                    rows = cache_rows(ctx, ctx.seq_index[r], selection[r])
+                    out[r] = sparse_mla(q[r], flat, rows, w_uk, w_uv, self.scale)
         return self.o_proj(out.reshape(q.shape[0], -1)), selection

@@ -29,11 +29,12 @@ def stable_topk_mask(scores, k: int):
 
 
 def index_select(q, weights, pooled, positions, select_k: int, kpool: int, scale: float, width: int):
-    """q: [n, Hi, d] indexer queries, weights: [n, Hi] per-head weights, pooled: [P, d] pool keys
-    of the context, positions: [n] absolute positions of the queries.
-    Returns [n, width] int64 token indices, -1 where unused."""
+    """q: [n, Hi, d] indexer queries, weights: [n, Hi] per-head weights, pooled: the context's pool
+    keys, [P, d] shared by all queries (one sequence) or [n, P, d] per query (a decode batch, rows
+    right-padded: a query sees only its first (pos+1)//kpool pools), positions: [n] absolute
+    positions of the queries. Returns [n, width] int64 token indices, -1 where unused."""
     n = q.shape[0]
-    P = pooled.shape[0]
+    P = pooled.shape[-2]
     dev = q.device
     n_vis = torch.div(positions + 1, kpool, rounding_mode="floor")                 # complete pools seen
     out = torch.full((n, width), -1, dtype=torch.long, device=dev)
@@ -44,7 +45,8 @@ def index_select(q, weights, pooled, positions, select_k: int, kpool: int, scale
         if P <= select_k:
             chosen = visible
         else:
-            s = torch.relu(torch.einsum("nhd,pd->nhp", q.float(), pooled) * scale)
+            spec = "nhd,pd->nhp" if pooled.dim() == 2 else "nhd,npd->nhp"
+            s = torch.relu(torch.einsum(spec, q.float(), pooled) * scale)
             s = torch.einsum("nh,nhp->np", weights.float(), s).masked_fill(~visible, float("-inf"))
             chosen = stable_topk_mask(s, select_k) & visible
         # compact the chosen pool ids to the front of each row, in pool order
