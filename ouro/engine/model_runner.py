@@ -48,6 +48,10 @@ class ModelRunner:
     @torch.no_grad()
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
         """Compute the batch's new tokens; returns float32 logits [B, V] of each last new token."""
+        # batch rows in slot order: with dense slots, KDA layers then update states in place
+        order = sorted(range(len(batch.requests)), key=lambda i: batch.requests[i].slot)
+        batch.requests = [batch.requests[i] for i in order]
+        batch.num_new_tokens = [batch.num_new_tokens[i] for i in order]
         reqs, counts = batch.requests, batch.num_new_tokens
         for r in reqs:
             if r.restore_from is not None:

@@ -4,6 +4,7 @@ KDA state slots (one owner each, hence a plain free list)."""
 
 from __future__ import annotations
 
+import heapq
 from collections import Counter
 from collections.abc import Iterable
 
@@ -87,8 +88,8 @@ class SlotPool:
         if n_slots < 0:
             raise ValueError(f"n_slots must be >= 0, got {n_slots}")
         self._n = n_slots
-        self._free = list(range(n_slots - 1, -1, -1))
-        self._in_use = [False] * n_slots
+        self._free = list(range(n_slots))   # a min-heap: the lowest free slot goes first, so the
+        self._in_use = [False] * n_slots     # running set stays a dense range and KDA states need no gather
 
     @property
     def num_total(self) -> int:
@@ -102,7 +103,7 @@ class SlotPool:
         """A free slot, or None: running out of slots is a scheduling limit, not an error."""
         if not self._free:
             return None
-        s = self._free.pop()
+        s = heapq.heappop(self._free)
         self._in_use[s] = True
         return s
 
@@ -112,4 +113,4 @@ class SlotPool:
         if not self._in_use[slot]:
             raise ValueError(f"double free of slot {slot}")
         self._in_use[slot] = False
-        self._free.append(slot)
+        heapq.heappush(self._free, slot)

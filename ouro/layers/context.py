@@ -73,6 +73,7 @@ class ForwardContext:
     page_table: torch.Tensor     # [B, max_pages] cache page ids
     slot_mapping: torch.Tensor   # [T] flat cache row (page * page_size + offset) of each new token
     logits_index: torch.Tensor | None  # rows whose logits are wanted (None: all)
+    state_slots_list: list[int] = None
 
     @classmethod
     def build(cls, cache: ModelCache, query_lens, start_pos, state_slots, page_table, logits: str = "last"):
@@ -93,7 +94,21 @@ class ForwardContext:
                    positions=to(positions), seq_index=to(seq_index), local_index=to(local),
                    state_slots=to(torch.as_tensor(state_slots, dtype=torch.long)),
                    fresh=to(torch.tensor([s == 0 for s in start_pos])), page_table=to(pt),
-                   slot_mapping=to(slot_mapping), logits_index=to(idx))
+                   slot_mapping=to(slot_mapping), logits_index=to(idx),
+                   state_slots_list=[int(s) for s in state_slots])
+
+    @property
+    def slot_range(self) -> slice | None:
+        """The state slots as a slice when they are consecutive in batch order (then KDA layers
+        update the cache in place instead of gathering and scattering states)."""
+        first = int(self.state_slots_list[0])
+        if self.state_slots_list == list(range(first, first + len(self.state_slots_list))):
+            return slice(first, first + len(self.state_slots_list))
+        return None
+
+    @property
+    def any_fresh(self) -> bool:
+        return any(s == 0 for s in self.start_pos)
 
     @property
     def is_decode(self) -> bool:
@@ -107,11 +122,15 @@ class ForwardContext:
 
     def pad(self, x: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
         """[T, ...] flat -> [B, max_len, ...] right-padded with `fill`."""
+        if self.is_decode:
+            return x.unsqueeze(1)
         out = x.new_full((len(self.query_lens), max(self.query_lens), *x.shape[1:]), fill)
         out[self.seq_index, self.local_index] = x
         return out
 
     def unpad(self, x: torch.Tensor) -> torch.Tensor:
+        if self.is_decode:
+            return x.squeeze(1)
         return x[self.seq_index, self.local_index]
 
     def sequence_pages(self, b: int) -> torch.Tensor:

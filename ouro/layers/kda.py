@@ -56,14 +56,20 @@ class KDAttention(nn.Module):
         T = x.shape[0]
         cache, si = ctx.cache, self.state_index
         slots = ctx.state_slots
-        fresh = ctx.fresh.view(-1, 1, 1)
-        conv_state = cache.conv[si][slots].masked_fill(fresh, 0.0)
-        rec_state = cache.recurrent[si][slots].masked_fill(fresh[..., None], 0.0)
+        in_place = ctx.slot_range
+        if in_place is not None:   # views: the recurrent step below updates the cache directly
+            conv_state, rec_state = cache.conv[si][in_place], cache.recurrent[si][in_place]
+        else:
+            conv_state, rec_state = cache.conv[si][slots], cache.recurrent[si][slots]
+        if ctx.any_fresh:  # a new sequence's slot may hold a finished one's state: read it as zero
+            fresh = ctx.fresh.view(-1, 1, 1)
+            conv_state.masked_fill_(fresh, 0.0)
+            rec_state.masked_fill_(fresh[..., None], 0.0)
         weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]).squeeze(1)
 
         mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)      # [T, 3C]
         lengths = torch.tensor(ctx.query_lens, device=x.device)
-        conv_out, conv_state = causal_conv1d(ctx.pad(mixed).transpose(1, 2), weight, conv_state, lengths)
+        conv_out, new_conv = causal_conv1d(ctx.pad(mixed).transpose(1, 2), weight, conv_state, lengths)
         mixed = F.silu(ctx.unpad(conv_out.transpose(1, 2)))
         q, k, v = (t.reshape(T, self.H, self.dk).float() for t in mixed.chunk(3, dim=-1))
         q = l2_normalize(q) * self.dk ** -0.5
@@ -73,12 +79,18 @@ class KDAttention(nn.Module):
 
         if ctx.is_decode:
             o = kda_recurrent_step(q, k, v, g, beta, rec_state)
+            new_rec = rec_state
         else:  # padding steps get g = 0, beta = 0: they leave the state untouched
-            o, rec_state = kda_chunk(ctx.pad(q), ctx.pad(k), ctx.pad(v), ctx.pad(g), ctx.pad(beta),
-                                     rec_state, self.chunk_size)
+            o, new_rec = kda_chunk(ctx.pad(q), ctx.pad(k), ctx.pad(v), ctx.pad(g), ctx.pad(beta),
+                                   rec_state, self.chunk_size)
             o = ctx.unpad(o)
-        cache.conv[si].index_copy_(0, slots, conv_state.float())
-        cache.recurrent[si].index_copy_(0, slots, rec_state)
+        if in_place is not None:
+            cache.conv[si][in_place] = new_conv
+            if new_rec is not rec_state:
+                rec_state.copy_(new_rec)
+        else:
+            cache.conv[si].index_copy_(0, slots, new_conv.float())
+            cache.recurrent[si].index_copy_(0, slots, new_rec)
 
         gate = self.g_b_proj(self.g_a_proj(x)).view(T, self.H, self.dk)
         o = self.o_norm(o.to(x.dtype), gate).reshape(T, -1)

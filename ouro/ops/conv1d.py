@@ -11,7 +11,10 @@ def causal_conv1d(x, weight, conv_state, lengths):
     Returns (out [B, C, T] before activation, new_state [B, C, K-1]: the last K-1 real inputs)."""
     K = weight.shape[-1]
     full = torch.cat([conv_state.to(x.dtype), x], dim=-1)                 # [B, C, K-1+T]
-    out = F.conv1d(full, weight.to(x.dtype).unsqueeze(1), groups=x.shape[1])
+    if x.shape[-1] == 1:  # decode: one output per channel, a K-tap dot product (far cheaper than conv1d)
+        out = (full * weight.to(x.dtype)).sum(-1, keepdim=True)
+    else:
+        out = F.conv1d(full, weight.to(x.dtype).unsqueeze(1), groups=x.shape[1])
     # token i sits at column K-1+i, so the last K-1 real inputs start at column lengths[b]
     idx = lengths.view(-1, 1, 1) + torch.arange(K - 1, device=x.device).view(1, 1, -1)
     new_state = full.gather(-1, idx.expand(-1, x.shape[1], -1))
