@@ -190,3 +190,22 @@ def test_route_never_leaves_the_kept_groups():
         assert sorted(experts[t].tolist()) == [0, 1, 6, 7]
     raw = logits.sigmoid().gather(1, experts)
     assert torch.allclose(weights, raw / raw.sum(-1, keepdim=True), atol=1e-6)
+
+
+@pytest.mark.parametrize("skew", [False, True])
+def test_grouped_experts_both_paths_match_naive(skew):
+    """Balanced routing takes the padded batched-matmul path, one hot expert the per-expert loop."""
+    from ouro.ops.moe.experts import experts_grouped, experts_naive
+    g = torch.Generator().manual_seed(3)
+    T, D, E, I, k = 24, 16, 16, 12, 2
+    x = torch.randn(T, D, generator=g)
+    gate_up, down = torch.randn(E, 2 * I, D, generator=g), torch.randn(E, D, I, generator=g)
+    experts = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    if skew:
+        experts[:, 0] = 5
+        experts[:, 1] = torch.where(experts[:, 1] == 5, 6, experts[:, 1])
+    weights = torch.rand(T, k, generator=g)
+    busiest = int(torch.bincount(experts.flatten(), minlength=E).max())
+    assert (busiest * E <= 4 * T * k) is (not skew)  # the case really takes the intended path
+    assert_close(experts_grouped(x, weights, experts, gate_up, down, 7.0),
+                 experts_naive(x, weights, experts, gate_up, down, 7.0))

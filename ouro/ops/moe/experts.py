@@ -10,24 +10,44 @@ def clamped_swiglu(gate, up, limit: float):
 
 
 def experts_grouped(x, weights, experts, gate_up, down, limit: float):
-    """x: [T, D]; weights, experts: [T, k]; gate_up: [E, 2I, D]; down: [E, D, I]. Returns [T, D]."""
+    """x: [T, D]; weights, experts: [T, k]; gate_up: [E, 2I, D]; down: [E, D, I]. Returns [T, D].
+
+    Few tokens per expert (decode): every expert's tokens are padded to the busiest expert's count
+    and all experts run as one batched matmul (one pass over the weights, no per-expert Python).
+    Many tokens (prefill): one matmul per active expert, no padding waste."""
     T, k = experts.shape
+    E = gate_up.shape[0]
     flat = experts.flatten()
     order = flat.argsort(stable=True)
-    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
+    counts = torch.bincount(flat, minlength=E)
     x_sorted = x[order // k]                       # token copies grouped by expert
-    y_sorted = torch.full_like(x_sorted, float("nan"))
-    start = 0
-    for e, c in enumerate(counts):
-        if c == 0:
-            continue
-        gate, up = (x_sorted[start:start + c] @ gate_up[e].T).chunk(2, dim=-1)
-        y_sorted[start:start + c] = clamped_swiglu(gate, up, limit) @ down[e].T
-        start += c
+    busiest = int(counts.max())
+    if busiest * E <= 4 * T * k:  # padding costs at most 4x the useful rows
+        y_sorted = _experts_padded(x_sorted, flat[order], counts, busiest, gate_up, down, limit)
+    else:
+        y_sorted = torch.full_like(x_sorted, float("nan"))
+        start = 0
+        for e, c in enumerate(counts.tolist()):
+            if c == 0:
+                continue
+            gate, up = (x_sorted[start:start + c] @ gate_up[e].T).chunk(2, dim=-1)
+            y_sorted[start:start + c] = clamped_swiglu(gate, up, limit) @ down[e].T
+            start += c
     # back to (token, choice) order, then a weighted sum over the k choices (no scatter-add)
     y = torch.empty_like(y_sorted)
     y[order] = y_sorted
     return torch.einsum("tkd,tk->td", y.view(T, k, -1), weights.to(x.dtype))
+
+
+def _experts_padded(x_sorted, expert_of, counts, busiest, gate_up, down, limit):
+    E, D = gate_up.shape[0], x_sorted.shape[1]
+    starts = torch.cumsum(counts, 0) - counts
+    slot = torch.arange(len(expert_of), device=x_sorted.device) - starts[expert_of]
+    padded = x_sorted.new_zeros(E, busiest, D)
+    padded[expert_of, slot] = x_sorted
+    gate, up = torch.bmm(padded, gate_up.transpose(1, 2)).chunk(2, dim=-1)
+    out = torch.bmm(clamped_swiglu(gate, up, limit), down.transpose(1, 2))
+    return out[expert_of, slot]
 
 
 def experts_naive(x, weights, experts, gate_up, down, limit: float):
