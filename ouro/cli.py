@@ -36,6 +36,17 @@ def _cmd_bench(args) -> int:
     return 0
 
 
+def _cmd_plan(args) -> int:
+    import torch
+    from .config import ModelConfig
+    from .engine.plan_report import format_plan
+    from .models.presets import PRESETS
+    config = PRESETS[args.model] if args.model in PRESETS else ModelConfig.from_hf(args.model)
+    contexts = [int(c) for c in args.context.split(",")]
+    print(format_plan(args.model, config, contexts, getattr(torch, args.kv_cache_dtype)))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ouro", description="Serve and study GLM-5.3-Flash-class models.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -72,6 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
                        default="none", help="also run transformers on the same work (--compare transformers)")
     bench.add_argument("--output-json", default=None)
     bench.set_defaults(func=_cmd_bench)
+
+    plan = sub.add_parser("plan", help="cache memory per sequence for a model at given context lengths")
+    plan.add_argument("--model", default="flash", help="preset name or checkpoint directory")
+    plan.add_argument("--context", default="4096,131072,1048576", help="comma-separated context lengths")
+    plan.add_argument("--kv-cache-dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    plan.set_defaults(func=_cmd_plan)
     return p
 
 

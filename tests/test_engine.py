@@ -166,3 +166,19 @@ def test_seeded_sampling_is_batch_independent(hf_pair):
     got = drive(busy)
     assert got[rid].token_ids == want
     assert len({tuple(got[o].token_ids) for o in others}) == 4
+
+
+def test_state_slots_limit_is_reported(hf_pair, caplog):
+    """Plenty of pages but two state slots: the third request waits, and the engine says why."""
+    _, _, model = hf_pair("tiny")
+    engine = make_engine(model, max_memory=budget_for(model.config, pages=40, slots=2), max_num_seqs=8)
+    assert engine.plan.n_slots == 2 and engine.plan.limit(64) == "state slots"
+    for i in range(3):
+        engine.add_request(list(range(i, i + 10)), SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    with caplog.at_level("WARNING", logger="ouro.scheduler"):
+        engine.step()
+    st = engine.stats()
+    assert st["running"] == 2 and st["waiting"] == 1 and st["slot_limited_steps"] >= 1
+    assert "KDA state slots" in caplog.text
+    drive(engine)
+    assert pools_full(engine)

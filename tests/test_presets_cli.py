@@ -91,3 +91,11 @@ def test_generate_errors_are_clear(tmp_path, tiny_checkpoint):
         (bare / name).write_bytes((tiny_checkpoint / name).read_bytes())
     r = run_ouro("generate", str(bare), "--prompt", "hi")
     assert r.returncode == 2 and "no tokenizer.json" in r.stderr and "--prompt-token-ids" in r.stderr
+
+
+def test_plan_reports_per_sequence_memory():
+    from ouro.layers.context import ModelCache
+    r = run_ouro("plan", "--model", "tiny", "--kv-cache-dtype", "float32", "--context", "1024")
+    assert r.returncode == 0, r.stderr
+    per_token = ModelCache.bytes_per_token(PRESETS["tiny"], torch.float32)
+    assert f"per token (paged): {per_token:,} B" in r.stdout and "context     1,024" in r.stdout

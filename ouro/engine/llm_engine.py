@@ -106,6 +106,17 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
+    def stats(self) -> dict:
+        """Counters for logs and /metrics: queue sizes, pool use, preemptions, what limits admission."""
+        s = self.scheduler
+        out = {"running": len(s.running), "waiting": len(s.waiting),
+               "pages_free": self.pages.num_free, "pages_total": self.pages.num_total,
+               "slots_free": self.slots.num_free, "slots_total": self.slots.num_total,
+               "preemptions": s.num_preemptions, "slot_limited_steps": s.slot_limited_steps}
+        if self.prefix_cache is not None:
+            out.update({f"prefix_{k}": v for k, v in self.prefix_cache.stats().items()})
+        return out
+
     # ---- one step ----
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()

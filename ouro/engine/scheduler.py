@@ -123,6 +123,10 @@ class Scheduler:
                and self.num_preemptions == preempted_before):
             req = self.waiting[0]
             if self.slots.num_free == 0:
+                if self.slot_limited_steps == 0:
+                    log.warning("admission is limited by KDA state slots (%d), not pages (%d free): "
+                                "raise --max-memory or lower the context to run more sequences",
+                                self.slots.num_total, self.pages.num_free)
                 self.slot_limited_steps += 1
                 break
             if self.prefix_cache is not None and req.num_computed == 0 and req.prefix_match is None:
