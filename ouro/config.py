@@ -175,7 +175,8 @@ class EngineConfig:
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
-    max_memory: int | None = None
+    max_memory: int | None = None      # cache budget in bytes; None: memory_fraction of free memory
+    memory_fraction: float = 0.5
     kda_chunk_size: int = 16
     seed: int = 0
     extra: dict = field(default_factory=dict)

@@ -49,12 +49,14 @@ class GenerationResult:
 
 class LLM:
     def __init__(self, model: str, device: str = "cpu", dtype: str = "auto", max_memory: int | None = None,
+                 memory_fraction: float = 0.5,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, page_size: int = 64,
                  enable_prefix_caching: bool = False, seed: int = 0, verbose: bool = False):
         from ..generate import load_tokenizer
         from ..models.loader import load_model
         from ..models.resolve import resolve_model
-        cfg = EngineConfig(device=device, dtype=dtype, max_memory=max_memory, max_num_seqs=max_num_seqs,
+        cfg = EngineConfig(device=device, dtype=dtype, max_memory=max_memory, memory_fraction=memory_fraction,
+                           max_num_seqs=max_num_seqs,
                            max_num_batched_tokens=max_num_batched_tokens, page_size=page_size, seed=seed)
         directory = resolve_model(model, progress=verbose)
         weights = load_model(directory, dtype=cfg.torch_dtype(), device=device)

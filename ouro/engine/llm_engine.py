@@ -28,7 +28,7 @@ class LLMEngine:
         self.logits_history: dict[str, list[torch.Tensor]] = {}
         mc = model.config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-        budget = config.max_memory or int(0.5 * available_bytes(config.device))
+        budget = config.max_memory or int(config.memory_fraction * available_bytes(config.device))
         dtype = model.embed_tokens.weight.dtype
         self.plan = plan_memory(mc, budget, config.page_size, config.max_num_seqs, dtype,
                                 checkpoint_fraction=0.1 if enable_prefix_caching else 0.0,

@@ -66,4 +66,4 @@ class ModelRunner:
         logits = self.model(torch.tensor(ids, device=self.device), ctx)
         for r, n in zip(reqs, counts):
             r.num_computed += n
-        return logits.float()
+        return logits.float().cpu()  # sampling runs on the CPU with per-request CPU generators
