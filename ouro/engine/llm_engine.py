@@ -46,7 +46,7 @@ class LLMEngine:
             self.prefix_cache = PrefixCache(config.page_size, self.pages, self.plan.n_checkpoints,
                                             checkpoint_interval=checkpoint_interval,
                                             on_evict_checkpoint=self.runner.checkpoints.release)
-        self.scheduler = Scheduler(self.pages, self.slots, config.page_size, min(config.max_num_seqs, self.plan.n_slots),
+        self.scheduler = Scheduler(self.pages, self.slots, config.page_size, config.max_num_seqs,
                                    config.max_num_batched_tokens, self.prefix_cache,
                                    chunk_align=checkpoint_interval * config.page_size if self.prefix_cache else 0)
         self.sampler = Sampler()
