@@ -97,6 +97,21 @@ class ForwardContext:
                    slot_mapping=to(slot_mapping), logits_index=to(idx),
                    state_slots_list=[int(s) for s in state_slots])
 
+    def split_decode(self):
+        """For a batch mixing decode rows (one new token) with prefill chunks: the two halves as
+        (sub-context, flat token rows) pairs, so each can take its own path. None if not mixed."""
+        dec = [b for b, n in enumerate(self.query_lens) if n == 1]
+        if not dec or len(dec) == len(self.query_lens):
+            return None
+        return [self.subset(part) for part in (dec, [b for b, n in enumerate(self.query_lens) if n != 1])]
+
+    def subset(self, seqs: list[int]):
+        """The context of some of the batch's sequences, and the flat rows of their tokens."""
+        rows = torch.cat([torch.arange(int(self.cu_seqlens[b]), int(self.cu_seqlens[b + 1])) for b in seqs])
+        sub = ForwardContext.build(self.cache, [self.query_lens[b] for b in seqs], [self.start_pos[b] for b in seqs],
+                                   [self.state_slots_list[b] for b in seqs], self.page_table[seqs].cpu(), "all")
+        return sub, rows.to(self.positions.device)
+
     @property
     def slot_range(self) -> slice | None:
         """The state slots as a slice when they are consecutive in batch order (then KDA layers

@@ -88,6 +88,19 @@ class DSAttention(nn.Module):
 
     def forward(self, x, ctx, prev_selection=None):
         """Returns (output [T, D], the selection this layer used)."""
+        parts = ctx.split_decode()
+        if parts is None:
+            return self._forward(x, ctx, prev_selection)
+        out, selection = x.new_empty(x.shape[0], self.o_proj.out_features), None
+        for sub, rows in parts:  # decode rows in one batched pass, prefill chunks per sequence
+            o, sel = self._forward(x[rows], sub, None if prev_selection is None else prev_selection[rows])
+            out[rows] = o
+            if selection is None:
+                selection = sel.new_full((x.shape[0], sel.shape[1]), -1)
+            selection[rows] = sel
+        return out, selection
+
+    def _forward(self, x, ctx, prev_selection=None):
         cache, li = ctx.cache, self.cache_index
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_b_proj(q_resid).view(-1, self.H, self.qk)

@@ -53,6 +53,17 @@ class KDAttention(nn.Module):
         return -rate * F.softplus(raw)
 
     def forward(self, x, ctx):
+        parts = ctx.split_decode()
+        if parts is None:
+            return self._forward(x, ctx)
+        # decode rows take the recurrent step, prefill chunks the chunked form (no padding of
+        # one-token rows up to the longest chunk)
+        out = x.new_empty(x.shape[0], self.o_proj.out_features)
+        for sub, rows in parts:
+            out[rows] = self._forward(x[rows], sub)
+        return out
+
+    def _forward(self, x, ctx):
         T = x.shape[0]
         cache, si = ctx.cache, self.state_index
         slots = ctx.state_slots
