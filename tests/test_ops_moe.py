@@ -197,7 +197,7 @@ def test_grouped_experts_both_paths_match_naive(skew):
     """Balanced routing takes the padded batched-matmul path, one hot expert the per-expert loop."""
     from ouro.ops.moe.experts import experts_grouped, experts_naive
     g = torch.Generator().manual_seed(3)
-    T, D, E, I, k = 24, 16, 16, 12, 2
+    T, D, E, I, k = 24, 16, 16, 12, 2   # T * k = 48 <= 4 * E: the padded path is allowed
     x = torch.randn(T, D, generator=g)
     gate_up, down = torch.randn(E, 2 * I, D, generator=g), torch.randn(E, D, I, generator=g)
     experts = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
@@ -206,6 +206,6 @@ def test_grouped_experts_both_paths_match_naive(skew):
         experts[:, 1] = torch.where(experts[:, 1] == 5, 6, experts[:, 1])
     weights = torch.rand(T, k, generator=g)
     busiest = int(torch.bincount(experts.flatten(), minlength=E).max())
-    assert (busiest * E <= 4 * T * k) is (not skew)  # the case really takes the intended path
+    assert (T * k <= 4 * E and busiest * E <= 4 * T * k) is (not skew)  # the intended path is taken
     assert_close(experts_grouped(x, weights, experts, gate_up, down, 7.0),
                  experts_naive(x, weights, experts, gate_up, down, 7.0))

@@ -14,7 +14,7 @@ def experts_grouped(x, weights, experts, gate_up, down, limit: float):
 
     Few tokens per expert (decode): every expert's tokens are padded to the busiest expert's count
     and all experts run as one batched matmul (one pass over the weights, no per-expert Python).
-    Many tokens (prefill): one matmul per active expert, no padding waste."""
+    Many tokens (prefill, compute-bound): one matmul per active expert, no padding waste."""
     T, k = experts.shape
     E = gate_up.shape[0]
     flat = experts.flatten()
@@ -22,7 +22,7 @@ def experts_grouped(x, weights, experts, gate_up, down, limit: float):
     counts = torch.bincount(flat, minlength=E)
     x_sorted = x[order // k]                       # token copies grouped by expert
     busiest = int(counts.max())
-    if busiest * E <= 4 * T * k:  # padding costs at most 4x the useful rows
+    if T * k <= 4 * E and busiest * E <= 4 * T * k:  # few rows per expert, padding at most 4x
         y_sorted = _experts_padded(x_sorted, flat[order], counts, busiest, gate_up, down, limit)
     else:
         y_sorted = torch.full_like(x_sorted, float("nan"))
