@@ -24,7 +24,7 @@ def _cmd_bench(args) -> int:
     if args.kind == "offline":
         from .bench.offline import bench_offline, format_offline
         r = bench_offline(resolve_model(args.model), args.num_prompts, args.input_len, args.output_len,
-                          args.max_concurrency, args.compare == "transformers")
+                          args.max_concurrency, args.compare == "transformers", device=args.device, dtype=args.dtype)
         print(format_offline(r))
     if args.kind == "prefill":
         from .bench.prefill import bench_prefill, format_prefill
@@ -68,7 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--max-memory", type=int, default=None, help="cache budget in bytes (default: half of free)")
+    gen.add_argument("--max-memory", type=int, default=None, help="cache budget in bytes (default: a fraction of free)")
+    gen.add_argument("--mem-fraction-static", type=float, default=0.5,
+                     help="fraction of free memory for the cache when --max-memory is not given")
     gen.set_defaults(func=_cmd_generate)
 
     bench = sub.add_parser("bench", help="benchmarks, measured side by side in one run")
@@ -82,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--compare", nargs="?", const="transformers", choices=["transformers", "none"],
                        default="none", help="also run transformers on the same work (--compare transformers)")
     bench.add_argument("--output-json", default=None)
+    bench.add_argument("--device", default="cpu", help="offline: cpu or cuda (ouro side; transformers runs on the CPU)")
+    bench.add_argument("--dtype", default="auto", help="offline: auto (float32 on CPU, bfloat16 on CUDA)")
     bench.set_defaults(func=_cmd_bench)
 
     plan = sub.add_parser("plan", help="cache memory per sequence for a model at given context lengths")

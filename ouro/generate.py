@@ -20,7 +20,8 @@ def load_tokenizer(directory: Path):
 def generate_cli(args) -> int:
     from .engine.llm import LLM
     from .engine.sampling import SamplingParams
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_memory=args.max_memory, verbose=True)
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_memory=args.max_memory,
+              memory_fraction=args.mem_fraction_static, verbose=True)
     engine = llm.engine
     if args.prompt_token_ids:
         prompt = {"prompt_token_ids": [int(x) for x in args.prompt_token_ids.split(",")]}

@@ -183,3 +183,20 @@ def test_state_slots_limit_is_reported(hf_pair, caplog):
     assert "KDA state slots" in caplog.text
     drive(engine)
     assert pools_full(engine)
+
+
+def test_bfloat16_engine_runs_close_to_float32(hf_pair, tmp_path):
+    """The CUDA default dtype, exercised on the CPU: bf16 weights and caches, fp32 KDA states."""
+    from ouro.models.loader import load_model
+    d, _, model = hf_pair("tiny")
+    bf16 = load_model(d, dtype=torch.bfloat16)
+    prompt = list(range(60))
+    outs = []
+    for m in (model, bf16):
+        engine = make_engine(m, max_memory=budget_for(m.config, pages=20, slots=2))
+        rid = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+        drive(engine)
+        outs.append(engine.logits_history[rid][0])
+        assert engine.runner.cache.recurrent.dtype == torch.float32
+    assert engine.runner.cache.latent.dtype == torch.bfloat16
+    assert rel_rms(outs[1], outs[0]) <= 5e-2

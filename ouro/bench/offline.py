@@ -16,14 +16,14 @@ def _prompts(n, length, vocab, seed):
     return [torch.randint(0, vocab, (length,), generator=g).tolist() for _ in range(n)]
 
 
-def run_ouro(model, tokenizer, prompts, output_len, concurrency, progress):
+def run_ouro(model, tokenizer, prompts, output_len, concurrency, progress, device="cpu"):
     from tqdm import tqdm
 
     from ..config import EngineConfig
     from ..engine.llm_engine import LLMEngine
     from ..engine.sampling import SamplingParams
     length = len(prompts[0]) + output_len
-    cfg = EngineConfig(max_num_seqs=concurrency, max_num_batched_tokens=max(2048, len(prompts[0])),
+    cfg = EngineConfig(device=device, max_num_seqs=concurrency, max_num_batched_tokens=max(2048, len(prompts[0])),
                        page_size=64, max_model_len=length)
     engine = LLMEngine(model, tokenizer, cfg, verbose=False)
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
@@ -77,13 +77,15 @@ def decode_floor(engine, model, roof: Roofline, context: int, batch: int) -> dic
 
 
 def bench_offline(model_dir, num_prompts=64, input_len=256, output_len=64, concurrency=32, compare=False,
-                  seed=0, progress=True) -> dict:
+                  seed=0, progress=True, device="cpu", dtype="auto") -> dict:
+    from ..config import EngineConfig
     from ..generate import load_tokenizer
     from ..models.loader import load_model
-    model = load_model(model_dir)
-    roof = Roofline.measure()
+    model = load_model(model_dir, dtype=EngineConfig(device=device, dtype=dtype).torch_dtype(), device=device)
+    roof = Roofline.measure(device, model.embed_tokens.weight.dtype)
     prompts = _prompts(num_prompts, input_len, model.config.vocab_size, seed)
-    elapsed, steps, engine, outs = run_ouro(model, load_tokenizer(model_dir), prompts, output_len, concurrency, progress)
+    elapsed, steps, engine, outs = run_ouro(model, load_tokenizer(model_dir), prompts, output_len, concurrency,
+                                            progress, device)
     n_in, n_out = num_prompts * input_len, num_prompts * output_len
     r = {"num_prompts": num_prompts, "input_len": input_len, "output_len": output_len, "concurrency": concurrency,
          "ouro": {"seconds": elapsed, "input_tok_s": n_in / elapsed, "output_tok_s": n_out / elapsed,

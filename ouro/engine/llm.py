@@ -51,7 +51,8 @@ class LLM:
     def __init__(self, model: str, device: str = "cpu", dtype: str = "auto", max_memory: int | None = None,
                  memory_fraction: float = 0.5,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, page_size: int = 64,
-                 enable_prefix_caching: bool = False, seed: int = 0, verbose: bool = False):
+                 enable_prefix_caching: bool = False, prefix_checkpoint_interval: int = 1, seed: int = 0,
+                 verbose: bool = False):
         from ..generate import load_tokenizer
         from ..models.loader import load_model
         from ..models.resolve import resolve_model
@@ -60,7 +61,8 @@ class LLM:
                            max_num_batched_tokens=max_num_batched_tokens, page_size=page_size, seed=seed)
         directory = resolve_model(model, progress=verbose)
         weights = load_model(directory, dtype=cfg.torch_dtype(), device=device)
-        self.engine = LLMEngine(weights, load_tokenizer(directory), cfg, enable_prefix_caching, verbose=verbose)
+        self.engine = LLMEngine(weights, load_tokenizer(directory), cfg, enable_prefix_caching,
+                                checkpoint_interval=prefix_checkpoint_interval, verbose=verbose)
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[GenerationResult]:
