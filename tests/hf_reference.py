@@ -57,4 +57,7 @@ def make_hf_checkpoint(shape: str, directory, seed: int = 0):
     params.update(dict(model.named_buffers()))
     condition_indexer(params, ModelConfig.from_dict(text), prefix="model.language_model.")
     model.save_pretrained(directory)
+    # the checkpoint must describe the shape asked for, as ouro reads it
+    saved = ModelConfig.from_hf(directory)
+    assert saved.layer_types == tuple(text["layer_types"]) and saved.indexer_types == tuple(text["indexer_types"])
     return model
