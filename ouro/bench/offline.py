@@ -95,8 +95,11 @@ def bench_offline(model_dir, num_prompts=64, input_len=256, output_len=64, concu
     if steps:
         r["decode_step_over_floor"] = r["ouro"]["decode_step_s"] / r["decode_floor"]["floor_s"]
     # prefill of one prompt against its FLOP floor
-    one = lambda: engine.add_request({"prompt_token_ids": prompts[0]}, __import__("ouro").SamplingParams(
-        temperature=0, max_tokens=1)) and _drain(engine)
+    from ..engine.sampling import SamplingParams
+
+    def one():
+        engine.add_request({"prompt_token_ids": prompts[0]}, SamplingParams(temperature=0, max_tokens=1))
+        _drain(engine)
     flops = count_flops(one)
     t = statistics.median([_timed(one) for _ in range(3)])
     r["prefill"] = {"tokens": input_len, "seconds": t, "flops": flops, "floor_s": flops / roof.flops_per_s,
@@ -112,7 +115,6 @@ def bench_offline(model_dir, num_prompts=64, input_len=256, output_len=64, concu
 def _drain(engine):
     while engine.has_unfinished():
         engine.step()
-    return True
 
 
 def _timed(fn):
