@@ -45,7 +45,7 @@ class ModelRunner:
         self.cache = ModelCache(model.config, plan.n_slots, plan.n_pages, plan.page_size, dtype=dtype, device=device)
         self.checkpoints = CheckpointStore(self.cache, plan.n_checkpoints) if plan.n_checkpoints else None
 
-    @torch.no_grad()
+    @torch.inference_mode()  # no autograd bookkeeping at all: cheaper per op than no_grad
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
         """Compute the batch's new tokens; returns float32 logits [B, V] of each last new token."""
         # batch rows in slot order: with dense slots, KDA layers then update states in place
