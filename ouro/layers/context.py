@@ -38,12 +38,16 @@ class ModelCache:
         self.latent = torch.zeros(len(c.dsa_layers), n_pages, page_size, c.kv_lora_rank, dtype=dtype, **kw)
         self.index_keys = torch.zeros(len(c.indexer_layers), n_pages, page_size, c.index_head_dim, dtype=dtype, **kw)
         self.index_gates = torch.zeros_like(self.index_keys)
+        # compressed key of every complete pool, written once when the pool's last token arrives
+        self.index_pooled = torch.zeros(len(c.indexer_layers), n_pages, page_size // c.index_kpool,
+                                        c.index_head_dim, dtype=torch.float32, **kw)
 
     @staticmethod
     def bytes_per_token(config: ModelConfig, dtype=torch.float32) -> int:
         """Paged bytes one token of context costs across all DSA layers."""
         e = torch.empty(0, dtype=dtype).element_size()
-        return e * (len(config.dsa_layers) * config.kv_lora_rank + 2 * len(config.indexer_layers) * config.index_head_dim)
+        raw = e * (len(config.dsa_layers) * config.kv_lora_rank + 2 * len(config.indexer_layers) * config.index_head_dim)
+        return raw + 4 * len(config.indexer_layers) * config.index_head_dim // config.index_kpool
 
     @staticmethod
     def bytes_per_slot(config: ModelConfig) -> int:
@@ -54,7 +58,7 @@ class ModelCache:
 
     def poison(self):
         """Fill everything with NaN so a read of never-written memory shows up in outputs."""
-        for t in (self.conv, self.recurrent, self.latent, self.index_keys, self.index_gates):
+        for t in (self.conv, self.recurrent, self.latent, self.index_keys, self.index_gates, self.index_pooled):
             t.fill_(float("nan"))
 
 

@@ -36,15 +36,27 @@ class Indexer(nn.Module):
         self.index_kpool_compress_ape = nn.Parameter(torch.zeros(config.index_kpool, d))
         self.index_kpool_compress_gate = nn.Parameter(torch.zeros(d, D))
 
+    def _pool_rows(self, ctx, seqs, first_tokens):
+        """Rows of the pooled-key cache for pools starting at `first_tokens` [n, P] of `seqs` [n]."""
+        return torch.div(cache_rows(ctx, seqs, first_tokens), self.kpool, rounding_mode="floor")
+
+    def _write_completed_pools(self, ctx):
+        """Compress every pool whose last token arrived in this batch and store its key."""
+        ends = ((ctx.positions + 1) % self.kpool == 0).nonzero().flatten()
+        if ends.numel() == 0:
+            return
+        ci, seqs = self.cache_index, ctx.seq_index[ends]
+        tok = (ctx.positions[ends] + 1 - self.kpool)[:, None] + torch.arange(self.kpool, device=ends.device)
+        rows = cache_rows(ctx, seqs, tok)
+        keys = ctx.cache.index_keys[ci].view(-1, self.d)[rows].reshape(-1, self.d)
+        gates = ctx.cache.index_gates[ci].view(-1, self.d)[rows].reshape(-1, self.d)
+        pooled = pool_keys(keys, gates, self.index_kpool_compress_ape)
+        ctx.cache.index_pooled[ci].view(-1, self.d)[self._pool_rows(ctx, seqs, tok[:, :1])[:, 0]] = pooled
+
     def _pooled(self, ctx, seqs, n_pools: int):
         """Pool keys of the first `n_pools` pools of each sequence in `seqs`: [len(seqs), n_pools, d]."""
-        ci = self.cache_index
-        tok = torch.arange(n_pools * self.kpool, device=ctx.positions.device).expand(len(seqs), -1)
-        rows = cache_rows(ctx, seqs, tok)
-        keys = ctx.cache.index_keys[ci].view(-1, self.d)[rows]
-        gates = ctx.cache.index_gates[ci].view(-1, self.d)[rows]
-        pooled = pool_keys(keys.reshape(-1, self.d), gates.reshape(-1, self.d), self.index_kpool_compress_ape)
-        return pooled.view(len(seqs), n_pools, self.d)
+        first = torch.arange(n_pools, device=ctx.positions.device).expand(len(seqs), -1) * self.kpool
+        return ctx.cache.index_pooled[self.cache_index].view(-1, self.d)[self._pool_rows(ctx, seqs, first)]
 
     @torch.no_grad()
     def forward(self, x, q_resid, ctx):
@@ -54,6 +66,7 @@ class Indexer(nn.Module):
         gates = x @ self.index_kpool_compress_gate.T
         cache.index_keys[ci].view(-1, self.d)[ctx.slot_mapping] = keys.to(cache.index_keys.dtype)
         cache.index_gates[ci].view(-1, self.d)[ctx.slot_mapping] = gates.to(cache.index_gates.dtype)
+        self._write_completed_pools(ctx)
         q = self.wq_b(q_resid).view(-1, self.Hi, self.d)
         w = self.weights_proj(x).float() * self.Hi ** -0.5
         args = (self.select_k, self.kpool, self.d ** -0.5, self.width)
