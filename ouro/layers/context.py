@@ -20,7 +20,8 @@ class ModelCache:
     - KDA layers: one state slot per sequence (conv window [3*linear_dim, K-1] and fp32 recurrent
       state [H, dk, dv] for every KDA layer); size does not grow with context.
     - DSA layers: paged latent KV [n_pages, page_size, kv_lora_rank] per DSA layer, and for layers
-      with their own indexer the indexer keys and pool-gate scores [n_pages, page_size, d].
+      with their own indexer the indexer keys and pool-gate scores [n_pages, page_size, d] plus
+      the fp32 compressed key of each complete pool [n_pages, page_size / kpool, d].
     """
 
     def __init__(self, config: ModelConfig, n_slots: int, n_pages: int, page_size: int,
