@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--compare", nargs="?", const="transformers", choices=["transformers", "none"],
                        default="none", help="also run transformers on the same work (--compare transformers)")
     bench.add_argument("--output-json", default=None)
-    bench.add_argument("--device", default="cpu", help="offline: cpu or cuda (ouro side; transformers runs on the CPU)")
+    bench.add_argument("--device", default="cpu", help="offline: cpu or cuda (both systems run there)")
     bench.add_argument("--dtype", default="auto", help="offline: auto (float32 on CPU, bfloat16 on CUDA)")
     bench.set_defaults(func=_cmd_bench)
 

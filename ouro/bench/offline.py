@@ -47,15 +47,15 @@ def run_ouro(model, tokenizer, prompts, output_len, concurrency, progress, devic
     return elapsed, decode_steps, engine, [outputs[k] for k in sorted(outputs, key=lambda s: int(s.split("-")[1]))]
 
 
-def run_transformers(model_dir, prompts, output_len, concurrency, progress):
+def run_transformers(model_dir, prompts, output_len, concurrency, progress, device="cpu", dtype=torch.float32):
     from tqdm import tqdm
     from transformers import Glm5NextForConditionalGeneration
     from transformers.utils import logging
     logging.set_verbosity_error()
-    hf = Glm5NextForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf = Glm5NextForConditionalGeneration.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     outs, start = [], time.perf_counter()
     for i in tqdm(range(0, len(prompts), concurrency), desc="transformers", disable=not progress):
-        batch = torch.tensor(prompts[i:i + concurrency])
+        batch = torch.tensor(prompts[i:i + concurrency], device=device)
         with torch.no_grad():
             gen = hf.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=output_len,
                               min_new_tokens=output_len, do_sample=False, eos_token_id=None, pad_token_id=0)
@@ -105,7 +105,8 @@ def bench_offline(model_dir, num_prompts=64, input_len=256, output_len=64, concu
     r["prefill"] = {"tokens": input_len, "seconds": t, "flops": flops, "floor_s": flops / roof.flops_per_s,
                     "over_floor": t / (flops / roof.flops_per_s)}
     if compare:
-        t_hf, hf_outs = run_transformers(model_dir, prompts, output_len, concurrency, progress)
+        t_hf, hf_outs = run_transformers(model_dir, prompts, output_len, concurrency, progress, device,
+                                         model.embed_tokens.weight.dtype)
         r["transformers"] = {"seconds": t_hf, "input_tok_s": n_in / t_hf, "output_tok_s": n_out / t_hf}
         r["ratio"] = r["ouro"]["output_tok_s"] / r["transformers"]["output_tok_s"]
         r["same_tokens"] = sum(a == b for a, b in zip(outs, hf_outs)) / len(outs)
