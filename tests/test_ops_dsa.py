@@ -291,3 +291,16 @@ def test_sparse_mla_selection_matters():
                    scale)
     b = sparse_mla(q, latents, None, w_uk, w_uv, scale)
     assert rel_rms(a, b) > 1e-2
+
+
+def test_index_select_in_row_blocks_equals_one_pass(monkeypatch):
+    """Long contexts score queries in row blocks; the selection must not change."""
+    import ouro.ops.dsa.indexer as ix
+    g = torch.Generator().manual_seed(11)
+    n, Hi, d, P, kpool = 37, 2, 8, 30, 4
+    q, w = torch.randn(n, Hi, d, generator=g), torch.randn(n, Hi, generator=g)
+    pooled = torch.randn(P, d, generator=g)
+    pos = torch.arange(P * kpool - n, P * kpool)
+    whole = ix.index_select(q, w, pooled, pos, 5, kpool, 0.3, 5 * kpool + kpool - 1)
+    monkeypatch.setattr(ix, "SCORE_BUDGET", Hi * P * 4)  # blocks of 4 rows
+    assert torch.equal(ix.index_select(q, w, pooled, pos, 5, kpool, 0.3, 5 * kpool + kpool - 1), whole)

@@ -28,12 +28,21 @@ def stable_topk_mask(scores, k: int):
     return above | (tied & (tied.cumsum(-1) <= room))
 
 
+SCORE_BUDGET = 1 << 25  # floats of per-head scores held at once (128 MiB): long contexts go in row blocks
+
+
 def index_select(q, weights, pooled, positions, select_k: int, kpool: int, scale: float, width: int):
     """q: [n, Hi, d] indexer queries, weights: [n, Hi] per-head weights, pooled: the context's pool
     keys, [P, d] shared by all queries (one sequence) or [n, P, d] per query (a decode batch, rows
     right-padded: a query sees only its first (pos+1)//kpool pools), positions: [n] absolute
     positions of the queries. Returns [n, width] int64 token indices, -1 where unused."""
-    n = q.shape[0]
+    n, Hi = q.shape[0], q.shape[1]
+    block = max(1, SCORE_BUDGET // max(1, Hi * pooled.shape[-2]))
+    if n > block:  # bound the [rows, Hi, P] score tensor
+        return torch.cat([index_select(q[s:s + block], weights[s:s + block],
+                                       pooled if pooled.dim() == 2 else pooled[s:s + block],
+                                       positions[s:s + block], select_k, kpool, scale, width)
+                          for s in range(0, n, block)])
     P = pooled.shape[-2]
     dev = q.device
     n_vis = torch.div(positions + 1, kpool, rounding_mode="floor")                 # complete pools seen
