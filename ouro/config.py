@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -179,7 +179,6 @@ class EngineConfig:
     memory_fraction: float = 0.5
     kda_chunk_size: int = 16
     seed: int = 0
-    extra: dict = field(default_factory=dict)
 
     def torch_dtype(self):
         import torch

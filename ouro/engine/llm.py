@@ -60,7 +60,7 @@ class LLM:
                            max_num_seqs=max_num_seqs,
                            max_num_batched_tokens=max_num_batched_tokens, page_size=page_size, seed=seed)
         directory = resolve_model(model, progress=verbose)
-        weights = load_model(directory, dtype=cfg.torch_dtype(), device=device)
+        weights = load_model(directory, dtype=cfg.torch_dtype(), device=device, kda_chunk_size=cfg.kda_chunk_size)
         self.engine = LLMEngine(weights, load_tokenizer(directory), cfg, enable_prefix_caching,
                                 checkpoint_interval=prefix_checkpoint_interval, verbose=verbose)
 

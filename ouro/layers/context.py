@@ -8,6 +8,7 @@ the engine: this file is the whole contract between them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -78,7 +79,7 @@ class ForwardContext:
     page_table: torch.Tensor     # [B, max_pages] cache page ids
     slot_mapping: torch.Tensor   # [T] flat cache row (page * page_size + offset) of each new token
     logits_index: torch.Tensor | None  # rows whose logits are wanted (None: all)
-    state_slots_list: list[int] = None
+    state_slots_list: list[int]  # host copy of state_slots
 
     @classmethod
     def build(cls, cache: ModelCache, query_lens, start_pos, state_slots, page_table, logits: str = "last"):
@@ -102,6 +103,8 @@ class ForwardContext:
                    slot_mapping=to(slot_mapping), logits_index=to(idx),
                    state_slots_list=[int(s) for s in state_slots])
 
+    # Facts about the batch that every layer asks for: derived once per forward, not per layer.
+    @cached_property
     def split_decode(self):
         """For a batch mixing decode rows (one new token) with prefill chunks: the two halves as
         (sub-context, flat token rows) pairs, so each can take its own path. None if not mixed."""
@@ -117,7 +120,7 @@ class ForwardContext:
                                    [self.state_slots_list[b] for b in seqs], self.page_table[seqs].cpu(), "all")
         return sub, rows.to(self.positions.device)
 
-    @property
+    @cached_property
     def slot_range(self) -> slice | None:
         """The state slots as a slice when they are consecutive in batch order (then KDA layers
         update the cache in place instead of gathering and scattering states)."""
@@ -126,11 +129,11 @@ class ForwardContext:
             return slice(first, first + len(self.state_slots_list))
         return None
 
-    @property
+    @cached_property
     def any_fresh(self) -> bool:
         return any(s == 0 for s in self.start_pos)
 
-    @property
+    @cached_property
     def is_decode(self) -> bool:
         return all(n == 1 for n in self.query_lens)
 
@@ -152,7 +155,3 @@ class ForwardContext:
         if self.is_decode:
             return x.squeeze(1)
         return x[self.seq_index, self.local_index]
-
-    def sequence_pages(self, b: int) -> torch.Tensor:
-        n = -(-self.context_len(b) // self.cache.page_size)
-        return self.page_table[b, :n]

@@ -101,7 +101,7 @@ class DSAttention(nn.Module):
 
     def forward(self, x, ctx, prev_selection=None):
         """Returns (output [T, D], the selection this layer used)."""
-        parts = ctx.split_decode()
+        parts = ctx.split_decode
         if parts is None:
             return self._forward(x, ctx, prev_selection)
         out, selection = x.new_empty(x.shape[0], self.o_proj.out_features), None

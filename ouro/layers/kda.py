@@ -53,7 +53,7 @@ class KDAttention(nn.Module):
         return -rate * F.softplus(raw)
 
     def forward(self, x, ctx):
-        parts = ctx.split_decode()
+        parts = ctx.split_decode
         if parts is None:
             return self._forward(x, ctx)
         # decode rows take the recurrent step, prefill chunks the chunked form (no padding of
