@@ -3,18 +3,8 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 from .config import CheckpointError
-
-
-def load_tokenizer(directory: Path):
-    """The checkpoint's `tokenizers` tokenizer, or None when it ships without one."""
-    path = Path(directory) / "tokenizer.json"
-    if not path.is_file():
-        return None
-    from tokenizers import Tokenizer
-    return Tokenizer.from_file(str(path))
 
 
 def generate_cli(args) -> int:

@@ -71,7 +71,7 @@ def test_generate_streams_greedy_tokens(tiny_checkpoint):
     for _ in range(6):
         want.append(int(logits[0].argmax()))
         logits = runner.step([[want[-1]]])
-    from ouro.generate import load_tokenizer
+    from ouro.models.resolve import load_tokenizer
     assert r.stdout[:-1] == load_tokenizer(tiny_checkpoint).decode(want)
 
 

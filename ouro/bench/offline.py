@@ -63,7 +63,7 @@ def run_transformers(model_dir, prompts, output_len, concurrency, progress, devi
     return time.perf_counter() - start, outs
 
 
-def decode_floor(engine, model, roof: Roofline, context: int, batch: int) -> dict:
+def decode_floor(model, roof: Roofline, context: int, batch: int) -> dict:
     """Bytes a batch-`batch` decode step must move (weights once, each sequence's cache and KDA
     state) and FLOPs it must do, over the measured bandwidth and matmul rate."""
     from ..layers.context import ModelCache
@@ -79,7 +79,7 @@ def decode_floor(engine, model, roof: Roofline, context: int, batch: int) -> dic
 def bench_offline(model_dir, num_prompts=64, input_len=256, output_len=64, concurrency=32, compare=False,
                   seed=0, progress=True, device="cpu", dtype="auto") -> dict:
     from ..config import EngineConfig
-    from ..generate import load_tokenizer
+    from ..models.resolve import load_tokenizer
     from ..models.loader import load_model
     model = load_model(model_dir, dtype=EngineConfig(device=device, dtype=dtype).torch_dtype(), device=device)
     roof = Roofline.measure(device, model.embed_tokens.weight.dtype)
@@ -91,7 +91,7 @@ def bench_offline(model_dir, num_prompts=64, input_len=256, output_len=64, concu
          "ouro": {"seconds": elapsed, "input_tok_s": n_in / elapsed, "output_tok_s": n_out / elapsed,
                   "decode_step_s": statistics.median(steps) if steps else None, "decode_steps_timed": len(steps)},
          "matmul_flops_per_s": roof.flops_per_s, "copy_bytes_per_s": roof.bytes_per_s}
-    r["decode_floor"] = decode_floor(engine, model, roof, input_len + output_len // 2, concurrency)
+    r["decode_floor"] = decode_floor(model, roof, input_len + output_len // 2, concurrency)
     if steps:
         r["decode_step_over_floor"] = r["ouro"]["decode_step_s"] / r["decode_floor"]["floor_s"]
     # prefill of one prompt against its FLOP floor

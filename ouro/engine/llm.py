@@ -53,7 +53,7 @@ class LLM:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, page_size: int = 64,
                  enable_prefix_caching: bool = False, prefix_checkpoint_interval: int = 1, seed: int = 0,
                  verbose: bool = False):
-        from ..generate import load_tokenizer
+        from ..models.resolve import load_tokenizer
         from ..models.loader import load_model
         from ..models.resolve import resolve_model
         cfg = EngineConfig(device=device, dtype=dtype, max_memory=max_memory, memory_fraction=memory_fraction,

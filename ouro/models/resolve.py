@@ -28,3 +28,12 @@ def resolve_model(name_or_dir: str, progress: bool = True) -> Path:
             make_model(name_or_dir, target, progress=progress)
         return target
     raise CheckpointError(f"{name_or_dir!r} is neither a checkpoint directory nor a preset ({', '.join(PRESETS)})")
+
+
+def load_tokenizer(directory: Path):
+    """The checkpoint's `tokenizers` tokenizer, or None when it ships without one."""
+    path = Path(directory) / "tokenizer.json"
+    if not path.is_file():
+        return None
+    from tokenizers import Tokenizer
+    return Tokenizer.from_file(str(path))
