@@ -58,9 +58,7 @@ class ModelRunner:
                 self.checkpoints.restore(r.restore_from, r.slot)
                 r.restore_from = None
         width = max(len(r.pages) for r in reqs)
-        table = torch.zeros(len(reqs), width, dtype=torch.long)
-        for i, r in enumerate(reqs):
-            table[i, : len(r.pages)] = torch.tensor(r.pages, dtype=torch.long)
+        table = torch.tensor([r.pages + [0] * (width - len(r.pages)) for r in reqs], dtype=torch.long)
         ctx = ForwardContext.build(self.cache, counts, [r.num_computed for r in reqs], [r.slot for r in reqs], table)
         ids = [t for r, n in zip(reqs, counts) for t in r.all_ids[r.num_computed: r.num_computed + n]]
         logits = self.model(torch.tensor(ids, device=self.device), ctx)
