@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
+
+
+def _is_int(v) -> bool:
+    """An integer that is not a bool (bool is an int subclass but never a valid count)."""
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 class CheckpointError(ValueError):
@@ -179,6 +185,44 @@ class EngineConfig:
     memory_fraction: float = 0.5
     kda_chunk_size: int = 16
     seed: int = 0
+
+    DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        """Every option checked up front, naming the option and its allowed range."""
+        def count(name, minimum=1, optional=False):
+            v = getattr(self, name)
+            if optional and v is None:
+                return
+            if not _is_int(v) or v < minimum:
+                raise ValueError(f"{name} must be an integer >= {minimum}{' or None' if optional else ''}, got {v!r}")
+        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "kda_chunk_size"):
+            count(name)
+        count("max_model_len", optional=True)
+        count("max_memory", optional=True)
+        if not _is_int(self.seed):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        f = self.memory_fraction
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1:
+            raise ValueError(f"memory_fraction must be in (0, 1], got {f!r}")
+        if self.dtype not in self.DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(self.DTYPES)}, got {self.dtype!r}")
+        if not isinstance(self.device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+
+    def check_device(self) -> None:
+        """The device exists on this machine (checked when an engine is built, not in the dataclass)."""
+        import torch
+        if self.device.startswith("cuda"):
+            if not torch.cuda.is_available():
+                raise ValueError(f"device {self.device!r} asked for, but this machine has no CUDA device "
+                                 "(torch.cuda.is_available() is False); use --device cpu")
+            index = int(self.device.split(":")[1]) if ":" in self.device else 0
+            if index >= torch.cuda.device_count():
+                raise ValueError(f"device {self.device!r}: only {torch.cuda.device_count()} CUDA device(s) here")
 
     def torch_dtype(self):
         import torch

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import EngineConfig
+from ..config import EngineConfig, ModelConfig
 from .llm_engine import LLMEngine
 from .sampling import SamplingParams
 
@@ -60,33 +60,61 @@ class LLM:
                            max_num_seqs=max_num_seqs,
                            max_num_batched_tokens=max_num_batched_tokens, page_size=page_size, seed=seed)
         directory = resolve_model(model, progress=verbose)
+        # options checked against the model's config before any weight is read
+        LLMEngine.check_options(cfg, ModelConfig.from_hf(directory), enable_prefix_caching, prefix_checkpoint_interval)
         weights = load_model(directory, dtype=cfg.torch_dtype(), device=device, kda_chunk_size=cfg.kda_chunk_size)
+        self._calls = 0
         self.engine = LLMEngine(weights, load_tokenizer(directory), cfg, enable_prefix_caching,
                                 checkpoint_interval=prefix_checkpoint_interval, verbose=verbose)
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[GenerationResult]:
+        """One result per prompt. The whole call is validated before anything is queued, and on
+        any exception (a bad prompt, a failing step, KeyboardInterrupt) this call's requests are
+        aborted, so the engine stays usable and correct for the next call."""
         single = isinstance(prompts, (str, dict))
         prompts = [prompts] if single else list(prompts)
-        params = params or SamplingParams()
-        plist = params if isinstance(params, list) else [params] * len(prompts)
-        order = []
-        for i, (p, sp) in enumerate(zip(prompts, plist)):
-            ids = [self.engine.add_request(p, sp, f"gen-{id(self)}-{i}-{k}") for k in range(sp.n)]
-            order.append(ids)
+        params = SamplingParams() if params is None else params
+        if isinstance(params, (list, tuple)):
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams; pass one "
+                                 "SamplingParams for all prompts or a list of the same length")
+            plist = list(params)
+        else:
+            plist = [params] * len(prompts)
+        for sp in plist:
+            if not isinstance(sp, SamplingParams):
+                raise ValueError(f"params must be SamplingParams, got {type(sp).__name__}")
+            sp.validate()
+        jobs = [(p, sp.child(k)) for p, sp in zip(prompts, plist) for k in range(sp.n)]
+        for p, child in jobs:                      # every request checked before any is queued
+            self.engine.check_request(p, child)
+        ids = []
+        while not ids or any(r in self.engine.requests for r in ids):   # names nobody else holds
+            self._calls += 1
+            ids = [f"gen-{id(self):x}-{self._calls}-{j}" for j in range(len(jobs))]
         finished = {}
         from tqdm import tqdm
-        bar = tqdm(total=sum(len(x) for x in order), desc="generate", disable=not use_tqdm)
-        while self.engine.has_unfinished():
-            for out in self.engine.step():
-                if out.finished:
-                    finished[out.request_id] = out
-                    bar.update(1)
-        bar.close()
-        results = []
-        for i, ids in enumerate(order):
-            outs = [finished[r] for r in ids]
+        bar = tqdm(total=len(jobs), desc="generate", disable=not use_tqdm)
+        try:
+            for rid, (p, child) in zip(ids, jobs):
+                self.engine.add_request(p, child, rid)
+            while any(r not in finished for r in ids):
+                for out in self.engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            for rid in ids:
+                self.engine.abort(rid)
+            raise
+        finally:
+            bar.close()
+        results, j = [], 0
+        for sp in plist:
+            outs = [finished[r] for r in ids[j:j + sp.n]]
             comps = [CompletionOutput(k, o.text, o.token_ids, o.finish_reason, o.stop_reason, o.logprobs,
                                       o.top_logprobs) for k, o in enumerate(outs)]
-            results.append(GenerationResult(ids[0], outs[0].prompt_token_ids, comps, outs[0].cached_tokens))
+            results.append(GenerationResult(ids[j], outs[0].prompt_token_ids, comps, outs[0].cached_tokens))
+            j += sp.n
         return results

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import numbers
 import sys
 
 import torch
@@ -20,28 +21,41 @@ from .scheduler import Scheduler
 log = logging.getLogger("ouro.engine")
 
 
+def token_id_list(ids) -> list[int]:
+    """A list (or tuple) of integer token ids, taken as is: no coercion of strings or floats."""
+    if not isinstance(ids, (list, tuple)):
+        raise ValueError(f"prompt_token_ids must be a list of integers, got {type(ids).__name__}")
+    bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
+    if bad:
+        raise ValueError(f"prompt_token_ids must be integers; got {bad[0]!r} ({type(bad[0]).__name__})")
+    return [int(t) for t in ids]
+
+
 class LLMEngine:
     def __init__(self, model, tokenizer=None, config: EngineConfig = EngineConfig(), enable_prefix_caching=False,
                  checkpoint_interval: int = 1, verbose: bool = True, record_logits: bool = False):
+        mc = model.config
+        self.check_options(config, mc, enable_prefix_caching, checkpoint_interval)
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.record_logits = record_logits    # keep each sampled step's logits (tests, probes)
         self.logits_history: dict[str, list[torch.Tensor]] = {}
-        mc = model.config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         budget = config.max_memory or int(config.memory_fraction * available_bytes(config.device))
         dtype = model.embed_tokens.weight.dtype
         self.plan = plan_memory(mc, budget, config.page_size, config.max_num_seqs, dtype,
                                 checkpoint_fraction=0.1 if enable_prefix_caching else 0.0,
-                                max_model_len=self.max_model_len)
+                                max_model_len=self.max_model_len, checkpoint_interval=checkpoint_interval)
         if verbose:
             print(f"ouro: {self.plan.describe(min(self.max_model_len, 4096))}", file=sys.stderr, flush=True)
         self.pages, self.slots = PagePool(self.plan.n_pages), SlotPool(self.plan.n_slots)
         self.runner = ModelRunner(model, self.plan, config.device)
         self.prefix_cache = None
-        if enable_prefix_caching and checkpoint_interval * config.page_size > config.max_num_batched_tokens:
-            raise ValueError("the prefix-cache checkpoint interval (pages x page size) must fit in "
-                             "max_num_batched_tokens, or prefill could never reach a checkpoint")
-        if enable_prefix_caching and self.runner.checkpoints is not None:
+        self.prefix_caching_off_reason = None
+        if enable_prefix_caching and self.runner.checkpoints is None:
+            self.prefix_caching_off_reason = (f"the memory budget ({budget / 2**20:.1f} MiB) leaves no room for one "
+                                              "KDA-state checkpoint next to the pages; raise --max-memory")
+            log.warning("prefix caching is OFF: %s", self.prefix_caching_off_reason)
+        elif enable_prefix_caching:
             from .prefix_cache import PrefixCache
             self.prefix_cache = PrefixCache(config.page_size, self.pages, self.plan.n_checkpoints,
                                             checkpoint_interval=checkpoint_interval,
@@ -53,13 +67,59 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._pending_ckpt: dict[str, dict[int, int]] = {}
+        self.num_failed_steps = 0
+
+    @staticmethod
+    def check_options(config: EngineConfig, mc, enable_prefix_caching: bool, checkpoint_interval: int) -> None:
+        """Engine options against each other, the model's config and the machine (no weights needed)."""
+        config.validate()
+        config.check_device()
+        if isinstance(checkpoint_interval, bool) or not isinstance(checkpoint_interval, int) or checkpoint_interval < 1:
+            raise ValueError(f"prefix checkpoint_interval must be an integer >= 1 (pages), got {checkpoint_interval!r}")
+        if config.page_size % mc.index_kpool:
+            raise ValueError(f"page_size must be a multiple of the model's index_kpool ({mc.index_kpool}), "
+                             f"got {config.page_size}")
+        if enable_prefix_caching and checkpoint_interval * config.page_size > config.max_num_batched_tokens:
+            raise ValueError(f"the prefix-cache checkpoint interval ({checkpoint_interval} pages x page_size "
+                             f"{config.page_size}) must fit in max_num_batched_tokens ({config.max_num_batched_tokens}), "
+                             "or prefill could never reach a checkpoint")
 
     # ---- requests ----
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
-        params = params or SamplingParams()
+        """Queue one sequence. Everything is checked before the engine changes, so a rejected
+        request leaves no trace. Fan-out (n > 1) is the caller's: see `SamplingParams.child`."""
+        ids, params = self.check_request(prompt, params, request_id)
+        n = next(self._ids)
+        if request_id is None:
+            request_id = f"req-{n}"
+            while request_id in self.requests:   # a user may have taken this name
+                request_id = f"req-{next(self._ids)}"
+        req = Request(request_id, ids, params, generator=make_generator(params.seed, self.config.seed + n))
+        if self.tokenizer is not None:
+            req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.stop_list, params.skip_special_tokens)
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        return request_id
+
+    def check_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None):
+        """Validate a request without queuing it; returns (prompt token ids, params)."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        params.validate()   # fields may have been changed since construction
+        if params.n != 1:
+            raise ValueError(f"an engine request is one sequence (n=1), got n={params.n}; "
+                             "fan out with SamplingParams.child(i) as LLM.generate does")
+        if request_id is not None and (not isinstance(request_id, str) or not request_id):
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if request_id is not None and request_id in self.requests:
+            raise ValueError(f"duplicate request id {request_id!r}")
         ids = self._prompt_ids(prompt)
         if not ids:
             raise ValueError("the prompt is empty")
+        bad = [t for t in ids if not 0 <= t < self.model.config.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {self.model.config.vocab_size}): {bad[:5]}")
         total = len(ids) + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds the "
@@ -67,33 +127,23 @@ class LLMEngine:
         if total > self.plan.max_tokens:
             raise ValueError(f"prompt + max_tokens = {total} tokens exceeds the cache's total capacity "
                              f"{self.plan.max_tokens} tokens; raise --max-memory or lower max_tokens")
-        bad = [t for t in ids if not 0 <= t < self.model.config.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids out of range [0, {self.model.config.vocab_size}): {bad[:5]}")
-        n = next(self._ids)
-        request_id = request_id or f"req-{n}"
-        if request_id in self.requests:
-            raise ValueError(f"duplicate request id {request_id!r}")
-        req = Request(request_id, ids, params, generator=make_generator(params.seed, self.config.seed + n))
-        if self.tokenizer is not None:
-            req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.stop_list, params.skip_special_tokens)
-        elif params.stop_list:
+        if self.tokenizer is None and params.stop_list:
             raise ValueError("stop strings need a tokenizer; this checkpoint has none (use stop_token_ids)")
-        self.requests[request_id] = req
-        self.scheduler.add(req)
-        return request_id
+        return ids, params
 
     def _prompt_ids(self, prompt) -> list[int]:
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            return [int(t) for t in prompt["prompt_token_ids"]]
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-            return list(prompt)
+        if isinstance(prompt, dict):
+            if set(prompt) != {"prompt_token_ids"}:
+                raise ValueError(f"a token prompt is {{'prompt_token_ids': [int, ...]}}, got keys {sorted(prompt)}")
+            return token_id_list(prompt["prompt_token_ids"])
+        if isinstance(prompt, (list, tuple)):
+            return token_id_list(prompt)
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this checkpoint has no tokenizer (tokenizer.json missing): "
                                  "pass {'prompt_token_ids': [...]} instead of text")
             return self.tokenizer.encode(prompt).ids
-        raise ValueError("a prompt is a string or {'prompt_token_ids': [...]}")
+        raise ValueError(f"a prompt is a string or {{'prompt_token_ids': [int, ...]}}, got {type(prompt).__name__}")
 
     def abort(self, request_id: str) -> bool:
         req = self.requests.pop(request_id, None)
@@ -112,7 +162,8 @@ class LLMEngine:
         out = {"running": len(s.running), "waiting": len(s.waiting),
                "pages_free": self.pages.num_free, "pages_total": self.pages.num_total,
                "slots_free": self.slots.num_free, "slots_total": self.slots.num_total,
-               "preemptions": s.num_preemptions, "slot_limited_steps": s.slot_limited_steps}
+               "preemptions": s.num_preemptions, "slot_limited_steps": s.slot_limited_steps,
+               "failed_steps": self.num_failed_steps, "prefix_caching": self.prefix_cache is not None}
         if self.prefix_cache is not None:
             out.update({f"prefix_{k}": v for k, v in self.prefix_cache.stats().items()})
         return out
@@ -122,7 +173,18 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        logits = self.runner.execute(batch)
+        try:
+            logits = self.runner.execute(batch)
+        except BaseException:
+            # The forward may have advanced KDA states and written cache rows of every request
+            # in the batch while their computed-token counts did not move: such a state must
+            # never be resumed. Recompute them from scratch (their tokens so far are kept).
+            self.num_failed_steps += 1
+            for r in batch.requests:
+                if r.request_id in self.requests:
+                    self._drop_checkpoints(r)
+                    self.scheduler.reset(r)
+            raise
         self._checkpoint(batch)
         rows = [i for i, r in enumerate(batch.requests) if r.num_computed == r.num_tokens]
         if not rows:
@@ -139,10 +201,17 @@ class LLMEngine:
             r.top_logprobs.append(sampled.top_logprobs[k])
             new_text = r.detokenizer.add(tok) if r.detokenizer else ""
             self._check_stop(r, tok)
-            if r.is_finished and r.detokenizer and r.finish_reason != "stop":
+            if r.is_finished and r.detokenizer is not None:
+                # text held back as a possible stop-string start is released unless a stop string matched
                 new_text += r.detokenizer.flush()
             outputs.append(self._output(r, [tok], new_text))
         return outputs
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every unreferenced cached prefix page and checkpoint; returns the pages freed."""
+        if self.prefix_cache is None:
+            return 0
+        return self.prefix_cache.evict_pages(self.pages.num_total)
 
     def _check_stop(self, r: Request, tok: int) -> None:
         p = r.params

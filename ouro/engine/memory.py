@@ -8,17 +8,7 @@ import torch
 
 from ..config import ModelConfig
 from ..layers.context import ModelCache
-
-
-def available_bytes(device: str = "cpu") -> int:
-    if str(device).startswith("cuda"):
-        free, _ = torch.cuda.mem_get_info()
-        return free
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("cannot read available memory; pass --max-memory")
+from ..models.loader import device_free_bytes as available_bytes  # noqa: F401  (engine start-up budget)
 
 
 @dataclass(frozen=True)
@@ -53,18 +43,28 @@ class MemoryPlan:
 
 
 def plan_memory(config: ModelConfig, budget_bytes: int, page_size: int, max_num_seqs: int,
-                dtype=torch.float32, checkpoint_fraction: float = 0.0, max_model_len: int | None = None) -> MemoryPlan:
+                dtype=torch.float32, checkpoint_fraction: float = 0.0, max_model_len: int | None = None,
+                checkpoint_interval: int = 1) -> MemoryPlan:
     """Give the state-slot pool what `max_num_seqs` need (at most half the budget), optionally a
     share for prefix-cache KDA checkpoints, and the rest to pages -- but never more pages than
-    `max_num_seqs` sequences of `max_model_len` tokens could use."""
+    `max_num_seqs` sequences of `max_model_len` tokens could use, and never more checkpoints than
+    the pages can carry (one per `checkpoint_interval` pages). With a checkpoint share, at least
+    one checkpoint is planned if the budget allows, so prefix caching never silently turns off."""
     page_bytes = page_size * ModelCache.bytes_per_token(config, dtype)
     slot_bytes = ModelCache.bytes_per_slot(config)
     n_slots = max(1, min(max_num_seqs, budget_bytes // 2 // max(slot_bytes, 1)))
-    n_ckpt = int(budget_bytes * checkpoint_fraction) // max(slot_bytes, 1)
-    rest = budget_bytes - (n_slots + n_ckpt) * slot_bytes
-    n_pages = rest // page_bytes if page_bytes else 0
-    if max_model_len:
-        n_pages = min(n_pages, max_num_seqs * -(-max_model_len // page_size))
+    page_cap = max_num_seqs * -(-max_model_len // page_size) if max_model_len else None
+
+    def pages_for(n_ckpt: int) -> int:
+        rest = budget_bytes - (n_slots + n_ckpt) * slot_bytes
+        n = max(0, rest // page_bytes) if page_bytes else 0
+        return n if page_cap is None else min(n, page_cap)
+
+    n_ckpt = 0
+    if checkpoint_fraction > 0:
+        n_ckpt = max(1, int(budget_bytes * checkpoint_fraction) // max(slot_bytes, 1))
+        n_ckpt = min(n_ckpt, pages_for(n_ckpt) // checkpoint_interval)   # what the pages can ever use
+    n_pages = pages_for(n_ckpt)
     if n_pages < 1:
         raise ValueError(f"memory budget {budget_bytes / 2**20:.1f} MiB is too small for one page "
                          f"({page_bytes} B) and {n_slots} state slots ({slot_bytes} B each); raise --max-memory")

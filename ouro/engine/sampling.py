@@ -6,6 +6,7 @@ a request's tokens depend only on its logits and seed, never on its batch-mates.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -40,13 +41,16 @@ class SamplingParams:
 
         if not is_int(self.n) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
-        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
+        def is_num(v) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+        if not is_num(self.temperature) or not 0 <= self.temperature < math.inf:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+        if not is_num(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not is_int(self.top_k) or self.top_k < -1:
             raise ValueError(f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
-        if not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
+        if not is_num(self.min_p) or not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.seed is not None and not is_int(self.seed):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
@@ -58,8 +62,18 @@ class SamplingParams:
             stops = [self.stop] if isinstance(self.stop, str) else self.stop
             if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops):
                 raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
-        if self.stop_token_ids is not None and not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        if self.stop_token_ids is not None and (not isinstance(self.stop_token_ids, (list, tuple))
+                                                or not all(is_int(t) and t >= 0 for t in self.stop_token_ids)):
+            raise ValueError(f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
+        for flag in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
+
+    def child(self, i: int) -> "SamplingParams":
+        """The params of the i-th of n samples: one sequence, its own seeded stream (seed + i,
+        as vLLM does), so n > 1 with a seed gives n different, reproducible samples."""
+        seed = None if self.seed is None else self.seed + i
+        return dataclasses.replace(self, n=1, seed=seed)
 
     @property
     def stop_list(self) -> list[str]:

@@ -67,13 +67,27 @@ class Scheduler:
     def preempt(self, req: Request) -> None:
         """Recompute later: drop its cache, keep its tokens (prompt + outputs so far)."""
         self.running.remove(req)
-        self.free(req)
-        req.num_computed = 0
-        req.status = Status.PREEMPTED
+        self._requeue(req)
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
         log.info("preempted %s (pages exhausted)", req.request_id)
+
+    def reset(self, req: Request) -> None:
+        """Forget whatever the request has computed (its cache may be half-written) and queue it
+        at the front to recompute: a failed step never leaves a state to be resumed."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self._requeue(req)
+
+    def _requeue(self, req: Request) -> None:
+        self.free(req)
+        req.num_computed = 0
+        req.cached_tokens = 0
+        req.restore_from = None
+        req.status = Status.PREEMPTED
+        self.waiting.appendleft(req)
 
     def _grow(self, req: Request, upto_tokens: int) -> bool:
         need = -(-upto_tokens // self.page_size) - len(req.pages)
@@ -133,6 +147,9 @@ class Scheduler:
                 self._attach_prefix(req)
             n = self._chunk(req, budget)
             if n == 0 or not self._grow(req, req.num_computed + n):
+                # a request that is not running holds nothing: its prefix references would
+                # keep pages from the running requests (and they could then only preempt themselves)
+                self._detach_prefix(req)
                 break
             self.waiting.popleft()
             req.slot = self.slots.alloc()
@@ -142,6 +159,12 @@ class Scheduler:
             batch.num_new_tokens.append(n)
             budget -= n
         return batch
+
+    def _detach_prefix(self, req: Request) -> None:
+        if req.prefix_match is not None:
+            self.free(req)
+            req.num_computed = req.cached_tokens = 0
+            req.restore_from = None
 
     def _attach_prefix(self, req: Request) -> None:
         m = self.prefix_cache.match(req.all_ids)

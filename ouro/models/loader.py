@@ -73,7 +73,8 @@ def _index_files(directory: Path) -> dict[str, Path]:
         return {k: directory / v for k, v in weight_map.items()}
     files = sorted(directory.glob("*.safetensors"))
     if not files:
-        raise CheckpointError(f"{directory}: no *.safetensors files")
+        raise CheckpointError(f"{directory}: config.json but no *.safetensors weights (a config-only directory, "
+                              "as `ouro make-model flash` writes, is for `ouro plan`; point at a checkpoint with weights)")
     where = {}
     for f in files:
         with safe_open(str(f), "pt") as h:
@@ -90,9 +91,10 @@ def _ignored_kind(name: str, config: ModelConfig) -> str | None:
     return None
 
 
-def load_weights(model: torch.nn.Module, directory: str | Path, progress: bool = False) -> dict:
-    """Copy a checkpoint into `model`. Raises CheckpointError naming every missing, unexpected
-    or mis-shaped tensor. Returns a report: counts of ignored vision / MTP tensors."""
+def check_checkpoint(model: torch.nn.Module, directory: str | Path):
+    """Match the files in `directory` against `model`'s tensors (a meta-device model will do, so
+    nothing is allocated yet). Raises CheckpointError naming every missing, unexpected or
+    mis-shaped tensor. Returns (layout to load, disk name -> file, ignored vision/MTP counts)."""
     directory = Path(directory)
     config: ModelConfig = model.config
     where = _index_files(directory)
@@ -120,6 +122,12 @@ def load_weights(model: torch.nn.Module, directory: str | Path, progress: bool =
             problems.append(f"tensor {name} has shape {list(shapes[name])}, expected {list(expected[name])}")
     if problems:
         raise CheckpointError(f"{directory}: checkpoint does not match the config:\n  " + "\n  ".join(problems))
+    return layout, where, ignored
+
+
+def load_weights(model: torch.nn.Module, directory: str | Path, progress: bool = False) -> dict:
+    """Copy a checkpoint into `model` (after `check_checkpoint`). Returns the ignored counts."""
+    layout, where, ignored = check_checkpoint(model, directory)
     state = model.state_dict()
     handles = {}
     try:
@@ -137,7 +145,7 @@ def load_weights(model: torch.nn.Module, directory: str | Path, progress: bool =
             del parts
     finally:
         handles.clear()
-    if config.tie_word_embeddings and "lm_head.weight" not in [d.param for d in layout]:
+    if model.config.tie_word_embeddings and "lm_head.weight" not in [d.param for d in layout]:
         with torch.no_grad():
             state["lm_head.weight"].copy_(state["embed_tokens.weight"])
     return ignored
@@ -178,12 +186,36 @@ def save_weights(model: torch.nn.Module, directory: str | Path, max_shard_bytes:
 
 
 def load_model(directory: str | Path, dtype=torch.float32, device="cpu", kda_chunk_size: int = 16,
-               progress: bool = False):
-    """Build a `Glm5NextModel` from a checkpoint directory."""
+               progress: bool = False, available: int | None = None):
+    """Build a `Glm5NextModel` from a checkpoint directory. The weights' presence, names and
+    shapes and the memory the model needs are checked on a meta-device model first, so a
+    config-only directory or a model too large for the device fails with the figures instead
+    of allocating. `available`: bytes the model may use (default: free memory of `device`)."""
     from .glm5_next import Glm5NextModel
     config = ModelConfig.from_hf(directory)
+    with torch.device("meta"):
+        skeleton = Glm5NextModel(config, kda_chunk_size).to(dtype)
+    check_checkpoint(skeleton, directory)
+    need = sum(t.numel() * t.element_size() for t in skeleton.state_dict().values())
+    have = available if available is not None else device_free_bytes(device)
+    if need > have:
+        raise CheckpointError(f"{directory}: the model needs {need / 2**30:.2f} GiB ({need:,} bytes) of weights in "
+                              f"{str(dtype).replace('torch.', '')} but {device} has {have / 2**30:.2f} GiB "
+                              f"({have:,} bytes) available")
+    del skeleton
     with torch.device(device):
         model = Glm5NextModel(config, kda_chunk_size).to(dtype)
     report = load_weights(model, directory, progress=progress)
     model.load_report = report
     return model.eval()
+
+
+def device_free_bytes(device="cpu") -> int:
+    """Free memory of a device: CUDA's free bytes, or MemAvailable of the host."""
+    if str(device).startswith("cuda"):
+        return torch.cuda.mem_get_info(torch.device(device))[0]
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("cannot read available memory from /proc/meminfo")
