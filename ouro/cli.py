@@ -8,7 +8,7 @@ import sys
 
 def _cmd_make_model(args) -> int:
     from .models.presets import make_model, parameter_count, PRESETS
-    path = make_model(args.preset, args.directory, seed=args.seed)
+    path = make_model(args.preset, args.directory, seed=args.seed, overwrite=args.overwrite)
     print(f"wrote {args.preset} ({parameter_count(PRESETS[args.preset]) / 1e6:.2f}M parameters) to {path}")
     return 0
 
@@ -20,7 +20,9 @@ def _cmd_generate(args) -> int:
 
 def _cmd_bench(args) -> int:
     import json
+    from .config import EngineConfig
     from .models.resolve import resolve_model
+    EngineConfig(device=args.device, dtype=args.dtype).check_device()
     if args.kind == "offline":
         from .bench.offline import bench_offline, format_offline
         r = bench_offline(resolve_model(args.model), args.num_prompts, args.input_len, args.output_len,
@@ -42,7 +44,12 @@ def _cmd_plan(args) -> int:
     from .engine.plan_report import format_plan
     from .models.presets import PRESETS
     config = PRESETS[args.model] if args.model in PRESETS else ModelConfig.from_hf(args.model)
-    contexts = [int(c) for c in args.context.split(",")]
+    try:
+        contexts = [int(c) for c in args.context.split(",")]
+    except ValueError:
+        raise ValueError(f"--context takes comma-separated token counts, got {args.context!r}") from None
+    if any(c < 1 for c in contexts):
+        raise ValueError(f"--context lengths must be >= 1 token, got {args.context!r}")
     print(format_plan(args.model, config, contexts, getattr(torch, args.kv_cache_dtype)))
     return 0
 
@@ -55,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     mk.add_argument("preset", help="tiny | small | flash (flash: config and tokenizer only)")
     mk.add_argument("directory")
     mk.add_argument("--seed", type=int, default=0)
+    mk.add_argument("--overwrite", action="store_true", help="replace a checkpoint already in DIRECTORY")
     mk.set_defaults(func=_cmd_make_model)
 
     gen = sub.add_parser("generate", help="greedily continue a prompt, printing tokens as they come")
@@ -63,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt-token-ids", default=None, help="comma-separated token ids instead of --prompt")
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--device", default="cpu")
-    gen.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16")
+    gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16")
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-p", type=float, default=1.0)
@@ -85,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
                        default="none", help="also run transformers on the same work (--compare transformers)")
     bench.add_argument("--output-json", default=None)
     bench.add_argument("--device", default="cpu", help="offline: cpu or cuda (both systems run there)")
-    bench.add_argument("--dtype", default="auto", help="offline: auto (float32 on CPU, bfloat16 on CUDA)")
+    bench.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="offline: auto (float32 on CPU, bfloat16 on CUDA)")
     bench.set_defaults(func=_cmd_bench)
 
     plan = sub.add_parser("plan", help="cache memory per sequence for a model at given context lengths")

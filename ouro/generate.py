@@ -14,7 +14,10 @@ def generate_cli(args) -> int:
               memory_fraction=args.mem_fraction_static, verbose=True)
     engine = llm.engine
     if args.prompt_token_ids:
-        prompt = {"prompt_token_ids": [int(x) for x in args.prompt_token_ids.split(",")]}
+        try:
+            prompt = {"prompt_token_ids": [int(x) for x in args.prompt_token_ids.split(",")]}
+        except ValueError:
+            raise ValueError(f"--prompt-token-ids takes comma-separated integers, got {args.prompt_token_ids!r}") from None
     elif engine.tokenizer is None:
         raise CheckpointError("the checkpoint has no tokenizer.json: pass --prompt-token-ids instead of --prompt")
     else:

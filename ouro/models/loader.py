@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 from ..config import CheckpointError, ModelConfig
 
 PREFIX = "model.language_model."
+MAX_LISTED = 50   # problems named in one error; a wrong config can mismatch every tensor
 
 
 @dataclass
@@ -121,7 +122,9 @@ def check_checkpoint(model: torch.nn.Module, directory: str | Path):
         if shapes[name] != expected[name]:
             problems.append(f"tensor {name} has shape {list(shapes[name])}, expected {list(expected[name])}")
     if problems:
-        raise CheckpointError(f"{directory}: checkpoint does not match the config:\n  " + "\n  ".join(problems))
+        shown = problems[:MAX_LISTED] + ([f"... and {len(problems) - MAX_LISTED} more"] if len(problems) > MAX_LISTED else [])
+        raise CheckpointError(f"{directory}: checkpoint does not match the config ({len(problems)} problems):\n  "
+                              + "\n  ".join(shown))
     return layout, where, ignored
 
 

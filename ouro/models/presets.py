@@ -110,8 +110,10 @@ def generation_config(config: ModelConfig) -> dict:
             "do_sample": False, "max_new_tokens": 256}
 
 
-def make_model(preset: str, directory: str | Path, seed: int = 0, progress: bool = True) -> Path:
-    """Write a random-init checkpoint of `preset` (config, weights, tokenizer, generation config)."""
+def make_model(preset: str, directory: str | Path, seed: int = 0, progress: bool = True,
+               overwrite: bool = False) -> Path:
+    """Write a random-init checkpoint of `preset` (config, weights, tokenizer, generation config).
+    Refuses a path that is a file, and a directory that already holds a checkpoint unless `overwrite`."""
     from .glm5_next import Glm5NextModel
     from .loader import save_weights
     from .tokenizer_factory import write_tokenizer_files
@@ -119,6 +121,10 @@ def make_model(preset: str, directory: str | Path, seed: int = 0, progress: bool
         raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
     config = PRESETS[preset]
     directory = Path(directory)
+    if directory.exists() and not directory.is_dir():
+        raise ValueError(f"{directory} exists and is not a directory; choose another path")
+    if (directory / "config.json").exists() and not overwrite:
+        raise ValueError(f"{directory} already holds a checkpoint (config.json); pass --overwrite to replace it")
     directory.mkdir(parents=True, exist_ok=True)
     # a tiny vision tower config so transformers can build the full model class
     vision = {"depth": 1, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64,

@@ -25,7 +25,7 @@ def resolve_model(name_or_dir: str, progress: bool = True) -> Path:
         target = cache_root() / "presets" / name_or_dir
         if not (target / "config.json").is_file() or not any(target.glob("*.safetensors")):
             from .presets import make_model
-            make_model(name_or_dir, target, progress=progress)
+            make_model(name_or_dir, target, progress=progress, overwrite=True)   # a half-written cache entry
         return target
     raise CheckpointError(f"{name_or_dir!r} is neither a checkpoint directory nor a preset ({', '.join(PRESETS)})")
 
