@@ -54,6 +54,40 @@ def _cmd_plan(args) -> int:
     return 0
 
 
+def _cmd_serve(args) -> int:
+    from .serve.server import serve
+    return serve(args)
+
+
+def add_serve_parser(sub) -> None:
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default: the small preset on 127.0.0.1:8000)")
+    sv.add_argument("--model", default="small", help="checkpoint directory or preset name (default: small)")
+    sv.add_argument("--served-model-name", default=None, help="model name in the API (default: preset or dir name)")
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health")
+    sv.add_argument("--device", default="cpu")
+    sv.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    sv.add_argument("--max-num-seqs", type=int, default=64, help="requests in the running batch at most")
+    sv.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per engine step at most")
+    sv.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    sv.add_argument("--max-queued-requests", type=int, default=256,
+                    help="requests waiting beyond --max-num-seqs before new ones get 429")
+    sv.add_argument("--max-memory", type=int, default=None, help="cache budget in bytes (default: a fraction of free)")
+    sv.add_argument("--mem-fraction-static", type=float, default=0.5,
+                    help="fraction of free memory for the cache when --max-memory is not given")
+    sv.add_argument("--page-size", type=int, default=64)
+    sv.add_argument("--enable-prefix-caching", action="store_true")
+    sv.add_argument("--prefix-checkpoint-interval", type=int, default=1, help="pages between KDA checkpoints")
+    sv.add_argument("--shutdown-timeout", type=float, default=30.0,
+                    help="seconds in-flight requests get to finish after SIGTERM")
+    sv.add_argument("--max-request-body-bytes", type=int, default=4 << 20)
+    sv.add_argument("--logits-processors", nargs="*", default=[],
+                    help="'module:Class' logits processors, each built with the checkpoint directory")
+    sv.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    sv.set_defaults(func=_cmd_serve)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ouro", description="Serve and study GLM-5.3-Flash-class models.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -95,6 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--device", default="cpu", help="offline: cpu or cuda (both systems run there)")
     bench.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="offline: auto (float32 on CPU, bfloat16 on CUDA)")
     bench.set_defaults(func=_cmd_bench)
+
+    add_serve_parser(sub)
 
     plan = sub.add_parser("plan", help="cache memory per sequence for a model at given context lengths")
     plan.add_argument("--model", default="flash", help="preset name or checkpoint directory")

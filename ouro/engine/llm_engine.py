@@ -33,11 +33,14 @@ def token_id_list(ids) -> list[int]:
 
 class LLMEngine:
     def __init__(self, model, tokenizer=None, config: EngineConfig = EngineConfig(), enable_prefix_caching=False,
-                 checkpoint_interval: int = 1, verbose: bool = True, record_logits: bool = False):
+                 checkpoint_interval: int = 1, verbose: bool = True, record_logits: bool = False,
+                 logits_processors=()):
         mc = model.config
         self.check_options(config, mc, enable_prefix_caching, checkpoint_interval)
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.record_logits = record_logits    # keep each sampled step's logits (tests, probes)
+        # callables (prompt_ids, output_ids, logits [V]) -> logits, applied before sampling
+        self.logits_processors = list(logits_processors)
         self.logits_history: dict[str, list[torch.Tensor]] = {}
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         budget = config.max_memory or int(config.memory_fraction * available_bytes(config.device))
@@ -190,11 +193,15 @@ class LLMEngine:
         if not rows:
             return []
         reqs = [batch.requests[i] for i in rows]
-        sampled = self.sampler.sample(logits[rows], [r.params for r in reqs], [r.generator for r in reqs])
+        logits = logits[rows]
+        for proc in self.logits_processors:
+            for k, r in enumerate(reqs):
+                logits[k] = proc(r.prompt_ids, r.output_ids, logits[k])
+        sampled = self.sampler.sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
         outputs = []
         for k, r in enumerate(reqs):
             if self.record_logits:
-                self.logits_history.setdefault(r.request_id, []).append(logits[rows[k]].clone())
+                self.logits_history.setdefault(r.request_id, []).append(logits[k].clone())
             tok = sampled.token_ids[k]
             r.output_ids.append(tok)
             r.logprobs.append(sampled.logprobs[k])
@@ -233,7 +240,8 @@ class LLMEngine:
         text = r.detokenizer.text if r.detokenizer else ""
         return RequestOutput(r.request_id, new_ids, new_text, list(r.output_ids), text, r.is_finished,
                              r.finish_reason, r.stop_reason, r.prompt_ids, r.cached_tokens,
-                             list(r.logprobs), list(r.top_logprobs))
+                             list(r.logprobs), list(r.top_logprobs),
+                             None if r.first_scheduled is None else r.first_scheduled - r.arrival)
 
     # ---- prefix caching: KDA checkpoints at page boundaries, inserted once the prompt is computed ----
     def _checkpoint(self, batch) -> None:

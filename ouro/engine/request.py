@@ -23,6 +23,7 @@ class Request:
     params: "SamplingParams"  # noqa: F821
     generator: torch.Generator | None = None
     arrival: float = field(default_factory=time.monotonic)
+    first_scheduled: float | None = None  # when it first got a slot (queue time = this - arrival)
     status: Status = Status.WAITING
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -66,3 +67,4 @@ class RequestOutput:
     cached_tokens: int
     logprobs: list[float]
     top_logprobs: list
+    queue_time: float | None = None   # seconds from arrival to first scheduling

@@ -4,6 +4,7 @@ request, admission only with both pages and a KDA state slot, preemption by reco
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -154,6 +155,8 @@ class Scheduler:
             self.waiting.popleft()
             req.slot = self.slots.alloc()
             req.status = Status.RUNNING
+            if req.first_scheduled is None:
+                req.first_scheduled = time.monotonic()
             self.running.append(req)
             batch.requests.append(req)
             batch.num_new_tokens.append(n)

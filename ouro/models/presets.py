@@ -132,6 +132,9 @@ def make_model(preset: str, directory: str | Path, seed: int = 0, progress: bool
     (directory / "config.json").write_text(json.dumps(config.to_hf_dict(vision), indent=2))
     (directory / "generation_config.json").write_text(json.dumps(generation_config(config), indent=2))
     write_tokenizer_files(directory, config.vocab_size, config.max_position_embeddings)
+    # lets `ouro serve` say that the text of a random-init preset is meaningless
+    (directory / "ouro_preset.json").write_text(json.dumps({"preset": preset, "random_init": preset not in CONFIG_ONLY,
+                                                            "seed": seed}, indent=2))
     if preset in CONFIG_ONLY:
         return directory
     model = Glm5NextModel(config)

@@ -1,0 +1,1 @@
+"""OpenAI-compatible serving: HTTP frontend, engine process, wire protocol, GLM chat fidelity."""

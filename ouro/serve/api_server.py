@@ -1,0 +1,296 @@
+"""The HTTP frontend: OpenAI routes, errors in the OpenAI body, API key, overload and body-size
+limits, SSE streaming, /health and /metrics. Tokenisation, chat templates and detokenisation
+happen here; the model runs in the engine process (`engine_client.py`)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..engine.sampling import SamplingParams
+from . import formats
+from .generation import Generation, GenerationError
+from .metrics import Metrics
+from .protocol import ChatCompletionRequest, CompletionRequest, error_body
+
+GENERATE_ROUTES = ("/v1/chat/completions", "/v1/completions")
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+@dataclass
+class ServerState:
+    client: object                   # EngineClient
+    tokenizer: object                # tokenizers.Tokenizer
+    chat: object | None              # formats.ChatFormat (None without a chat template)
+    model_name: str
+    max_model_len: int
+    capacity_tokens: int
+    eos_token_ids: list[int]
+    vocab_size: int
+    api_key: str | None = None
+    max_queued_requests: int = 256
+    max_num_seqs: int = 64
+    max_body_bytes: int = 4 << 20
+    draining: bool = False
+    in_flight: int = 0
+    metrics: Metrics = field(default=None)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+class Place:
+    """One request's place among the in-flight requests; released exactly once."""
+
+    def __init__(self, state):
+        self.state, self.owned, self.released = state, False, False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.state.in_flight -= 1
+
+
+class Guard:
+    """Pure ASGI middleware (so streaming and disconnects pass straight through): the API key,
+    then for generation routes the overload and body-size limits, decided before the body is
+    parsed. The body is read here with a cap (Content-Length or chunked alike) and replayed."""
+
+    def __init__(self, app, state):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        st, m = self.state, self.state.metrics
+        path = scope["path"]
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        refuse = None
+        if st.api_key is not None and path != "/health" and headers.get("authorization", "") != f"Bearer {st.api_key}":
+            refuse = (401, "invalid or missing API key: send 'Authorization: Bearer <key>'")
+        elif scope["method"] == "POST" and path in GENERATE_ROUTES:
+            length = headers.get("content-length")
+            if st.draining or not st.client.healthy:
+                refuse = (503, "the server is draining or its engine is not running; retry elsewhere")
+            elif st.in_flight >= st.max_num_seqs + st.max_queued_requests:
+                refuse = (429, f"too many requests in flight ({st.in_flight}); the waiting queue is full "
+                               f"(--max-queued-requests {st.max_queued_requests}); retry later")
+            elif length is not None and (not length.isdigit() or int(length) > st.max_body_bytes):
+                refuse = (413, f"request body over {st.max_body_bytes} bytes")
+        if refuse is not None:
+            m.reject(refuse[0])
+            return await error(*refuse)(scope, receive, send)
+        if not (scope["method"] == "POST" and path in GENERATE_ROUTES):
+            return await self.app(scope, receive, send)
+        body, more = b"", True
+        while more:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+            body += msg.get("body", b"")
+            more = msg.get("more_body", False)
+            if len(body) > st.max_body_bytes:
+                m.reject(413)
+                return await error(413, f"request body over {st.max_body_bytes} bytes")(scope, receive, send)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+        # the request holds an in-flight place from here; the handler takes it over (and gives it
+        # back when its response ends), or it is given back below if the handler never ran
+        st.in_flight += 1
+        place = Place(st)
+        scope.setdefault("state", {})["place"] = place
+        try:
+            await self.app(scope, replay, send)
+        finally:
+            if not place.owned:
+                place.release()
+
+
+def error(status: int, message: str) -> JSONResponse:
+    return JSONResponse(error_body(message, status), status_code=status)
+
+
+def build_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="ouro", version="0.1.0", description="OpenAI-compatible server for glm5_next models")
+    app.state.ouro = state
+    m = state.metrics
+
+    app.add_middleware(Guard, state=state)
+
+    @app.exception_handler(ApiError)
+    async def api_error(_, e: ApiError):
+        m.reject(e.status)
+        return error(e.status, e.message)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_, e: RequestValidationError):
+        m.reject(400)
+        return error(400, _describe(e.errors()))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_, e: StarletteHTTPException):
+        return error(e.status_code, str(e.detail))
+
+    @app.exception_handler(Exception)
+    async def internal_error(_, e: Exception):
+        m.reject(500)
+        return error(500, f"internal error: {type(e).__name__}: {e}")
+
+    @app.get("/health")
+    async def health():
+        if state.draining:
+            return error(503, "draining")
+        if not state.client.healthy:
+            return error(503, state.client.dead_reason or "starting")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics():
+        m.in_flight.set(state.in_flight)
+        m.engine_up.set(1 if state.client.healthy else 0)
+        return Response(m.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
+                                            "owned_by": "ouro", "max_model_len": state.max_model_len}]}
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(request: Request, body: CompletionRequest):
+        return await _serve(request, body, chat=False)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(request: Request, body: ChatCompletionRequest):
+        return await _serve(request, body, chat=True)
+
+    async def _serve(request: Request, body, chat: bool):
+        place = request.state.place
+        if body.model is not None and body.model != state.model_name:
+            raise ApiError(400, f"the model {body.model!r} does not exist; this server serves {state.model_name!r}")
+        jobs = formats.chat_jobs(state, body) if chat else formats.completion_jobs(state, body)
+        for j in jobs:
+            _check_length(state, j.prompt_ids, body)
+        gens = [Generation(state.client, m, state.tokenizer, j.prompt_ids, j.child_params, j.stop,
+                           j.skip_special_tokens) for j in jobs]
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        place.owned = True
+        try:
+            for g in gens:
+                await g.start()
+        except BaseException as e:
+            place.release()
+            for g in gens:
+                await g.abort()
+            if isinstance(e, GenerationError):
+                raise ApiError(e.status, e.message) from None
+            raise
+        view = formats.ResponseView(state, body, jobs, gens, rid, chat)
+        if body.stream:
+            return StreamingResponse(_stream(view, place), media_type="text/event-stream")
+        try:
+            await _collect_or_disconnect(request, gens)
+        except GenerationError as e:
+            raise ApiError(e.status, e.message) from None
+        finally:
+            place.release()
+            for g in gens:
+                await g.abort()
+        return JSONResponse(view.final())
+
+    async def _stream(view, place):
+        try:
+            for chunk in view.first_chunks():
+                yield _sse(chunk)
+            async for chunk in view.stream_chunks():
+                yield _sse(chunk)
+            yield "data: [DONE]\n\n"
+        except GenerationError as e:
+            yield _sse({"object": "error", "message": e.message, "type": "ServiceUnavailableError"
+                        if e.status == 503 else "BadRequestError", "code": e.status})
+            yield "data: [DONE]\n\n"
+        finally:   # client gone (cancelled), error or done: nothing may keep running in the engine
+            place.release()
+            for g in view.gens:
+                await g.abort()
+
+    return app
+
+
+async def _collect_or_disconnect(request: Request, gens) -> None:
+    """Run every generation to the end; abort them all if the client disconnects meanwhile."""
+    async def run():
+        for g in gens:
+            async for _ in g.deltas():
+                pass
+    task = asyncio.ensure_future(run())
+    while not task.done():
+        done, _ = await asyncio.wait({task}, timeout=0.5)
+        if not done and await request.is_disconnected():
+            task.cancel()
+            for g in gens:
+                await g.abort()
+            raise GenerationError(499, "client disconnected")
+    task.result()
+
+
+def _check_length(state: ServerState, ids: list[int], body) -> None:
+    want = getattr(body, "max_completion_tokens", None) or body.max_tokens
+    if not ids:
+        raise ApiError(400, "the prompt is empty")
+    bad = [t for t in ids if not 0 <= t < state.vocab_size]
+    if bad:
+        raise ApiError(400, f"prompt token ids out of range [0, {state.vocab_size}): {bad[:5]}")
+    if want is not None and len(ids) + want > state.max_model_len:
+        raise ApiError(400, f"This model's maximum context length is {state.max_model_len} tokens. However, you "
+                            f"requested {len(ids) + want} tokens ({len(ids)} in the messages, {want} in the "
+                            "completion). Please reduce the length of the messages or completion.")
+    if len(ids) >= min(state.max_model_len, state.capacity_tokens):
+        raise ApiError(400, f"This model's maximum context length is {state.max_model_len} tokens "
+                            f"(cache capacity {state.capacity_tokens} tokens). However, your prompt has {len(ids)} "
+                            "tokens. Please reduce the length of the messages.")
+    if want is not None and len(ids) + want > state.capacity_tokens:
+        raise ApiError(400, f"prompt ({len(ids)} tokens) + max_tokens ({want}) exceeds the cache capacity "
+                            f"{state.capacity_tokens} tokens; lower max_tokens")
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _describe(errors) -> str:
+    parts = []
+    for e in errors[:5]:
+        loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
+        parts.append(f"{loc or 'body'}: {e.get('msg', 'invalid')}")
+    return "invalid request: " + "; ".join(parts)
+
+
+def sampling_for(body, max_tokens: int, logprobs: int | None, stop_token_ids=None) -> SamplingParams:
+    """The engine params of one request (stop strings stay in the frontend)."""
+    if body.presence_penalty or body.frequency_penalty:
+        raise ApiError(400, "presence_penalty and frequency_penalty are not supported (use 0)")
+    try:
+        return SamplingParams(n=body.n, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                              min_p=body.min_p, seed=body.seed, max_tokens=max_tokens,
+                              stop_token_ids=list(stop_token_ids or []) or None, ignore_eos=body.ignore_eos,
+                              logprobs=logprobs)
+    except (ValueError, ValidationError) as e:
+        raise ApiError(400, str(e)) from None

@@ -1,0 +1,230 @@
+"""OpenAI wire formats: a request body -> engine jobs (prompt ids, per-choice params, stop
+strings), and engine outputs -> completion / chat.completion objects and their stream chunks.
+Streamed chunks concatenate to exactly the non-streamed object (one code path builds both)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from . import chat as chat_mod
+
+
+@dataclass
+class Job:
+    prompt_ids: list[int]
+    child_params: list            # one SamplingParams (n=1) per choice
+    stop: list[str]
+    skip_special_tokens: bool
+    prompt_text: str | None = None
+    parser_factory: object = None  # chat: () -> streaming output parser per choice
+    choice_base: int = 0           # index of this job's first choice in the response
+
+
+def _max_tokens(state, body, n_prompt: int) -> int:
+    want = getattr(body, "max_completion_tokens", None) or body.max_tokens
+    return want if want is not None else max(1, min(state.max_model_len, state.capacity_tokens) - n_prompt)
+
+
+def _stops(body) -> list[str]:
+    if body.stop is None:
+        return []
+    return [body.stop] if isinstance(body.stop, str) else list(body.stop)
+
+
+def _children(body, params) -> list:
+    return [params.child(k) for k in range(body.n)]
+
+
+def completion_jobs(state, body) -> list[Job]:
+    from .api_server import ApiError, sampling_for
+    p = body.prompt
+    if isinstance(p, str):
+        prompts = [p]
+    elif p and all(isinstance(x, str) for x in p):
+        prompts = list(p)
+    elif p and all(isinstance(x, int) for x in p):
+        prompts = [list(p)]
+    elif p and all(isinstance(x, list) for x in p):
+        prompts = [list(x) for x in p]
+    else:
+        raise ApiError(400, "prompt must be a string, a list of strings, a list of token ids or a list of lists of ids")
+    jobs = []
+    for i, pr in enumerate(prompts):
+        ids = state.tokenizer.encode(pr).ids if isinstance(pr, str) else pr
+        params = sampling_for(body, _max_tokens(state, body, len(ids)), body.logprobs, body.stop_token_ids)
+        jobs.append(Job(ids, _children(body, params), _stops(body), True, pr if isinstance(pr, str) else None,
+                        choice_base=i * body.n))
+    return jobs
+
+
+def chat_jobs(state, body) -> list[Job]:
+    from .api_server import ApiError, sampling_for
+    if state.chat is None:
+        raise ApiError(400, "this checkpoint has no chat template; use /v1/completions")
+    try:
+        rendered = state.chat.render(body)
+    except ValueError as e:
+        raise ApiError(400, f"cannot apply the chat template: {e}") from None
+    ids = state.tokenizer.encode(rendered.text, add_special_tokens=False).ids
+    top = body.top_logprobs if body.logprobs else None
+    if body.top_logprobs and not body.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs: true")
+    params = sampling_for(body, _max_tokens(state, body, len(ids)), (top or 0) if body.logprobs else None,
+                          body.stop_token_ids)
+    return [Job(ids, _children(body, params), _stops(body), False, rendered.text,
+                parser_factory=lambda: state.chat.parser(body, rendered))]
+
+
+@dataclass
+class _ChoiceView:
+    index: int
+    parser: object = None
+    text: str = ""
+    started: bool = False
+    finish_reason: str | None = None
+    logprobs: list = field(default_factory=list)
+
+
+class ResponseView:
+    """Builds the response object (or its chunks) of one request from its generations."""
+
+    def __init__(self, state, body, jobs, gens, rid: str, chat: bool):
+        self.state, self.body, self.jobs, self.gens, self.id, self.chat = state, body, jobs, gens, rid, chat
+        self.created = int(time.time())
+        self.views = {}
+        for j, g in zip(jobs, gens):
+            for c in g.choices:
+                self.views[(id(g), c.index)] = _ChoiceView(j.choice_base + c.index,
+                                                           j.parser_factory() if j.parser_factory else None)
+        self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+    # ---- shared pieces ----
+    def _head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.state.model_name}
+
+    def usage(self) -> dict:
+        prompt = sum(len(j.prompt_ids) for j in self.jobs)
+        completion = sum(len(c.token_ids) for g in self.gens for c in g.choices)
+        cached = sum(g.cached_tokens for g in self.gens)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    def _logprobs(self, entries, offset: int):
+        if not entries or entries[0][2] is None and not self._want_logprobs():
+            return None
+        tok = self.state.tokenizer
+        if self.chat:
+            return {"content": [{"token": tok.decode([t], skip_special_tokens=False), "logprob": lp,
+                                 "bytes": list(tok.decode([t], skip_special_tokens=False).encode()),
+                                 "top_logprobs": [{"token": tok.decode([i], skip_special_tokens=False), "logprob": v,
+                                                   "bytes": list(tok.decode([i], skip_special_tokens=False).encode())}
+                                                  for i, v in (top or [])]} for t, lp, top in entries]}
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for t, lp, top in entries:
+            s = tok.decode([t])
+            out["tokens"].append(s)
+            out["token_logprobs"].append(lp)
+            out["top_logprobs"].append({tok.decode([i]): v for i, v in (top or [])} or None)
+            out["text_offset"].append(offset)
+            offset += len(s)
+        return out
+
+    def _want_logprobs(self) -> bool:
+        return bool(self.body.logprobs) or self.body.logprobs == 0
+
+    def _finish(self, v: _ChoiceView, reason: str | None) -> str | None:
+        if reason is None:
+            return None
+        if self.chat and v.parser is not None and v.parser.has_tool_calls():
+            return "tool_calls"
+        return reason
+
+    # ---- non-streamed ----
+    def final(self) -> dict:
+        choices = []
+        for g in self.gens:
+            for c in g.choices:
+                v = self.views[(id(g), c.index)]
+                lp = self._logprobs(c.logprobs, 0) if self._want_logprobs() else None
+                if self.chat:
+                    text = "".join(c.detok.text for _ in [0])
+                    msg = v.parser.parse_all(text, c.finish_reason) if v.parser else {"content": text}
+                    choices.append({"index": v.index, "message": {"role": "assistant", **msg}, "logprobs": lp,
+                                    "finish_reason": self._finish(v, c.finish_reason), "stop_reason": c.stop_reason})
+                else:
+                    choices.append({"index": v.index, "text": c.detok.text, "logprobs": lp,
+                                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        choices.sort(key=lambda x: x["index"])
+        return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": choices,
+                "usage": self.usage()}
+
+    # ---- streamed ----
+    def _chunk(self, index: int, delta_or_text, finish=None, logprobs=None, stop_reason=None) -> dict:
+        choice = {"index": index, "logprobs": logprobs, "finish_reason": finish}
+        if self.chat:
+            choice["delta"] = delta_or_text
+        else:
+            choice["text"] = delta_or_text
+        if finish is not None:
+            choice["stop_reason"] = stop_reason
+        out = {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]}
+        if self.include_usage:
+            out["usage"] = None
+        return out
+
+    def first_chunks(self):
+        if not self.chat:
+            return []
+        return [self._chunk(v.index, {"role": "assistant", "content": ""}) for v in sorted(
+            self.views.values(), key=lambda v: v.index)]
+
+    async def stream_chunks(self):
+        for g in self.gens:
+            pass
+        import asyncio
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(g):
+            try:
+                async for d in g.deltas():
+                    await queue.put((g, d))
+            except Exception as e:   # delivered to the consumer in order
+                await queue.put((g, e))
+            await queue.put((g, None))
+        tasks = [asyncio.ensure_future(pump(g)) for g in self.gens]
+        try:
+            open_gens = len(self.gens)
+            while open_gens:
+                g, d = await queue.get()
+                if d is None:
+                    open_gens -= 1
+                    continue
+                if isinstance(d, Exception):
+                    raise d
+                v = self.views[(id(g), d.index)]
+                c = g.choices[d.index]
+                lp = self._logprobs(d.logprobs, len(v.text)) if self._want_logprobs() else None
+                v.text += d.text
+                if self.chat:
+                    deltas = v.parser.feed(d.text) if v.parser else ([{"content": d.text}] if d.text else [])
+                    if d.finish_reason is not None and v.parser:
+                        deltas += v.parser.finish(c.finish_reason)
+                    if lp is not None and not deltas:
+                        deltas = [{"content": ""}]
+                    for k, delta in enumerate(deltas):
+                        last = k == len(deltas) - 1
+                        yield self._chunk(v.index, delta, None, lp if k == 0 else None)
+                    if d.finish_reason is not None:
+                        yield self._chunk(v.index, {}, self._finish(v, c.finish_reason), None, c.stop_reason)
+                else:
+                    if d.text or lp is not None or d.finish_reason is None:
+                        yield self._chunk(v.index, d.text, None, lp)
+                    if d.finish_reason is not None:
+                        yield self._chunk(v.index, "", c.finish_reason, None, c.stop_reason)
+            if self.include_usage:
+                yield {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],
+                       "usage": self.usage()}
+        finally:
+            for t in tasks:
+                t.cancel()

@@ -1,0 +1,56 @@
+"""The wire protocol between a frontend and an engine process: JSON objects over ZeroMQ.
+
+JSON (not pickle) so the same messages can later travel over TCP to remote prefill/decode
+workers written in anything, and so a peer can never make the other execute code.
+
+frontend -> engine (PUSH/PULL):
+  {"type": "add", "rid", "prompt_token_ids": [int], "params": {SamplingParams fields}}
+  {"type": "abort", "rid"}
+  {"type": "shutdown"}
+engine -> frontend (PUSH/PULL):
+  {"type": "ready", "pid", "plan": str, "max_model_len", "max_tokens", "max_num_seqs"}
+  {"type": "outputs", "items": [{"rid", "new_token_ids", "finished", "finish_reason",
+                                 "stop_reason", "cached_tokens", "queue_time",
+                                 "logprobs": [float], "top_logprobs": [[[id, lp], ...] | null]}]}
+  {"type": "error", "rid", "message", "status"}   (a request the engine refused or dropped)
+  {"type": "stats", "stats": {...LLMEngine.stats()}, "time"}   (heartbeat, a few per second)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from ..engine.sampling import SamplingParams
+
+# what the engine needs of a request's sampling parameters; stop strings stay in the frontend,
+# which detokenises and aborts the request when one matches
+ENGINE_PARAM_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stop_token_ids",
+                       "ignore_eos", "logprobs")
+
+
+def encode(msg: dict) -> bytes:
+    return json.dumps(msg, separators=(",", ":")).encode()
+
+
+def decode(raw: bytes) -> dict:
+    return json.loads(raw)
+
+
+def params_to_wire(p: SamplingParams) -> dict:
+    return {k: getattr(p, k) for k in ENGINE_PARAM_FIELDS}
+
+
+def params_from_wire(d: dict) -> SamplingParams:
+    return SamplingParams(**{k: d[k] for k in ENGINE_PARAM_FIELDS if k in d})
+
+
+def output_to_wire(out) -> dict:
+    return {"rid": out.request_id, "new_token_ids": list(out.new_token_ids), "finished": out.finished,
+            "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
+            "cached_tokens": out.cached_tokens, "queue_time": out.queue_time,
+            "logprobs": out.logprobs[-len(out.new_token_ids):] if out.new_token_ids else [],
+            "top_logprobs": out.top_logprobs[-len(out.new_token_ids):] if out.new_token_ids else []}
+
+
+assert set(ENGINE_PARAM_FIELDS) <= {f.name for f in dataclasses.fields(SamplingParams)}

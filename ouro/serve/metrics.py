@@ -1,0 +1,62 @@
+"""Prometheus metrics, named and shaped like vLLM's and SGLang's, prefixed `ouro:`."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                   20.0, 40.0, 80.0, 160.0)
+
+
+class Metrics:
+    def __init__(self, model_name: str):
+        self.registry = r = CollectorRegistry()
+        lbl = ["model_name"]
+        self.model_name = model_name
+        g = lambda name, doc: Gauge(name, doc, lbl, registry=r).labels(model_name)
+        self.running = g("ouro:num_requests_running", "Requests in the engine's running batch")
+        self.waiting = g("ouro:num_requests_waiting", "Requests waiting for pages or a state slot")
+        self.pages_used = g("ouro:kv_pages_used", "Paged DSA cache pages in use")
+        self.pages_total = g("ouro:kv_pages_total", "Paged DSA cache pages")
+        self.kv_usage = g("ouro:kv_cache_usage_perc", "Fraction of KV pages in use (0..1)")
+        self.slots_used = g("ouro:state_slots_used", "KDA state slots in use")
+        self.slots_total = g("ouro:state_slots_total", "KDA state slots")
+        self.prefix_hit_rate = g("ouro:prefix_cache_hit_rate", "Prefix-cache lookups that hit (0..1)")
+        self.in_flight = g("ouro:num_requests_in_flight", "Requests admitted by the frontend and not finished")
+        h = lambda name, doc: Histogram(name, doc, lbl, buckets=LATENCY_BUCKETS, registry=r).labels(model_name)
+        self.ttft = h("ouro:time_to_first_token_seconds", "Time to first token")
+        self.itl = h("ouro:inter_token_latency_seconds", "Time between consecutive output tokens")
+        self.e2e = h("ouro:e2e_request_latency_seconds", "End-to-end request latency")
+        self.queue = h("ouro:request_queue_time_seconds", "Time a request waited before it was first scheduled")
+        c = lambda name, doc: Counter(name, doc, lbl, registry=r).labels(model_name)
+        self.prompt_tokens = c("ouro:prompt_tokens", "Prompt tokens processed")
+        self.generation_tokens = c("ouro:generation_tokens", "Generated tokens")
+        self.cached_tokens = c("ouro:prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache")
+        self.finished = Counter("ouro:request_success", "Finished requests by finish reason",
+                                lbl + ["finished_reason"], registry=r)
+        self.rejected = Counter("ouro:request_rejected", "Requests refused by the frontend, by HTTP status",
+                                lbl + ["status"], registry=r)
+        self.preemptions = g("ouro:num_preemptions", "Preemptions since start (cumulative)")
+        self.engine_up = g("ouro:engine_up", "1 while the engine process is alive and ready")
+
+    def update_engine(self, s: dict) -> None:
+        self.running.set(s.get("running", 0))
+        self.waiting.set(s.get("waiting", 0))
+        total, free = s.get("pages_total", 0), s.get("pages_free", 0)
+        self.pages_used.set(total - free)
+        self.pages_total.set(total)
+        self.kv_usage.set((total - free) / total if total else 0.0)
+        self.slots_used.set(s.get("slots_total", 0) - s.get("slots_free", 0))
+        self.slots_total.set(s.get("slots_total", 0))
+        self.preemptions.set(s.get("preemptions", 0))
+        lookups = s.get("prefix_hits", 0) + s.get("prefix_misses", 0)
+        self.prefix_hit_rate.set(s.get("prefix_hits", 0) / lookups if lookups else 0.0)
+
+    def finish(self, reason: str) -> None:
+        self.finished.labels(self.model_name, reason).inc()
+
+    def reject(self, status: int) -> None:
+        self.rejected.labels(self.model_name, str(status)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

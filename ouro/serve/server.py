@@ -1,0 +1,91 @@
+"""`ouro serve`: resolve the model, start the engine process, then serve HTTP with uvicorn.
+SIGTERM/SIGINT drain: /health turns 503 and new requests get 503 at once, in-flight requests
+get up to --shutdown-timeout seconds to finish, then are aborted, the engine stops, exit 0."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sys
+from pathlib import Path
+
+log = logging.getLogger("ouro.serve")
+
+
+def engine_kwargs(args) -> dict:
+    return {"device": args.device, "dtype": args.dtype, "page_size": args.page_size, "max_model_len": args.max_model_len,
+            "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+            "max_memory": args.max_memory, "memory_fraction": args.mem_fraction_static,
+            "enable_prefix_caching": args.enable_prefix_caching,
+            "prefix_checkpoint_interval": args.prefix_checkpoint_interval}
+
+
+def random_init_note(directory: Path) -> str | None:
+    marker = directory / "ouro_preset.json"
+    if marker.is_file():
+        info = json.loads(marker.read_text())
+        if info.get("random_init"):
+            return (f"ouro: NOTE: {directory} holds the random-init '{info.get('preset')}' preset: its text is "
+                    "meaningless; serve a real glm5_next checkpoint with --model DIR")
+    return None
+
+
+def serve(args) -> int:
+    import uvicorn
+
+    from ..config import EngineConfig, ModelConfig
+    from ..engine.llm_engine import LLMEngine
+    from ..models.resolve import load_tokenizer, resolve_model
+    from .api_server import ServerState, build_app
+    from .chat import ChatFormat
+    from .engine_client import EngineClient, EngineUnavailable
+    from .metrics import Metrics
+
+    directory = resolve_model(args.model, progress=True)
+    kw = engine_kwargs(args)
+    mc = ModelConfig.from_hf(directory)
+    cfg = EngineConfig(**{k: v for k, v in kw.items() if k not in ("enable_prefix_caching", "prefix_checkpoint_interval")})
+    LLMEngine.check_options(cfg, mc, kw["enable_prefix_caching"], kw["prefix_checkpoint_interval"])
+    tokenizer = load_tokenizer(directory)
+    if tokenizer is None:
+        raise ValueError(f"{directory} has no tokenizer.json; the server needs one to turn text into tokens")
+    note = random_init_note(Path(directory))
+    if note:
+        print(note, file=sys.stderr, flush=True)
+    name = args.served_model_name or (args.model if not Path(args.model).is_dir() else Path(directory).name)
+    metrics = Metrics(name)
+    client = EngineClient(directory, kw, args.logits_processors, on_stats=metrics.update_engine)
+    state = ServerState(client=client, tokenizer=tokenizer, chat=ChatFormat.from_checkpoint(directory, tokenizer),
+                        model_name=name, max_model_len=0, capacity_tokens=0, eos_token_ids=mc.eos_token_ids,
+                        vocab_size=mc.vocab_size, api_key=args.api_key, max_queued_requests=args.max_queued_requests,
+                        max_num_seqs=args.max_num_seqs, max_body_bytes=args.max_request_body_bytes, metrics=metrics)
+    app = build_app(state)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):   # first signal: drain (new requests get 503 at once)
+            state.draining = True
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.shutdown_timeout, access_log=False)
+    server = Server(config)
+
+    async def main():
+        try:
+            await client.start()
+        except EngineUnavailable as e:
+            print(f"ouro: error: the engine did not start: {e}", file=sys.stderr, flush=True)
+            return 1
+        state.max_model_len, state.capacity_tokens = client.info["max_model_len"], client.info["max_tokens"]
+        print(f"ouro: engine process pid {client.info['pid']}; {client.info['plan']}", file=sys.stderr, flush=True)
+        print(f"ouro: serving {name!r} on http://{args.host}:{args.port} (OpenAI API under /v1)",
+              file=sys.stderr, flush=True)
+        try:
+            await server.serve()
+        finally:
+            await client.shutdown(timeout=5)
+            client.cleanup()
+        return 0
+
+    return asyncio.run(main())
