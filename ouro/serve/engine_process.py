@@ -57,7 +57,7 @@ def run_engine(model_dir: str, engine_kwargs: dict, in_addr: str, out_addr: str,
     outbox.send(encode({"type": "ready", "pid": os.getpid(), "plan": engine.plan.describe(min(engine.max_model_len, 4096)),
                         "max_model_len": engine.max_model_len, "max_tokens": engine.plan.max_tokens,
                         "max_num_seqs": cfg.max_num_seqs}))
-    last_beat, failures = 0.0, 0
+    last_beat, failures, parent = 0.0, 0, os.getppid()
     while True:
         timeout = 0 if engine.has_unfinished() else int(HEARTBEAT_S * 1000)
         while inbox.poll(timeout):
@@ -93,5 +93,7 @@ def run_engine(model_dir: str, engine_kwargs: dict, in_addr: str, out_addr: str,
                 outbox.send(encode({"type": "outputs", "items": [output_to_wire(o) for o in outs]}))
         now = time.monotonic()
         if now - last_beat >= HEARTBEAT_S:
+            if os.getppid() != parent:   # the frontend is gone (killed): nobody to serve
+                return
             outbox.send(encode({"type": "stats", "stats": engine.stats(), "time": time.time()}))
             last_beat = now

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import signal
 import sys
 from pathlib import Path
 
@@ -63,9 +64,14 @@ def serve(args) -> int:
     app = build_app(state)
 
     class Server(uvicorn.Server):
-        def handle_exit(self, sig, frame):   # first signal: drain (new requests get 503 at once)
+        def handle_exit(self, sig, frame):
+            # first signal: drain (new requests get 503 at once); a second SIGINT forces. The
+            # signal is not re-raised after the drain (uvicorn's default), so the engine is
+            # stopped below and the exit status is 0.
             state.draining = True
-            super().handle_exit(sig, frame)
+            if self.should_exit and sig == signal.SIGINT:
+                self.force_exit = True
+            self.should_exit = True
 
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout, access_log=False)

@@ -1,0 +1,32 @@
+"""A logits processor for server tests (`ouro serve --logits-processors scripted_logits:ScriptedReply`):
+when a prompt contains the trigger text, the reply is forced to a scripted text token by token
+(then EOS), so tool-call and reasoning output can be produced by a random-init model."""
+
+import json
+import os
+
+import torch
+
+
+class ScriptedReply:
+    def __init__(self, model_dir):
+        from tokenizers import Tokenizer
+        self.tok = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
+        script = json.loads(open(os.environ["OURO_SCRIPTED_REPLY"]).read())
+        self.scripts = [(self.tok.encode(s["trigger"], add_special_tokens=False).ids,
+                         self.tok.encode(s["reply"], add_special_tokens=False).ids + [s.get("eos", 0)])
+                        for s in script]
+
+    def __call__(self, prompt_ids, output_ids, logits):
+        for trigger, reply in self.scripts:
+            if _contains(prompt_ids, trigger):
+                k = min(len(output_ids), len(reply) - 1)
+                forced = torch.full_like(logits, float("-inf"))
+                forced[reply[k]] = 0.0
+                return forced
+        return logits
+
+
+def _contains(seq, sub):
+    n = len(sub)
+    return n > 0 and any(seq[i:i + n] == sub for i in range(len(seq) - n + 1))

@@ -1,0 +1,292 @@
+"""`ouro serve` as a real process on 127.0.0.1, driven by the official `openai` client and httpx."""
+
+import asyncio
+import json
+import os
+import random
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+
+from ouro.models.presets import make_model
+from serve_helpers import Server
+
+KEY = "test-key"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("serve_tiny")
+    make_model("tiny", d, progress=False)
+    return d
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    s = Server(model_dir, "--max-num-seqs", "8", "--max-queued-requests", "110", "--max-request-body-bytes", "200000",
+               tmp_path=tmp_path_factory.mktemp("serve_logs"), api_key=KEY)
+    yield s
+    s.stop()
+
+
+@pytest.fixture()
+def client(server):
+    return openai.OpenAI(base_url=server.base + "/v1", api_key=KEY, max_retries=0)
+
+
+def idle(server, timeout=20):
+    """Pools back to full and nothing running, read from /metrics."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        m = server.metrics()
+        get = lambda n: next(v for k, v in m.items() if k.split("{")[0] == n)
+        if (get("ouro:kv_pages_used") == 0 and get("ouro:state_slots_used") == 0 and get("ouro:num_requests_running") == 0
+                and get("ouro:num_requests_waiting") == 0 and get("ouro:num_requests_in_flight") == 0):
+            return True
+        time.sleep(0.3)
+    return False
+
+
+def test_completions_stream_equals_non_stream(client):
+    kw = dict(model="serve_tiny0", prompt="The engine", max_tokens=12, temperature=0.8, seed=5, extra_body={"ignore_eos": True})
+    models = client.models.list()
+    kw["model"] = models.data[0].id
+    full = client.completions.create(**kw)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw) if c.choices)
+    assert full.choices[0].text == streamed and full.usage.completion_tokens == 12
+    assert full.choices[0].finish_reason == "length"
+
+
+def test_n_logprobs_and_seed(client):
+    r = client.completions.create(model=None, prompt="abc", max_tokens=6, n=3, seed=9, temperature=1.0, logprobs=2,
+                                  extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in r.choices) == [0, 1, 2]
+    assert len({c.text for c in r.choices}) == 3
+    for c in r.choices:
+        assert len(c.logprobs.token_logprobs) == 6 and all(len(t) <= 2 for t in c.logprobs.top_logprobs)
+    again = client.completions.create(model=None, prompt="abc", max_tokens=6, n=3, seed=9, temperature=1.0,
+                                      extra_body={"ignore_eos": True})
+    assert [c.text for c in sorted(again.choices, key=lambda c: c.index)] == [
+        c.text for c in sorted(r.choices, key=lambda c: c.index)]
+    assert r.usage.completion_tokens == 18
+
+
+def test_token_id_prompt_and_stop_string(client):
+    base = client.completions.create(model=None, prompt=[5, 6, 7], max_tokens=10, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    assert len(base) >= 3
+    stop = base[2:4]
+    cut = client.completions.create(model=None, prompt=[5, 6, 7], max_tokens=10, temperature=0, stop=[stop],
+                                    extra_body={"ignore_eos": True}).choices[0]
+    assert cut.finish_reason == "stop" and cut.text == base[:base.index(stop)]
+
+
+def post(server, path, body, key=KEY, raw=None):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    if raw is not None:
+        return httpx.post(server.base + path, content=raw, headers={**headers, "content-type": "application/json"},
+                          timeout=30)
+    return httpx.post(server.base + path, json=body, headers=headers, timeout=30)
+
+
+@pytest.mark.parametrize("body,status,words", [
+    (None, 400, "JSON"),
+    ({"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
+    ({"prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ({"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ({"prompt": "hi", "n": 0}, 400, "n"),
+    ({"prompt": "hi", "logprobs": 50}, 400, "logprobs"),
+    ({"prompt": "hi", "model": "gpt-5"}, 400, "does not exist"),
+    ({"prompt": 5}, 400, "prompt"),
+    ({"prompt": [1, 10 ** 9]}, 400, "out of range"),
+    ({"prompt": "hi", "max_tokens": 5000}, 400, "maximum context length is 4096 tokens"),
+    ({"prompt": "hi", "presence_penalty": 1.0}, 400, "presence_penalty"),
+])
+def test_bad_input_gets_400_with_openai_error_body(server, body, status, words):
+    r = post(server, "/v1/completions", body, raw=b"{not json" if body is None else None)
+    assert r.status_code == status
+    err = r.json()
+    assert set(err) >= {"object", "message", "type", "code"} and err["object"] == "error" and err["code"] == status
+    assert words in err["message"]
+
+
+def test_api_key_on_every_route_but_health(server):
+    for path in ("/v1/models", "/metrics"):
+        assert httpx.get(server.base + path).status_code == 401
+        assert httpx.get(server.base + path, headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert post(server, "/v1/completions", {"prompt": "hi"}, key=None).status_code == 401
+    assert post(server, "/v1/chat/completions", {"messages": []}, key="nope").json()["code"] == 401
+    assert httpx.get(server.base + "/health").status_code == 200
+
+
+def test_body_over_the_limit_is_refused_before_parsing(server):
+    big = json.dumps({"prompt": "x" * 300_000}).encode()
+    r = post(server, "/v1/completions", None, raw=big)
+    assert r.status_code == 413 and "body" in r.json()["message"]
+
+    def chunks():   # no Content-Length: the limit still holds
+        for i in range(0, len(big), 50_000):
+            yield big[i:i + 50_000]
+    r = httpx.post(server.base + "/v1/completions", content=chunks(), timeout=30,
+                   headers={"Authorization": f"Bearer {KEY}", "content-type": "application/json"})
+    assert r.status_code == 413
+
+
+def test_openapi_matches_the_routes(server):
+    spec = httpx.get(server.base + "/openapi.json", headers=server.headers()).json()
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"} <= set(spec["paths"])
+    props = spec["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+    assert {"messages", "tools", "tool_choice", "stream_options", "max_completion_tokens", "chat_template_kwargs"} <= set(props)
+
+
+async def _stream_one(base, i, disconnect_after):
+    body = {"prompt": f"client {i}", "max_tokens": 40, "temperature": 0, "stream": True, "ignore_eos": True}
+    got = ""
+    async with httpx.AsyncClient(timeout=120) as c:
+        async with c.stream("POST", base + "/v1/completions", json=body,
+                            headers={"Authorization": f"Bearer {KEY}"}) as r:
+            if r.status_code != 200:
+                return ("status", r.status_code)
+            n = 0
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    n += 1
+                    chunk = json.loads(line[6:])
+                    got += "".join(ch.get("text", "") for ch in chunk["choices"])
+                    if disconnect_after is not None and n >= disconnect_after:
+                        return ("left", n)
+    return ("done", got)
+
+
+def test_100_streams_a_third_disconnecting(server):
+    rng = random.Random(0)
+    plan = [rng.randrange(1, 30) if i % 3 == 0 else None for i in range(100)]
+
+    async def run():
+        return await asyncio.gather(*[_stream_one(server.base, i, d) for i, d in enumerate(plan)])
+    results = asyncio.run(run())
+    assert all(r[0] != "status" for r in results), [r for r in results if r[0] == "status"][:3]
+    assert sum(r[0] == "left" for r in results) == 34 and sum(r[0] == "done" for r in results) == 66
+    assert idle(server), server.metrics()
+    # still answers, and correctly: a finished stream equals the same request made afresh
+    i = next(k for k, d in enumerate(plan) if d is None)
+    fresh = post(server, "/v1/completions", {"prompt": f"client {i}", "max_tokens": 40, "temperature": 0,
+                                             "ignore_eos": True}).json()
+    assert fresh["choices"][0]["text"] == results[i][1]
+
+
+@pytest.fixture(scope="module")
+def small_server(model_dir, tmp_path_factory):
+    """Two running + three queued requests at most; killed by the last test that uses it."""
+    s = Server(model_dir, "--max-num-seqs", "2", "--max-queued-requests", "3",
+               tmp_path=tmp_path_factory.mktemp("serve_small"))
+    yield s
+    s.stop()
+
+
+def test_overload_gets_429_quickly_while_admitted_requests_complete(small_server):
+    s = small_server
+
+    async def one(c, i):
+        t = time.monotonic()
+        r = await c.post(s.base + "/v1/completions",
+                         json={"prompt": f"load {i}", "max_tokens": 64, "temperature": 0, "ignore_eos": True})
+        return r.status_code, time.monotonic() - t, r.json()
+
+    async def run():
+        async with httpx.AsyncClient(timeout=300) as c:
+            first = [asyncio.ensure_future(one(c, i)) for i in range(5)]
+            await asyncio.sleep(0.5)              # the five have their places
+            rest = await asyncio.gather(*[one(c, i) for i in range(5, 25)])
+            return await asyncio.gather(*first), rest
+    admitted, refused = asyncio.run(run())
+    assert [r[0] for r in admitted] == [200] * 5
+    assert all(r[2]["usage"]["completion_tokens"] == 64 for r in admitted)
+    assert [r[0] for r in refused] == [429] * 20 and refused[0][2]["type"] == "RateLimitError"
+    assert max(r[1] for r in refused) < 1.0 < min(r[1] for r in admitted)
+    assert s.metric("ouro:request_rejected_total") >= 20
+    assert idle(s)
+
+
+def test_fuzz_openapi_finds_no_5xx(server):
+    schemathesis = pytest.importorskip("schemathesis")
+    from hypothesis import HealthCheck, settings
+    schema = schemathesis.openapi.from_url(server.base + "/openapi.json", headers=server.headers())
+    failures, cases = [], 0
+    for op in schema.get_all_operations():
+        op = op.ok()
+        strategy = op.as_strategy()
+
+        @settings(max_examples=150 if op.method.upper() == "POST" else 30, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+        def check(case):
+            nonlocal cases
+            cases += 1
+            body = getattr(case, "body", None)
+            if isinstance(body, dict):   # keep generation short; everything else stays as fuzzed
+                for k, cap in (("max_tokens", 4), ("max_completion_tokens", 4), ("n", 2)):
+                    if isinstance(body.get(k), int) and not isinstance(body.get(k), bool):
+                        body[k] = min(body[k], cap)
+                if "max_tokens" not in body and "max_completion_tokens" not in body:
+                    body["max_tokens"] = 4
+            r = case.call(base_url=server.base, headers=server.headers(), timeout=30)
+            if r.status_code >= 500:
+                failures.append((op.label, r.status_code, r.text[:200]))
+        from hypothesis import given
+        given(strategy)(check)()
+    assert cases >= 200 and not failures, failures[:5]
+    assert idle(server, timeout=60)
+
+
+def test_engine_killed_mid_load_gives_errors_not_hangs(small_server):
+    s = small_server
+
+    async def one(c, i):
+        r = await c.post(s.base + "/v1/completions", json={"prompt": f"x {i}", "max_tokens": 400,
+                                                           "temperature": 0, "ignore_eos": True})
+        return r.status_code
+
+    async def run():
+        async with httpx.AsyncClient(timeout=60) as c:
+            tasks = [asyncio.ensure_future(one(c, i)) for i in range(4)]
+            await asyncio.sleep(1.5)
+            os.kill(s.engine_pid, signal.SIGKILL)
+            return await asyncio.gather(*tasks)
+    t = time.monotonic()
+    codes = asyncio.run(run())
+    assert time.monotonic() - t < 30 and codes == [503] * 4
+    assert httpx.get(s.base + "/health").status_code == 503
+    assert post(s, "/v1/completions", {"prompt": "hi"}, key=None).status_code == 503
+    assert s.proc.poll() is None                     # the frontend itself stays up and answers
+
+
+def test_sigterm_during_load_drains_and_exits_in_time(model_dir, tmp_path):
+    s = Server(model_dir, "--shutdown-timeout", "3", tmp_path=tmp_path)
+
+    async def one(c, i, tokens):
+        try:
+            r = await c.post(s.base + "/v1/completions", json={"prompt": f"x {i}", "max_tokens": tokens,
+                                                               "temperature": 0, "ignore_eos": True})
+            return r.status_code
+        except httpx.HTTPError:
+            return "closed"
+
+    async def run():
+        async with httpx.AsyncClient(timeout=60) as c:
+            short = [asyncio.ensure_future(one(c, i, 8)) for i in range(3)]
+            long = [asyncio.ensure_future(one(c, i, 3000)) for i in range(3, 6)]
+            await asyncio.sleep(1.0)
+            s.proc.send_signal(signal.SIGTERM)
+            t = time.monotonic()
+            await asyncio.sleep(0.3)
+            late = await one(c, 99, 4)
+            return await asyncio.gather(*short), await asyncio.gather(*long), late, t
+    short, long, late, t = asyncio.run(run())
+    rc = s.proc.wait(timeout=20)
+    assert time.monotonic() - t < 3 + 10 and rc == 0
+    assert short == [200, 200, 200]                  # in flight and quick: they finished
+    assert late in (503, "closed")                   # new work is refused while draining
+    assert all(code != 200 for code in long)         # too long for the timeout: cut, not waited for
+    s.stop()
