@@ -18,15 +18,18 @@ class ScriptedReply:
                         for s in script]
 
     def __call__(self, prompt_ids, output_ids, logits):
-        for trigger, reply in self.scripts:
-            if _contains(prompt_ids, trigger):
-                k = min(len(output_ids), len(reply) - 1)
-                forced = torch.full_like(logits, float("-inf"))
-                forced[reply[k]] = 0.0
-                return forced
-        return logits
+        # the trigger seen last in the prompt wins (a conversation repeats earlier turns)
+        found = [(_last(prompt_ids, trigger), reply) for trigger, reply in self.scripts]
+        found = [f for f in found if f[0] >= 0]
+        if not found:
+            return logits
+        reply = max(found, key=lambda f: f[0])[1]
+        k = min(len(output_ids), len(reply) - 1)
+        forced = torch.full_like(logits, float("-inf"))
+        forced[reply[k]] = 0.0
+        return forced
 
 
-def _contains(seq, sub):
+def _last(seq, sub):
     n = len(sub)
-    return n > 0 and any(seq[i:i + n] == sub for i in range(len(seq) - n + 1))
+    return max((i for i in range(len(seq) - n + 1) if seq[i:i + n] == sub), default=-1) if n else -1

@@ -130,6 +130,8 @@ class LLMEngine:
         if total > self.plan.max_tokens:
             raise ValueError(f"prompt + max_tokens = {total} tokens exceeds the cache's total capacity "
                              f"{self.plan.max_tokens} tokens; raise --max-memory or lower max_tokens")
+        if params.forced_prefix_ids and max(params.forced_prefix_ids) >= self.model.config.vocab_size:
+            raise ValueError(f"forced_prefix_ids out of range [0, {self.model.config.vocab_size})")
         if self.tokenizer is None and params.stop_list:
             raise ValueError("stop strings need a tokenizer; this checkpoint has none (use stop_token_ids)")
         return ids, params
@@ -197,6 +199,15 @@ class LLMEngine:
         for proc in self.logits_processors:
             for k, r in enumerate(reqs):
                 logits[k] = proc(r.prompt_ids, r.output_ids, logits[k])
+        for k, r in enumerate(reqs):   # a forced prefix: only its next id may be drawn
+            forced = r.params.forced_prefix_ids
+            if forced and len(r.output_ids) < len(forced):
+                tok = forced[len(r.output_ids)]
+                if tok >= logits.shape[1]:
+                    raise ValueError(f"forced prefix id {tok} is outside the vocabulary")
+                keep = logits[k, tok].clone()
+                logits[k].fill_(float("-inf"))
+                logits[k, tok] = keep
         sampled = self.sampler.sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
         outputs = []
         for k, r in enumerate(reqs):

@@ -31,6 +31,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-k logprobs per token; 0: only the chosen one
     skip_special_tokens: bool = True
+    forced_prefix_ids: list[int] | None = None  # the output must start with these ids (e.g. a tool-call tag)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -65,6 +66,9 @@ class SamplingParams:
         if self.stop_token_ids is not None and (not isinstance(self.stop_token_ids, (list, tuple))
                                                 or not all(is_int(t) and t >= 0 for t in self.stop_token_ids)):
             raise ValueError(f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
+        if self.forced_prefix_ids is not None and (not isinstance(self.forced_prefix_ids, (list, tuple))
+                                                   or not all(is_int(t) and t >= 0 for t in self.forced_prefix_ids)):
+            raise ValueError(f"forced_prefix_ids must be a list of non-negative integers, got {self.forced_prefix_ids!r}")
         for flag in ("ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be a bool, got {getattr(self, flag)!r}")

@@ -6,9 +6,10 @@ byte symbols in the alphabet can encode any text, so round-tripping never
 depends on what the corpus happened to contain.
 
 Vocab layout (fixed, independent of ``vocab_size``):
-    ids 0..11      the GLM special tokens, in ``SPECIAL_TOKENS`` order
-    ids 12..267    the 256 byte symbols
-    ids 268..      learned merges
+    ids 0..19      the GLM special tokens, in ``SPECIAL_TOKENS`` order (0..11 are the
+                   original twelve; 12..19 the tool-call tags, added after them)
+    ids 20..275    the 256 byte symbols
+    ids 276..      learned merges
 
 The tokenizer has at most ``min(vocab_size, MAX_TRAINED_VOCAB)`` entries and
 in practice is capped further by how many merges the small corpus supports
@@ -27,7 +28,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from ouro.models.tokenizer_corpus import CORPUS
 
-# GLM special tokens; order defines their ids (0..11), so never reorder.
+# GLM special tokens; order defines their ids (0..19), so never reorder. New ones go at the end.
 SPECIAL_TOKENS: tuple[str, ...] = (
     "<|endoftext|>",
     "[MASK]",
@@ -41,6 +42,14 @@ SPECIAL_TOKENS: tuple[str, ...] = (
     "<|observation|>",
     "<think>",
     "</think>",
+    "<tool_call>",
+    "</tool_call>",
+    "<arg_key>",
+    "</arg_key>",
+    "<arg_value>",
+    "</arg_value>",
+    "<tool_response>",
+    "</tool_response>",
 )
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|endoftext|>"
@@ -48,35 +57,96 @@ PAD_TOKEN = "<|endoftext|>"
 STOP_TOKENS: tuple[str, ...] = ("<|endoftext|>", "<|user|>", "<|observation|>")
 
 NUM_BYTES = 256
-MIN_VOCAB_SIZE = len(SPECIAL_TOKENS) + NUM_BYTES  # 268: no merges at all
+MIN_VOCAB_SIZE = len(SPECIAL_TOKENS) + NUM_BYTES  # 276: no merges at all
 # Upper bound on trained entries; a bigger vocab would only memorise the corpus.
 MAX_TRAINED_VOCAB = 4096
 
-# GLM-style chat template. Content may be a string, None, or a list of
-# {"type": "text", "text": ...} parts (non-text parts are skipped). "tool" is
-# accepted as an alias of GLM's "observation" role (OpenAI-style tool results).
-CHAT_TEMPLATE = (
-    "{%- macro render_content(content) -%}"
-    "{%- if content is string -%}{{ content }}"
-    "{%- elif content is defined and content is not none -%}"
-    "{%- for part in content -%}"
-    "{%- if part is string -%}{{ part }}"
-    "{%- elif part['type'] == 'text' -%}{{ part['text'] }}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- endif -%}"
-    "{%- endmacro -%}"
-    "[gMASK]<sop>"
-    "{%- for message in messages -%}"
-    "{%- set role = 'observation' if message['role'] == 'tool' else message['role'] -%}"
-    "{%- if role not in ['system', 'user', 'assistant', 'observation'] -%}"
-    "{{ raise_exception('Unsupported chat role: ' + message['role']) }}"
-    "{%- endif -%}"
-    "{{ '<|' + role + '|>' }}\n{{ render_content(message['content']) }}"
-    "{%- endfor -%}"
-    # No "-" right after a literal newline: it would strip the newline.
-    "{%- if add_generation_prompt -%}{{ '<|assistant|>' }}\n{% endif %}"
-)
+# GLM-5.3-style chat template (written for ouro; GLM's layout, not a copy of its file).
+# - tools (OpenAI JSON schemas) go into a first <|system|> turn, with the tool-call syntax;
+# - content may be a string, None/missing, or a list of text parts (other parts are skipped);
+# - assistant turns: <think>REASONING</think> (reasoning kept only after the last user turn,
+#   as GLM does), then content, then tool calls in GLM syntax; string argument values are
+#   written raw, others as JSON; `arguments` must be a mapping (ouro's renderer parses
+#   OpenAI's JSON strings first);
+# - "tool" messages become one <|observation|> turn per run of results, each in
+#   <tool_response>...</tool_response>; "developer" is a system turn; other roles raise;
+# - thinking is on unless reasoning_effort == "none" or enable_thinking is false: the
+#   generation prompt is "<|assistant|>\n<think>" (on) or "<|assistant|>\n<think></think>" (off).
+CHAT_TEMPLATE = r"""
+{%- macro visible_text(content) -%}
+  {%- if content is string -%}{{- content -}}
+  {%- elif content is iterable and content is not mapping -%}
+    {%- for part in content -%}
+      {%- if part is string -%}{{- part -}}
+      {%- elif part is mapping and part.type == 'text' -%}{{- part.text -}}
+      {%- endif -%}
+    {%- endfor -%}
+  {%- elif content is defined and content is not none -%}{{- content -}}
+  {%- endif -%}
+{%- endmacro -%}
+{%- set effort_off = reasoning_effort is defined and reasoning_effort is string and reasoning_effort | lower == 'none' -%}
+{%- set flag_off = enable_thinking is defined and enable_thinking is not none and not enable_thinking -%}
+{%- set thinking = not (effort_off or flag_off) -%}
+{{- '[gMASK]<sop>' -}}
+{%- if tools -%}
+  {{- '<|system|>\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n' -}}
+  {{- 'You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n' -}}
+  {%- for tool in tools -%}{{- tool | tojson -}}{{- '\n' -}}{%- endfor -%}
+  {{- '</tools>\n\nFor each function call, output the function name and arguments within the following XML format:\n' -}}
+  {{- '<tool_call>{function-name}\n<arg_key>{arg-key-1}</arg_key>\n<arg_value>{arg-value-1}</arg_value>\n' -}}
+  {{- '<arg_key>{arg-key-2}</arg_key>\n<arg_value>{arg-value-2}</arg_value>\n...\n</tool_call>' -}}
+{%- endif -%}
+{%- set ns = namespace(last_user=-1) -%}
+{%- for m in messages -%}
+  {%- if m.role == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}
+{%- endfor -%}
+{%- for m in messages -%}
+  {%- if m.role == 'system' or m.role == 'developer' -%}
+    {{- '<|system|>\n' + visible_text(m.content) -}}
+  {%- elif m.role == 'user' -%}
+    {{- '<|user|>\n' + visible_text(m.content) -}}
+  {%- elif m.role == 'assistant' -%}
+    {%- set content = visible_text(m.content) -%}
+    {%- set reasoning = '' -%}
+    {%- if m.reasoning_content is string -%}
+      {%- set reasoning = m.reasoning_content -%}
+    {%- elif '</think>' in content -%}
+      {%- set reasoning = content.split('</think>')[0].split('<think>')[-1] -%}
+      {%- set content = content.split('</think>')[-1] -%}
+    {%- endif -%}
+    {{- '<|assistant|>\n<think>' -}}
+    {%- if loop.index0 > ns.last_user -%}{{- reasoning | trim -}}{%- endif -%}
+    {{- '</think>' -}}
+    {%- if content | trim -%}{{- '\n' + content | trim -}}{%- endif -%}
+    {%- if m.tool_calls is defined and m.tool_calls -%}
+      {%- for tc in m.tool_calls -%}
+        {%- set f = tc.function if tc.function is defined else tc -%}
+        {{- '\n<tool_call>' + f.name -}}
+        {%- if f.arguments is mapping -%}
+          {%- for key, value in f.arguments.items() -%}
+            {{- '\n<arg_key>' + key + '</arg_key>\n<arg_value>' -}}
+            {{- value if value is string else value | tojson -}}
+            {{- '</arg_value>' -}}
+          {%- endfor -%}
+        {%- elif f.arguments is defined and f.arguments is not none and f.arguments | trim not in ['', '{}'] -%}
+          {{- raise_exception('tool call arguments must be a mapping, not ' + f.arguments | string) -}}
+        {%- endif -%}
+        {{- '\n</tool_call>' -}}
+      {%- endfor -%}
+    {%- endif -%}
+  {%- elif m.role == 'tool' or m.role == 'observation' -%}
+    {%- if loop.first or messages[loop.index0 - 1].role not in ['tool', 'observation'] -%}
+      {{- '<|observation|>' -}}
+    {%- endif -%}
+    {{- '\n<tool_response>\n' + visible_text(m.content) + '\n</tool_response>' -}}
+  {%- else -%}
+    {{- raise_exception('Unsupported chat role: ' + m.role | string) -}}
+  {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+  {{- '<|assistant|>\n<think>' if thinking else '<|assistant|>\n<think></think>' -}}
+{%- endif -%}
+""".strip()
 
 
 def build_tokenizer(vocab_size: int) -> Tokenizer:

@@ -4,6 +4,7 @@ Streamed chunks concatenate to exactly the non-streamed object (one code path bu
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -72,6 +73,11 @@ def chat_jobs(state, body) -> list[Job]:
         raise ApiError(400, "top_logprobs needs logprobs: true")
     params = sampling_for(body, _max_tokens(state, body, len(ids)), (top or 0) if body.logprobs else None,
                           body.stop_token_ids)
+    if rendered.forced_prefix:
+        forced = state.tokenizer.encode(rendered.forced_prefix, add_special_tokens=False).ids
+        if len(forced) >= params.max_tokens:
+            raise ApiError(400, f"tool_choice needs max_tokens > {len(forced)} to open the tool call")
+        params = dataclasses.replace(params, forced_prefix_ids=forced)
     return [Job(ids, _children(body, params), _stops(body), False, rendered.text,
                 parser_factory=lambda: state.chat.parser(body, rendered))]
 
@@ -148,7 +154,7 @@ class ResponseView:
                 v = self.views[(id(g), c.index)]
                 lp = self._logprobs(c.logprobs, 0) if self._want_logprobs() else None
                 if self.chat:
-                    text = "".join(c.detok.text for _ in [0])
+                    text = c.detok.text
                     msg = v.parser.parse_all(text, c.finish_reason) if v.parser else {"content": text}
                     choices.append({"index": v.index, "message": {"role": "assistant", **msg}, "logprobs": lp,
                                     "finish_reason": self._finish(v, c.finish_reason), "stop_reason": c.stop_reason})
@@ -180,8 +186,6 @@ class ResponseView:
             self.views.values(), key=lambda v: v.index)]
 
     async def stream_chunks(self):
-        for g in self.gens:
-            pass
         import asyncio
         queue: asyncio.Queue = asyncio.Queue()
 
