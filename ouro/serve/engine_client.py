@@ -66,6 +66,9 @@ class EngineClient:
     async def shutdown(self, timeout: float = 5.0) -> None:
         for t in self._tasks:
             t.cancel()
+        if not hasattr(self, "ctx"):   # never started
+            self.state = "dead"
+            return
         if self.proc is not None and self.proc.is_alive():
             try:
                 await self.push.send(encode({"type": "shutdown"}))
@@ -76,7 +79,7 @@ class EngineClient:
                 self.proc.terminate()
                 self.proc.join(2)
         self._fail_all("the server is shutting down")
-        self.state = "dead"
+        self.state, self.dead_reason = "dead", "the server has shut down"
         self.ctx.destroy(linger=0)
 
     @property

@@ -87,8 +87,9 @@ class Generation:
         if self.first_token_at is None:
             self.first_token_at = now
             self.metrics.ttft.observe(now - self.arrival)
-        if item.get("queue_time") is not None:
-            self.metrics.queue.observe(item["queue_time"])
+        if c.last_token_at is None:               # this choice's first output
+            if item.get("queue_time") is not None:
+                self.metrics.queue.observe(item["queue_time"])
             self.cached_tokens = max(self.cached_tokens, item.get("cached_tokens", 0))
         if c.last_token_at is not None:
             self.metrics.itl.observe(now - c.last_token_at)

@@ -1,12 +1,13 @@
 """GLM reply parsing: reasoning, content and tool calls, whole or streamed, always equal.
 
-One left-to-right scanner (`_Scanner`) reads a reply. The whole-text parse runs it over the
+One left-to-right scanner (`glm_scanner.Scanner`) reads a reply. The whole-text parse runs it over the
 text once; the streaming parser runs the same scanner over the accumulated text, resuming where
 it stopped, and sends the difference between consecutive snapshots. The scanner stops only in
 front of a suffix that could still become a tag (`</thi`), so a snapshot never contains text
 whose meaning a later delta could change; every snapshot is a prefix, field by field, of the
 final parse. Hence, for any split of the text into deltas, the concatenated deltas equal
-`parse_reply` exactly (reasoning, content, and each call's id, name and arguments).
+`parse_reply` exactly (reasoning, content, and each call's id, name and arguments). Cost: O(reply
+length) per delta (string copies at C speed; ~35 us per delta at 160k characters).
 
 Rules (the decisions are marked *):
 - Parsing starts in reasoning mode iff the rendered prompt ends inside an open `<think>`
@@ -39,21 +40,12 @@ Rules (the decisions are marked *):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from .tool_args import STRING, dumps, encode_value, tool_parameters, value_kind
+from .glm_scanner import CALL, END_CALL, END_KEY, END_THINK, END_VALUE, KEY, THINK, VALUE, Scanner  # noqa: F401
+from .tool_args import tool_parameters
 
-THINK, END_THINK = "<think>", "</think>"
-CALL, END_CALL = "<tool_call>", "</tool_call>"
-KEY, END_KEY = "<arg_key>", "</arg_key>"
-VALUE, END_VALUE = "<arg_value>", "</arg_value>"
 ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>", "<|observation|>")
-_MAX_TAG = max(len(t) for t in (THINK, END_THINK, CALL, END_CALL, KEY, END_KEY, VALUE, END_VALUE))
-
-# scanner modes
-_R, _C, _NAME, _KEY, _AFTER_KEY, _VALUE, _AFTER_VALUE = range(7)
-_CALL_TAGS = {_NAME: (KEY, END_CALL), _KEY: (END_KEY, END_CALL), _AFTER_KEY: (VALUE, KEY, END_CALL),
-              _VALUE: (END_VALUE, END_CALL), _AFTER_VALUE: (KEY, END_CALL)}
 
 
 def starts_in_reasoning(prompt: str) -> bool:
@@ -93,157 +85,6 @@ class ParsedReply:
         return msg
 
 
-@dataclass
-class _Call:
-    start: int                       # offset of "<tool_call>" in the scanned text
-    name_raw: str = ""
-    name: str | None = None          # set when complete; "" makes it not a call
-    index: int = -1
-    pairs: list = field(default_factory=list)   # '"key": value' JSON pieces
-    keys: set = field(default_factory=set)
-    key_raw: str = ""
-    key: str = ""
-    value: str = ""
-    kind: object = None
-    skip: bool = False               # value of a duplicate key
-    closed: bool = False
-
-
-class _Scanner:
-    def __init__(self, fmt: ReplyFormat, reasoning: bool, allow_think: bool = True):
-        self.fmt = fmt
-        self.mode = _R if reasoning else _C
-        self.reasoning = ""
-        self.content = ""
-        self.calls: list[_Call] = []
-        self.call: _Call | None = None
-        self.started = False                      # content mode saw non-space text or a call
-        self.think_allowed = allow_think and not reasoning
-
-    def _tags(self) -> tuple:
-        if self.mode == _R:
-            return (END_THINK,)
-        if self.mode == _C:
-            tags = (END_THINK,) + ((CALL,) if self.fmt.tools is not None else ())
-            return tags + ((THINK,) if self.think_allowed and not self.started else ())
-        return _CALL_TAGS[self.mode]
-
-    def run(self, text: str, pos: int, eof: bool) -> int:
-        """Scan from `pos`; return where it stopped (before a possible partial tag unless `eof`)."""
-        n = len(text)
-        while pos < n:
-            i = text.find("<", pos)
-            if i < 0:
-                self._text(text[pos:])
-                return n
-            if i > pos:
-                self._text(text[pos:i])
-            tags = self._tags()
-            for tag in tags:
-                if text.startswith(tag, i):
-                    self._tag(tag, text, i + len(tag))
-                    pos = i + len(tag)
-                    break
-            else:
-                if not eof and n - i < _MAX_TAG and any(t.startswith(text[i:]) for t in tags):
-                    return i
-                self._text("<")
-                pos = i + 1
-        return pos
-
-    def _text(self, s: str) -> None:
-        m, c = self.mode, self.call
-        if m == _R:
-            self.reasoning += s
-        elif m == _C:
-            self.content += s
-            self.started = self.started or not s.isspace()
-        elif m == _NAME:
-            c.name_raw += s
-        elif m == _KEY:
-            c.key_raw += s
-        elif m == _VALUE:
-            c.value += s
-        # between key and value, and between pairs: junk is ignored
-
-    def _tag(self, tag: str, text: str, end: int) -> None:
-        m, c = self.mode, self.call
-        if m == _R:                              # END_THINK
-            self.mode, self.think_allowed = _C, False
-        elif m == _C:
-            self.think_allowed = False
-            if tag == THINK:
-                self.mode = _R
-            elif tag == CALL:
-                self.call, self.mode = _Call(start=end - len(CALL)), _NAME
-        elif tag == END_CALL:
-            if m == _NAME:
-                self._name_done()
-            elif m == _VALUE:
-                self._pair_done()
-            self._close(text, end)
-        elif tag == KEY:
-            if m == _NAME:
-                self._name_done()
-            c.key_raw, self.mode = "", _KEY
-        elif tag == END_KEY:
-            c.key, self.mode = c.key_raw.strip(), _AFTER_KEY
-        elif tag == VALUE:
-            c.value, c.skip, self.mode = "", c.key in c.keys or not c.name, _VALUE
-            c.kind = value_kind(self.fmt.tools, c.name or "", c.key)
-        elif tag == END_VALUE:
-            self._pair_done()
-            self.mode = _AFTER_VALUE
-
-    def _name_done(self) -> None:
-        c = self.call
-        c.name = c.name_raw.strip()
-        if c.name:
-            c.index = len(self.calls)
-            self.calls.append(c)
-
-    def _pair_done(self) -> None:
-        c = self.call
-        if not c.skip:
-            c.pairs.append(f"{dumps(c.key)}: {encode_value(c.value, c.kind)}")
-            c.keys.add(c.key)
-
-    def _close(self, text: str, end: int) -> None:
-        c = self.call
-        c.closed, self.call, self.mode, self.started = True, None, _C, True
-        if not c.name:
-            self.content += text[c.start:end]
-
-    def end(self, text: str, finish_reason: str | None) -> None:
-        """The reply is over: close what is open (see the module docstring)."""
-        if self.mode == _R:
-            if finish_reason == "stop":
-                sub = _Scanner(self.fmt, reasoning=False, allow_think=False)
-                sub.run(self.reasoning, 0, eof=True)
-                sub.end(self.reasoning, finish_reason)
-                self.content += sub.content
-                self.calls = sub.calls
-            return
-        if self.mode == _NAME:
-            self._name_done()
-        elif self.mode == _VALUE:
-            self._pair_done()
-        if self.mode != _C:
-            self._close(text, len(text))
-
-    def _args(self, c: _Call) -> str:
-        s = "{" + ", ".join(c.pairs)
-        if c.closed:
-            return s + "}"
-        if c is self.call and self.mode == _VALUE and c.kind == STRING and not c.skip:
-            s += (", " if c.pairs else "") + f"{dumps(c.key)}: " + dumps(c.value)[:-1]
-        return s
-
-    def snapshot(self) -> tuple[str, str, list[tuple[str, str, str]]]:
-        calls = [(f"{self.fmt.id_prefix}{c.index}", c.name, self._args(c)) for c in self.calls]
-        return self.reasoning.strip(), self.content.strip(), calls
-
-
 def _reply(snap) -> ParsedReply:
     reasoning, content, calls = snap
     return ParsedReply(reasoning, content, tuple(
@@ -252,7 +93,7 @@ def _reply(snap) -> ParsedReply:
 
 def parse_reply(text: str, fmt: ReplyFormat, finish_reason: str | None = "stop") -> ParsedReply:
     """Whole-text parse of one reply; `finish_reason` is the engine's ("stop", "length", ...)."""
-    scanner = _Scanner(fmt, fmt.reasoning_first)
+    scanner = Scanner(fmt, fmt.reasoning_first)
     scanner.run(text, 0, eof=True)
     scanner.end(text, finish_reason)
     return _reply(scanner.snapshot())
@@ -268,7 +109,7 @@ class GlmReplyParser:
         self.text = ""
         self.result: ParsedReply | None = None
         self.diverged = False            # a snapshot was not an extension of what was sent (a bug)
-        self._scanner = _Scanner(fmt, fmt.reasoning_first)
+        self._scanner = Scanner(fmt, fmt.reasoning_first)
         self._pos = 0
         self._sent = ["", "", []]        # reasoning, content, [arguments per call]
 

@@ -77,21 +77,30 @@ def serve(args) -> int:
                             timeout_graceful_shutdown=args.shutdown_timeout, access_log=False)
     server = Server(config)
 
-    async def main():
+    async def start_engine():
         try:
             await client.start()
         except EngineUnavailable as e:
             print(f"ouro: error: the engine did not start: {e}", file=sys.stderr, flush=True)
-            return 1
+            status[0] = 1
+            server.should_exit = True
+            return
         state.max_model_len, state.capacity_tokens = client.info["max_model_len"], client.info["max_tokens"]
         print(f"ouro: engine process pid {client.info['pid']}; {client.info['plan']}", file=sys.stderr, flush=True)
         print(f"ouro: serving {name!r} on http://{args.host}:{args.port} (OpenAI API under /v1)",
               file=sys.stderr, flush=True)
+
+    status = [0]
+
+    async def main():
+        # HTTP comes up at once (/health answers 503 while the engine loads), the engine beside it
+        starting = asyncio.create_task(start_engine())
         try:
             await server.serve()
         finally:
+            starting.cancel()
             await client.shutdown(timeout=5)
             client.cleanup()
-        return 0
+        return status[0]
 
     return asyncio.run(main())
