@@ -57,7 +57,7 @@ def test_transformers_loads_make_model_output(tiny_checkpoint):
     assert rel_rms(out, ref) <= 1e-4
     tok = AutoTokenizer.from_pretrained(tiny_checkpoint)
     text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
-    assert text.startswith("[gMASK]<sop>") and text.endswith("<|assistant|>\n")
+    assert text.startswith("[gMASK]<sop>") and text.endswith("<|assistant|>\n<think>")
 
 
 def test_generate_streams_greedy_tokens(tiny_checkpoint):

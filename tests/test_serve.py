@@ -235,7 +235,7 @@ def test_fuzz_openapi_finds_no_5xx(server):
         op = op.ok()
         strategy = op.as_strategy()
 
-        @settings(max_examples=150 if op.method.upper() == "POST" else 30, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+        @settings(max_examples=90 if op.method.upper() == "POST" else 25, deadline=None, suppress_health_check=list(HealthCheck), database=None)
         def check(case):
             nonlocal cases
             cases += 1
@@ -251,7 +251,7 @@ def test_fuzz_openapi_finds_no_5xx(server):
                 failures.append((op.label, r.status_code, r.text[:200]))
         from hypothesis import given
         given(strategy)(check)()
-    assert cases >= 200 and not failures, failures[:5]
+    assert cases >= 180 and not failures, failures[:5]
     assert idle(server, timeout=60)
 
 

@@ -38,8 +38,9 @@ MESSAGES = [
 ]
 EXPECTED_CHAT = (
     "[gMASK]<sop><|system|>\nYou are terse.<|user|>\nHi there"
-    "<|assistant|>\nHello!<|user|>\nWhat is 2+2?<|assistant|>\n"
+    "<|assistant|>\n<think></think>\nHello!<|user|>\nWhat is 2+2?<|assistant|>\n<think>"
 )
+GENERATION_PROMPT = "<|assistant|>\n<think>"
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +107,17 @@ def test_special_tokens_are_single_fixed_ids(small_tok, big_tok):
         assert SPECIAL_TOKENS.index("<|user|>") in ids
         assert tok.decode(ids, skip_special_tokens=False) == text
         assert tok.decode(ids) == "a\nbc"
+        # GLM tool-call tags: one id each, kept by skip_special_tokens=False (what the chat parser reads)
+        reply = "x</think>\n<tool_call>f\n<arg_key>k</arg_key>\n<arg_value>v 🙂</arg_value>\n</tool_call>"
+        ids = tok.encode(reply).ids
+        for tag in ("</think>", "<tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>",
+                    "</tool_call>"):
+            assert ids.count(tok.token_to_id(tag)) == 1
+        assert tok.decode(ids, skip_special_tokens=False) == reply
+        # one id at a time (how a streaming detokenizer sees them) joins to the same text
+        assert "".join(tok.decode([i], skip_special_tokens=False) for i in ids[:3]) == "x</think>\n"
+    assert SPECIAL_TOKENS[:12] == ("<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>", "<|system|>",
+                                   "<|user|>", "<|assistant|>", "<|observation|>", "<think>", "</think>")
 
 
 def test_written_files_and_returned_ids(hf_dir, big_tok):
@@ -136,7 +148,7 @@ def test_auto_tokenizer_loads_and_matches_raw(hf_dir, big_tok):
     rendered = hf.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
     assert rendered == EXPECTED_CHAT
     no_prompt = hf.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=False)
-    assert no_prompt == EXPECTED_CHAT[: -len("<|assistant|>\n")]
+    assert no_prompt == EXPECTED_CHAT[: -len(GENERATION_PROMPT)]
 
     raw_ids = big_tok.encode(EXPECTED_CHAT).ids
     assert raw_ids[:2] == [big_tok.token_to_id("[gMASK]"), big_tok.token_to_id("<sop>")]
@@ -158,6 +170,7 @@ def test_chat_template_tool_role_and_bad_role(hf_dir):
         {"role": "tool", "content": [{"type": "text", "text": "sunny"}, {"type": "image"}]},
     ]
     out = hf.apply_chat_template(msgs, tokenize=False)
-    assert out == "[gMASK]<sop><|user|>\nweather?<|assistant|>\n<|observation|>\nsunny"
+    assert out == ("[gMASK]<sop><|user|>\nweather?<|assistant|>\n<think></think>"
+                   "<|observation|>\n<tool_response>\nsunny\n</tool_response>")
     with pytest.raises(Exception, match="Unsupported chat role"):
         hf.apply_chat_template([{"role": "wizard", "content": "x"}], tokenize=False)
