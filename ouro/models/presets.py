@@ -36,6 +36,9 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 CONFIG_ONLY = {"flash"}
+# bumped whenever what make_model writes changes (weights, tokenizer, template): cached presets
+# of another format are rebuilt
+PRESET_FORMAT = 2
 
 
 def parameter_count(config: ModelConfig) -> int:
@@ -134,7 +137,7 @@ def make_model(preset: str, directory: str | Path, seed: int = 0, progress: bool
     write_tokenizer_files(directory, config.vocab_size, config.max_position_embeddings)
     # lets `ouro serve` say that the text of a random-init preset is meaningless
     (directory / "ouro_preset.json").write_text(json.dumps({"preset": preset, "random_init": preset not in CONFIG_ONLY,
-                                                            "seed": seed}, indent=2))
+                                                            "seed": seed, "format": PRESET_FORMAT}, indent=2))
     if preset in CONFIG_ONLY:
         return directory
     model = Glm5NextModel(config)

@@ -23,11 +23,22 @@ def resolve_model(name_or_dir: str, progress: bool = True) -> Path:
         if name_or_dir in CONFIG_ONLY:
             raise CheckpointError(f"preset {name_or_dir!r} is config-only (no weights); use it for memory planning")
         target = cache_root() / "presets" / name_or_dir
-        if not (target / "config.json").is_file() or not any(target.glob("*.safetensors")):
+        if not (target / "config.json").is_file() or not any(target.glob("*.safetensors")) or not _current(target):
             from .presets import make_model
             make_model(name_or_dir, target, progress=progress, overwrite=True)   # a half-written cache entry
         return target
     raise CheckpointError(f"{name_or_dir!r} is neither a checkpoint directory nor a preset ({', '.join(PRESETS)})")
+
+
+def _current(target: Path) -> bool:
+    """The cached preset was written by this version's make_model (else it is rebuilt)."""
+    import json
+    from .presets import PRESET_FORMAT
+    marker = target / "ouro_preset.json"
+    try:
+        return json.loads(marker.read_text()).get("format") == PRESET_FORMAT
+    except (OSError, ValueError):
+        return False
 
 
 def load_tokenizer(directory: Path):
