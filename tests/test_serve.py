@@ -153,6 +153,9 @@ def test_body_over_the_limit_is_refused_before_parsing(server):
 def test_openapi_matches_the_routes(server):
     spec = httpx.get(server.base + "/openapi.json", headers=server.headers()).json()
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"} <= set(spec["paths"])
+    for path in ("/v1/completions", "/v1/chat/completions"):   # the errors it really returns
+        codes = set(spec["paths"][path]["post"]["responses"])
+        assert {"200", "400", "401", "413", "429", "503"} <= codes and "422" not in codes
     props = spec["components"]["schemas"]["ChatCompletionRequest"]["properties"]
     assert {"messages", "tools", "tool_choice", "stream_options", "max_completion_tokens", "chat_template_kwargs"} <= set(props)
 
@@ -200,6 +203,13 @@ def small_server(model_dir, tmp_path_factory):
                tmp_path=tmp_path_factory.mktemp("serve_small"))
     yield s
     s.stop()
+
+
+def test_non_streaming_client_that_gives_up_aborts_its_request(server):
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.base + "/v1/completions", headers=server.headers(), timeout=1.5,
+                   json={"prompt": "a long one", "max_tokens": 4000, "temperature": 0, "ignore_eos": True})
+    assert idle(server, timeout=5), server.metrics()   # 4000 tokens would take far longer than that
 
 
 def test_overload_gets_429_quickly_while_admitted_requests_complete(small_server):

@@ -134,6 +134,7 @@ def build_app(state: ServerState) -> FastAPI:
     m = state.metrics
 
     app.add_middleware(Guard, state=state)
+    app.openapi = lambda: _openapi(app)
 
     @app.exception_handler(ApiError)
     async def api_error(_, e: ApiError):
@@ -269,6 +270,37 @@ def _check_length(state: ServerState, ids: list[int], body) -> None:
     if want is not None and len(ids) + want > state.capacity_tokens:
         raise ApiError(400, f"prompt ({len(ids)} tokens) + max_tokens ({want}) exceeds the cache capacity "
                             f"{state.capacity_tokens} tokens; lower max_tokens")
+
+
+ERROR_STATUSES = {"400": "Invalid request (JSON, types, ranges, unknown model, prompt too long)",
+                  "401": "Missing or wrong API key (--api-key)", "413": "Request body too large",
+                  "429": "Waiting queue full (--max-queued-requests)", "503": "Draining, or the engine is not running"}
+
+
+def _openapi(app: FastAPI) -> dict:
+    """The generated schema, with the errors this server really returns (400, not FastAPI's 422)."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    from fastapi.openapi.utils import get_openapi
+    spec = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+    schemas = spec.setdefault("components", {}).setdefault("schemas", {})
+    schemas["ErrorBody"] = {"type": "object", "required": ["object", "message", "type", "code"], "properties": {
+        "object": {"type": "string", "enum": ["error"]}, "message": {"type": "string"}, "type": {"type": "string"},
+        "param": {"type": "string", "nullable": True}, "code": {"type": "integer"}}}
+    for schema in ("HTTPValidationError", "ValidationError"):
+        schemas.pop(schema, None)
+    ref = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}}
+    for path, ops in spec["paths"].items():
+        for method, op in ops.items():
+            responses = op.setdefault("responses", {})
+            responses.pop("422", None)
+            codes = ["401"] if path != "/health" else ["503"]
+            if method == "post":
+                codes = list(ERROR_STATUSES)
+            for code in codes:
+                responses[code] = {"description": ERROR_STATUSES[code], **ref}
+    app.openapi_schema = spec
+    return spec
 
 
 def _sse(obj) -> str:
