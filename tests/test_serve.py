@@ -57,7 +57,7 @@ def test_completions_stream_equals_non_stream(client):
     full = client.completions.create(**kw)
     streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw) if c.choices)
     assert full.choices[0].text == streamed and full.usage.completion_tokens == 12
-    assert full.choices[0].finish_reason == "length"
+    assert full.choices[0].finish_reason == "length" and full.choices[0].logprobs is None
 
 
 def test_n_logprobs_and_seed(client):

@@ -72,6 +72,7 @@ def test_reasoning_is_split_from_content(client):
     r = client.chat.completions.create(**kw)
     msg = r.choices[0].message
     assert reasoning_of(msg) == "two plus two" and msg.content == "The answer is 4."
+    assert r.choices[0].logprobs is None                      # not asked for
     assert r.choices[0].finish_reason == "stop"
     assert streamed(client, **kw)[:2] == ("two plus two", "The answer is 4.")
 

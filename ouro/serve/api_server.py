@@ -82,8 +82,10 @@ class Guard:
             refuse = (401, "invalid or missing API key: send 'Authorization: Bearer <key>'")
         elif scope["method"] == "POST" and path in GENERATE_ROUTES:
             length = headers.get("content-length")
-            if st.draining or not st.client.healthy:
-                refuse = (503, "the server is draining or its engine is not running; retry elsewhere")
+            if st.draining:
+                refuse = (503, "the server is draining (shutting down); retry elsewhere")
+            elif not st.client.healthy:
+                refuse = (503, st.client.dead_reason or "the engine is still loading; retry shortly")
             elif st.in_flight >= st.max_num_seqs + st.max_queued_requests:
                 refuse = (429, f"too many requests in flight ({st.in_flight}); the waiting queue is full "
                                f"(--max-queued-requests {st.max_queued_requests}); retry later")

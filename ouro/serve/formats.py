@@ -137,7 +137,8 @@ class ResponseView:
         return out
 
     def _want_logprobs(self) -> bool:
-        return bool(self.body.logprobs) or self.body.logprobs == 0
+        # chat: logprobs is a bool; completions: an int (0 = only the chosen token's)
+        return self.body.logprobs is True if self.chat else self.body.logprobs is not None
 
     def _finish(self, v: _ChoiceView, reason: str | None) -> str | None:
         if reason is None:
