@@ -119,6 +119,10 @@ def post(server, path, body, key=KEY, raw=None):
     ({"prompt": [1, 10 ** 9]}, 400, "out of range"),
     ({"prompt": "hi", "max_tokens": 5000}, 400, "maximum context length is 4096 tokens"),
     ({"prompt": "hi", "presence_penalty": 1.0}, 400, "presence_penalty"),
+    ({"prompt": "hi", "logit_bias": {"5": 10}}, 400, "logit_bias"),
+    ({"prompt": "hi", "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ({"prompt": "hi", "echo": True}, 400, "echo"),
+    ({"prompt": "hi", "stop": 5}, 400, "stop"),
 ])
 def test_bad_input_gets_400_with_openai_error_body(server, body, status, words):
     r = post(server, "/v1/completions", body, raw=b"{not json" if body is None else None)

@@ -319,8 +319,15 @@ def _describe(errors) -> str:
 
 def sampling_for(body, max_tokens: int, logprobs: int | None, stop_token_ids=None) -> SamplingParams:
     """The engine params of one request (stop strings stay in the frontend)."""
+    # accepted OpenAI fields that ouro does not implement are refused, never silently ignored
     if body.presence_penalty or body.frequency_penalty:
         raise ApiError(400, "presence_penalty and frequency_penalty are not supported (use 0)")
+    if body.logit_bias:
+        raise ApiError(400, "logit_bias is not supported")
+    if body.response_format and body.response_format.get("type", "text") != "text":
+        raise ApiError(400, "response_format other than 'text' (structured output) is not supported")
+    if getattr(body, "echo", False):
+        raise ApiError(400, "echo is not supported")
     try:
         return SamplingParams(n=body.n, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                               min_p=body.min_p, seed=body.seed, max_tokens=max_tokens,

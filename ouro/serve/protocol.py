@@ -39,6 +39,8 @@ class _Sampling(BaseModel):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Sampling):
