@@ -60,6 +60,19 @@ def test_completions_stream_equals_non_stream(client):
     assert full.choices[0].finish_reason == "length" and full.choices[0].logprobs is None
 
 
+def test_server_output_equals_the_offline_engine(client, model_dir):
+    """Same checkpoint, same prompt: the server (engine process, JSON wire, frontend detokeniser)
+    gives the offline engine's text, greedy and seeded."""
+    from ouro import LLM, SamplingParams
+    llm = LLM(str(model_dir), max_memory=64 << 20, page_size=16)
+    for temperature, seed in ((0, None), (0.9, 4)):
+        want = llm.generate({"prompt_token_ids": [5, 6, 7, 8]}, SamplingParams(
+            temperature=temperature, seed=seed, max_tokens=12, ignore_eos=True))[0]
+        got = client.completions.create(model=None, prompt=[5, 6, 7, 8], max_tokens=12, temperature=temperature,
+                                        seed=seed, extra_body={"ignore_eos": True}).choices[0]
+        assert got.text == want.text and len(want.token_ids) == 12
+
+
 def test_n_logprobs_and_seed(client):
     r = client.completions.create(model=None, prompt="abc", max_tokens=6, n=3, seed=9, temperature=1.0, logprobs=2,
                                   extra_body={"ignore_eos": True})
