@@ -23,6 +23,12 @@ def _cmd_bench(args) -> int:
     from .config import EngineConfig
     from .models.resolve import resolve_model
     EngineConfig(device=args.device, dtype=args.dtype).check_device()
+    if args.kind == "serve":
+        from .bench.serve import bench_serve, format_serve
+        r = bench_serve(args)
+        print(format_serve(r))
+    if args.kind in ("offline", "prefill"):
+        args.model = args.model or "small"
     if args.kind == "offline":
         from .bench.offline import bench_offline, format_offline
         r = bench_offline(resolve_model(args.model), args.num_prompts, args.input_len, args.output_len,
@@ -88,6 +94,28 @@ def add_serve_parser(sub) -> None:
     sv.set_defaults(func=_cmd_serve)
 
 
+def add_bench_serve_options(bench) -> None:
+    g = bench.add_argument_group("serve", "`ouro bench serve`: load an OpenAI-compatible server")
+    g.add_argument("--base-url", default="http://127.0.0.1:8000")
+    g.add_argument("--endpoint", default="/v1/completions")
+    g.add_argument("--api-key", default=None)
+    g.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="requests/s, Poisson (default inf: all at once)")
+    g.add_argument("--seed", type=int, default=0, help="prompts and arrival times")
+    g.add_argument("--vocab-range", default=None, help="LO,HI for the random prompt ids (default: from "
+                   "--compare-offline's vocabulary, else 300,500)")
+    g.add_argument("--disable-tqdm", action="store_true")
+    g.add_argument("--compare-offline", default=None, metavar="MODEL",
+                   help="then run the same work through the offline engine (checkpoint dir or preset) on --device")
+    g.add_argument("--offline-max-num-seqs", type=int, default=None, help="default: --max-concurrency")
+    g.add_argument("--offline-max-memory", type=int, default=None, help="cache bytes (default: a fraction of free)")
+    g.add_argument("--offline-mem-fraction-static", type=float, default=0.5)
+    g.add_argument("--offline-page-size", type=int, default=64)
+    g.add_argument("--offline-max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--offline-threads", type=int, default=None,
+                   help="torch threads (default: OURO_NUM_THREADS, else torch's: the server engine's rule)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ouro", description="Serve and study GLM-5.3-Flash-class models.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -116,10 +144,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_cmd_generate)
 
     bench = sub.add_parser("bench", help="benchmarks, measured side by side in one run")
-    bench.add_argument("kind", choices=["offline", "prefill"])
-    bench.add_argument("--model", default="small", help="checkpoint directory or preset name")
-    bench.add_argument("--input-len", type=int, default=256)
-    bench.add_argument("--output-len", type=int, default=64)
+    bench.add_argument("kind", choices=["offline", "prefill", "serve"])
+    bench.add_argument("--model", default=None, help="checkpoint directory or preset name (default: small); "
+                       "serve: the model name sent (default: the server's first in /v1/models)")
+    bench.add_argument("--input-len", "--random-input-len", dest="input_len", type=int, default=256)
+    bench.add_argument("--output-len", "--random-output-len", dest="output_len", type=int, default=64)
     bench.add_argument("--num-prompts", type=int, default=64)
     bench.add_argument("--max-concurrency", type=int, default=32)
     bench.add_argument("--repeats", type=int, default=3)
@@ -128,6 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--output-json", default=None)
     bench.add_argument("--device", default="cpu", help="offline: cpu or cuda (both systems run there)")
     bench.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="offline: auto (float32 on CPU, bfloat16 on CUDA)")
+    add_bench_serve_options(bench)
     bench.set_defaults(func=_cmd_bench)
 
     add_serve_parser(sub)
