@@ -331,4 +331,26 @@ def test_sigterm_during_load_drains_and_exits_in_time(model_dir, tmp_path):
     assert short == [200, 200, 200]                  # in flight and quick: they finished
     assert late in (503, "closed")                   # new work is refused while draining
     assert all(code != 200 for code in long)         # too long for the timeout: cut, not waited for
+    assert not pid_alive(s.engine_pid)               # the engine went with it
+    s.stop()
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:             # a zombie waiting for its reaper is gone too
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def test_engine_exits_when_its_frontend_is_killed(model_dir, tmp_path):
+    s = Server(model_dir, tmp_path=tmp_path)
+    pid = s.engine_pid
+    s.proc.kill()
+    s.proc.wait(10)
+    deadline = time.monotonic() + 10
+    while pid_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not pid_alive(pid), "an orphaned engine process would hold the model's memory forever"
     s.stop()
