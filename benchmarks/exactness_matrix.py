@@ -1,5 +1,7 @@
 """Print the worst relative RMS error of ouro's logits against transformers for the test matrix
-(the same cases as tests/test_model_vs_transformers.py), on checkpoints transformers saves.
+(the cases of tests/test_model_vs_transformers.py, then the config options and KDA chunk sizes of
+tests/test_options_vs_transformers.py), on checkpoints transformers saves (tests/hf_reference.py:
+every constant-initialised tensor randomised, indexer ties broken towards the earlier pool).
 
     python benchmarks/exactness_matrix.py
 """
@@ -11,7 +13,9 @@ import tempfile
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+from hf_compare import compare, reference_run, selection_diff  # noqa: E402
 from hf_reference import make_hf_checkpoint, rel_rms  # noqa: E402
+from test_options_vs_transformers import OPTIONS  # noqa: E402
 from transformers import Glm5NextForConditionalGeneration  # noqa: E402
 from transformers.utils import logging  # noqa: E402
 
@@ -28,6 +32,8 @@ def cases(hf, model):
     for n in (1, 7, 64, 300):
         ids = torch.randint(0, V, (n,), generator=g).tolist()
         yield f"prefill {n}", rel_rms(SimpleRunner(model, 1, 512).step([ids], logits="all"), full(ids))
+    differ = sum(len(rows) for rows in selection_diff(hf, model, ids).values())
+    print(f"  (prefill {n}: {differ} query rows select other tokens than transformers)")
     ids = torch.randint(0, V, (200,), generator=g).tolist()
     r = SimpleRunner(model, 1, 512)
     yield "chunks of 17", rel_rms(torch.cat([r.step([ids[s:s + 17]], logits="all") for s in range(0, 200, 17)]),
@@ -49,15 +55,29 @@ def cases(hf, model):
     yield "flat batch of 3", worst
 
 
+def load(d, **kw):
+    return Glm5NextForConditionalGeneration.from_pretrained(d, dtype=torch.float32).eval(), load_model(d, **kw)
+
+
 def main():
     with torch.no_grad():
         for shape in ("tiny", "shared"):
             with tempfile.TemporaryDirectory() as d:
                 make_hf_checkpoint(shape, d)
-                hf = Glm5NextForConditionalGeneration.from_pretrained(d, dtype=torch.float32).eval()
-                model = load_model(d)
+                hf, model = load(d)
                 for name, err in cases(hf, model):
-                    print(f"{shape:7s} {name:18s} rel RMS {err:.2e}")
+                    print(f"{shape:7s} {name:24s} rel RMS {err:.2e}")
+                if shape == "tiny":
+                    ref = reference_run(hf, torch.randint(0, model.config.vocab_size, (250,)).tolist(), 4)
+                    for chunk in (1, 5, 8, 12, 32, 64):
+                        result = compare(load_model(d, kda_chunk_size=chunk), ref)
+                        print(f"{shape:7s} {f'kda_chunk_size={chunk}':24s} {result}")
+        for name, options in OPTIONS.items():
+            with tempfile.TemporaryDirectory() as d:
+                make_hf_checkpoint("tiny", d, **options)
+                hf, model = load(d)
+                ref = reference_run(hf, torch.randint(0, model.config.vocab_size, (250,)).tolist(), 4)
+                print(f"tiny    {name:24s} {compare(model, ref)}")
 
 
 if __name__ == "__main__":

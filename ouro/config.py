@@ -89,6 +89,13 @@ class ModelConfig:
         first_dsa = next((i for i, t in enumerate(self.layer_types) if t == "indexed_attention"), None)
         if first_dsa is not None and self.indexer_types[first_dsa] == "shared":
             raise CheckpointError(f"config: layer {first_dsa} is the first DSA layer but its indexer is 'shared'")
+        if not self.index_kpool_always_select_tail:
+            raise CheckpointError(
+                "config: index_kpool_always_select_tail=false is not supported: without the incomplete tail "
+                f"pool, the first index_kpool-1 ({self.index_kpool - 1}) tokens of a sequence select no key at "
+                "all and transformers' output for them depends on its attention backend (sdpa: zero attention "
+                "output; eager: uniform attention over every key, later tokens included), so there is no "
+                "defined reference to match")
 
     # ---- derived facts used across the package ----
     @property
@@ -135,6 +142,9 @@ class ModelConfig:
             kw.setdefault("linear_conv_kernel_dim", lac.get("short_conv_kernel_size", cls.linear_conv_kernel_dim))
         if text.get("qk_rope_head_dim", 0):
             raise CheckpointError("config: glm5_next DSA layers are NoPE; qk_rope_head_dim must be 0")
+        if text.get("hidden_act", "silu") != "silu":
+            raise CheckpointError(f"config: hidden_act {text['hidden_act']!r} is not supported; ouro's "
+                                  "SwiGLU experts and KDA short conv use silu")
         if "eos_token_id" not in kw and d.get("eos_token_id") is not None:
             kw["eos_token_id"] = d["eos_token_id"]
         if "tie_word_embeddings" in d:

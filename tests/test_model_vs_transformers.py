@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from hf_compare import selections
 from hf_reference import rel_rms
 from ouro.engine.simple_runner import SimpleRunner
 
@@ -77,15 +78,24 @@ def test_flat_batch_matches_each_alone(hf_pair, shape):
     assert rel_rms(out[1:], hf_logits(hf, seqs[2] + extra[2])[-9:]) <= TOL
 
 
-def test_sparse_selection_is_exercised(hf_pair):
-    """The comparisons above mean something only if queries really drop keys: at 300 tokens the
-    tiny shape's indexer must keep fewer tokens than the causal prefix."""
-    _, _, model = hf_pair("tiny")
-    seen = {}
-    indexer = next(l.self_attn.indexer for l in model.layers if not l.is_kda)
-    handle = indexer.register_forward_hook(lambda m, a, o: seen.setdefault("sel", o))
-    SimpleRunner(model, 1, 512).step([list(range(300))], logits="all")
-    handle.remove()
-    sel = seen["sel"]
-    kept = (sel >= 0).sum(-1)
-    assert int(kept[-1]) <= model.config.index_topk + model.config.index_kpool - 1 < 300
+@pytest.mark.parametrize("shape", SHAPES)
+def test_sparse_selection_is_exercised(hf_pair, shape):
+    """The comparisons above mean something only if the indexer's choice matters. At 300 tokens, on
+    every indexer layer: transformers and ouro select the same tokens; late queries see strictly
+    fewer tokens than their causal prefix; their pools are mostly not the first ones (what a
+    constant score, i.e. a query ignored, gives under the earlier-pool tie rule) and differ from
+    query to query."""
+    _, hf, model = hf_pair(shape)
+    c = model.config
+    ids = torch.randint(0, c.vocab_size, (300,), generator=torch.Generator().manual_seed(9)).tolist()
+    late = range(200, 300)
+    for layer, (theirs, ours) in selections(hf, model, ids).items():
+        differ = [p for p, s in enumerate(ours) if s != theirs[p]]
+        assert not differ, f"layer {layer}: ouro selects other tokens than transformers at positions {differ}"
+        assert all(len(ours[p]) < p + 1 for p in late)
+        pools = [frozenset(t // c.index_kpool for t in ours[p] if t < (p + 1) // c.index_kpool * c.index_kpool)
+                 for p in late]
+        assert all(len(s) == c.index_topk // c.index_kpool for s in pools)
+        constant = frozenset(range(c.index_topk // c.index_kpool))
+        assert sum(s == constant for s in pools) < len(late) // 10, f"layer {layer}: mostly the first pools"
+        assert len(set(pools)) > len(late) // 2, f"layer {layer}: the same pools for most queries"

@@ -63,3 +63,15 @@ def test_chunked_prefill_equals_one_pass():
         outs.append(o)
     assert_close(torch.cat(outs, dim=-1), full)
     assert_close(state, full_state)
+
+
+def test_float32_kernel_convolves_bfloat16_input_in_float32():
+    """Checkpoints keep the conv kernel in fp32: bf16 inputs are convolved in fp32, not rounded twice."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 6, 5, generator=gen).bfloat16()
+    weight, state = torch.randn(6, 4, generator=gen), torch.randn(2, 6, 3, generator=gen)
+    lens = torch.tensor([5, 3])
+    for t in (x, x[..., :1]):  # prefill and the decode fast path
+        out, new_state = causal_conv1d(t, weight, state, lens.clamp(max=t.shape[-1]))
+        ref, ref_state = causal_conv1d(t.float(), weight, state, lens.clamp(max=t.shape[-1]))
+        assert out.dtype == torch.float32 and torch.equal(out, ref) and torch.equal(new_state, ref_state)

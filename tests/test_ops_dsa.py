@@ -304,3 +304,18 @@ def test_index_select_in_row_blocks_equals_one_pass(monkeypatch):
     whole = ix.index_select(q, w, pooled, pos, 5, kpool, 0.3, 5 * kpool + kpool - 1)
     monkeypatch.setattr(ix, "SCORE_BUDGET", Hi * P * 4)  # blocks of 4 rows
     assert torch.equal(ix.index_select(q, w, pooled, pos, 5, kpool, 0.3, 5 * kpool + kpool - 1), whole)
+
+
+@pytest.mark.parametrize("dense", [True, False], ids=["dense", "selected"])
+def test_sparse_mla_widens_bfloat16_to_float32(dense):
+    """bf16 inputs: scores, softmax and weighted sum run in fp32 (the result is the fp32 computation
+    on the same bf16 values, rounded once), returned in bf16."""
+    gen = torch.Generator().manual_seed(3)
+    n, L = 6, 25
+    q, latents, kv_b, w_uk, w_uv, scale = mla_setup(n, L, gen)
+    q, latents, w_uk, w_uv = (t.bfloat16() for t in (q, latents, w_uk, w_uv))
+    sel = None if dense else random_selection(n, L, 9, gen)
+    got = sparse_mla(q, latents, sel, w_uk, w_uv, scale)
+    ref = sparse_mla(q.float(), latents.float(), sel, w_uk.float(), w_uv.float(), scale)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, ref.bfloat16())

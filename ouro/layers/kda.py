@@ -8,21 +8,25 @@ from torch import nn
 from ..ops.conv1d import causal_conv1d
 from ..ops.kda import kda_chunk, kda_recurrent_step
 from .norm import GatedRMSNorm
+from .precision import KeepFloat32
 
 
 def l2_normalize(x, eps: float = 1e-6):
     return x / torch.sqrt(x.square().sum(-1, keepdim=True) + eps)
 
 
-class ShortConv(nn.Module):
+class ShortConv(KeepFloat32):
     """Holds one depthwise conv kernel [C, 1, K] (the checkpoint stores q, k and v kernels apart)."""
+    FLOAT32 = ("weight",)
 
     def __init__(self, channels: int, kernel: int):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(channels, 1, kernel, dtype=torch.float32))
 
 
-class KDAttention(nn.Module):
+class KDAttention(KeepFloat32):
+    FLOAT32 = ("A_log", "dt_bias")
+
     def __init__(self, config, layer_idx: int, chunk_size: int = 16):
         super().__init__()
         D, H, dk = config.hidden_size, config.linear_num_heads, config.linear_head_dim

@@ -5,9 +5,12 @@ import torch
 from torch import nn
 
 from ..ops.mhc import hc_weights
+from .precision import KeepFloat32
 
 
-class HyperConnection(nn.Module):
+class HyperConnection(KeepFloat32):
+    FLOAT32 = ("base", "scale")
+
     def __init__(self, config):
         super().__init__()
         n, D = config.hc_mult, config.hidden_size

@@ -4,6 +4,7 @@ import torch
 from torch import nn
 
 from ..ops.moe import clamped_swiglu, experts_grouped, route
+from .precision import KeepFloat32
 
 
 class MLP(nn.Module):
@@ -19,7 +20,9 @@ class MLP(nn.Module):
         return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
 
 
-class Router(nn.Module):
+class Router(KeepFloat32):
+    FLOAT32 = ("weight", "e_score_correction_bias")
+
     def __init__(self, config):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(config.n_routed_experts, config.hidden_size, dtype=torch.float32))

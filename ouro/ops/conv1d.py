@@ -8,13 +8,16 @@ def causal_conv1d(x, weight, conv_state, lengths):
     """x: [B, C, T] new inputs, right-padded per sequence to T; weight: [C, K];
     conv_state: [B, C, K-1] the previous K-1 inputs (zeros for a fresh sequence);
     lengths: [B] real token counts (<= T).
-    Returns (out [B, C, T] before activation, new_state [B, C, K-1]: the last K-1 real inputs)."""
+    Returns (out [B, C, T] before activation, new_state [B, C, K-1]: the last K-1 real inputs).
+    Computed in the wider of x's and weight's dtypes: a float32 kernel (as checkpoints keep it)
+    convolves bfloat16 inputs in float32."""
     K = weight.shape[-1]
-    full = torch.cat([conv_state.to(x.dtype), x], dim=-1)                 # [B, C, K-1+T]
+    dt = torch.promote_types(x.dtype, weight.dtype)
+    full = torch.cat([conv_state.to(dt), x.to(dt)], dim=-1)               # [B, C, K-1+T]
     if x.shape[-1] == 1:  # decode: one output per channel, a K-tap dot product (far cheaper than conv1d)
-        out = (full * weight.to(x.dtype)).sum(-1, keepdim=True)
+        out = (full * weight.to(dt)).sum(-1, keepdim=True)
     else:
-        out = F.conv1d(full, weight.to(x.dtype).unsqueeze(1), groups=x.shape[1])
+        out = F.conv1d(full, weight.to(dt).unsqueeze(1), groups=x.shape[1])
     # token i sits at column K-1+i, so the last K-1 real inputs start at column lengths[b]
     idx = lengths.view(-1, 1, 1) + torch.arange(K - 1, device=x.device).view(1, 1, -1)
     new_state = full.gather(-1, idx.expand(-1, x.shape[1], -1))

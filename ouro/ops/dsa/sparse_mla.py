@@ -17,22 +17,26 @@ def absorb_weights(kv_b_weight, n_heads: int, qk_dim: int, v_dim: int):
 def sparse_mla(q_nope, latents, selected, w_uk, w_uv, scale: float, block: int = 256):
     """q_nope: [n, H, qk]; latents: [L, r] the sequence's cached latents; selected: [n, W] token
     indices (-1 = unused) or None for causal-dense (query i at position L-n+i sees 0..L-n+i).
-    Returns [n, H, v]."""
+    Returns [n, H, v] in q_nope's dtype; scores, softmax and the weighted sum run in float32 at
+    least (16-bit inputs are widened, as flash-attention kernels accumulate)."""
     n = q_nope.shape[0]
-    q_lat = torch.einsum("nhd,hdr->nhr", q_nope, w_uk)
+    cdt = torch.promote_types(q_nope.dtype, torch.float32)
+    w_uv = w_uv.to(cdt)  # latents are widened after the gather: `latents` may be the whole cache
+    q_lat = torch.einsum("nhd,hdr->nhr", q_nope.to(cdt), w_uk.to(cdt))
     out = q_nope.new_full((n, w_uv.shape[0], w_uv.shape[1]), float("nan"))
     L = latents.shape[0]
     for s in range(0, n, block):  # bound the [block, H, W] score tensor
         e = min(n, s + block)
         if selected is None:
-            scores = torch.einsum("nhr,lr->nhl", q_lat[s:e], latents) * scale
+            dense = latents.to(cdt)
+            scores = torch.einsum("nhr,lr->nhl", q_lat[s:e], dense) * scale
             pos = torch.arange(L - n + s, L - n + e, device=latents.device)
             mask = torch.arange(L, device=latents.device)[None, :] <= pos[:, None]
             probs = scores.masked_fill(~mask[:, None, :], float("-inf")).softmax(-1)
-            o_lat = torch.einsum("nhl,lr->nhr", probs, latents)
+            o_lat = torch.einsum("nhl,lr->nhr", probs, dense)
         else:
             sel = selected[s:e]
-            kv = latents[sel.clamp(min=0)]                                   # [b, W, r]
+            kv = latents[sel.clamp(min=0)].to(cdt)                           # [b, W, r]
             scores = torch.einsum("nhr,nwr->nhw", q_lat[s:e], kv) * scale
             probs = scores.masked_fill((sel < 0)[:, None, :], float("-inf")).softmax(-1)
             o_lat = torch.einsum("nhw,nwr->nhr", probs, kv)
