@@ -21,10 +21,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny_misuse")
-    make_model("tiny", d, progress=False)
-    return d
+def tiny_dir(tiny_checkpoint):
+    return tiny_checkpoint
 
 
 @pytest.fixture(scope="module")

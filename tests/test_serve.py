@@ -11,17 +11,14 @@ import httpx
 import openai
 import pytest
 
-from ouro.models.presets import make_model
 from serve_helpers import Server
 
 KEY = "test-key"
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("serve_tiny")
-    make_model("tiny", d, progress=False)
-    return d
+def model_dir(tiny_checkpoint):
+    return tiny_checkpoint
 
 
 @pytest.fixture(scope="module")

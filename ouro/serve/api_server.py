@@ -21,14 +21,9 @@ from . import formats
 from .generation import Generation, GenerationError
 from .metrics import Metrics
 from .protocol import ChatCompletionRequest, CompletionRequest, error_body
+from .protocol import ServeError as ApiError
 
 GENERATE_ROUTES = ("/v1/chat/completions", "/v1/completions")
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status, self.message = status, message
 
 
 @dataclass

@@ -11,12 +11,7 @@ from dataclasses import dataclass, field
 
 from ..engine.detokenizer import IncrementalDetokenizer
 from .engine_client import EngineUnavailable
-
-
-class GenerationError(Exception):
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status, self.message = status, message
+from .protocol import ServeError as GenerationError
 
 
 @dataclass

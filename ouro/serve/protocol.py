@@ -10,6 +10,14 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..engine.sampling import MAX_LOGPROBS
 
 
+class ServeError(Exception):
+    """A request that ends in an HTTP error: its status and the message the client gets."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
 def error_body(message: str, status: int, type_: str | None = None) -> dict:
     kinds = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 413: "BadRequestError",
              429: "RateLimitError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
