@@ -1,147 +1,156 @@
 """Offline throughput: many prompts through ouro's engine and (optionally) through transformers'
-`generate` on the same checkpoint in the same process, plus the decode step's roofline floor."""
+`generate` on the same checkpoint in the same process, plus the roofline floors.
+
+The prompts go in waves of `concurrency` (equal lengths, so continuous batching would form the
+same waves), ouro's wave then transformers' on the same prompts: the two systems see the same
+machine load, which on a shared machine drifts over minutes."""
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 
 import torch
 
+from .offline_report import format_offline  # noqa: F401  (the CLI imports it from here)
 from .roofline import Roofline, count_flops
+from .step_cost import decode_cost, prefill_cost
 
 
-def _prompts(n, length, vocab, seed):
+def make_prompts(n, length, vocab, seed):
+    """The benchmark's random prompts (also rebuilt by benchmarks/router_near_tie.py)."""
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (length,), generator=g).tolist() for _ in range(n)]
 
 
-def run_ouro(model, tokenizer, prompts, output_len, concurrency, progress, device="cpu"):
-    from tqdm import tqdm
-
+def make_engine(model, tokenizer, input_len, output_len, concurrency, device="cpu"):
     from ..config import EngineConfig
     from ..engine.llm_engine import LLMEngine
+    cfg = EngineConfig(device=device, max_num_seqs=concurrency, max_num_batched_tokens=max(2048, input_len),
+                       page_size=64, max_model_len=input_len + output_len)
+    return LLMEngine(model, tokenizer, cfg, verbose=False)
+
+
+def run_ouro(engine, prompts, output_len):
+    """Returns (seconds, step log, outputs in prompt order). The step log has each step's time, how
+    many sequences it advanced, whether each advanced by one token (a decode-only step) and their
+    mean length after it."""
     from ..engine.sampling import SamplingParams
-    length = len(prompts[0]) + output_len
-    cfg = EngineConfig(device=device, max_num_seqs=concurrency, max_num_batched_tokens=max(2048, len(prompts[0])),
-                       page_size=64, max_model_len=length)
-    engine = LLMEngine(model, tokenizer, cfg, verbose=False)
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-    for p in prompts:
-        engine.add_request({"prompt_token_ids": p}, params)
-    decode_steps, bar, outputs = [], tqdm(total=len(prompts), desc="ouro", disable=not progress), {}
+    ids = [engine.add_request({"prompt_token_ids": p}, params) for p in prompts]
+    reqs = [engine.requests[i] for i in ids]   # kept: finished requests may leave engine.requests
+    log, outputs = [], {}
     start = time.perf_counter()
     while engine.has_unfinished():
-        pure_decode = all(r.num_computed == r.num_tokens - 1 for r in engine.scheduler.running) and \
-            len(engine.scheduler.running) == concurrency and not engine.scheduler.waiting
+        before = [r.num_computed for r in reqs]
         t = time.perf_counter()
         outs = engine.step()
-        if pure_decode:
-            decode_steps.append(time.perf_counter() - t)
-        for o in outs:
-            if o.finished:
-                outputs[o.request_id] = o.token_ids
-                bar.update(1)
-    elapsed = time.perf_counter() - start
-    bar.close()
-    return elapsed, decode_steps, engine, [outputs[k] for k in sorted(outputs, key=lambda s: int(s.split("-")[1]))]
+        spent = time.perf_counter() - t
+        moved = [(r, r.num_computed - b) for r, b in zip(reqs, before) if r.num_computed != b]
+        log.append({"s": spent, "batch": len(moved), "decode": bool(moved) and all(d == 1 for _, d in moved),
+                    "context": statistics.mean(r.num_computed for r, _ in moved) if moved else 0})
+        outputs.update({o.request_id: o.token_ids for o in outs if o.finished})
+    return time.perf_counter() - start, log, [outputs[i] for i in ids]
 
 
-def run_transformers(model_dir, prompts, output_len, concurrency, progress, device="cpu", dtype=torch.float32):
-    from tqdm import tqdm
+def load_transformers(model_dir, device="cpu", dtype=torch.float32):
     from transformers import Glm5NextForConditionalGeneration
     from transformers.utils import logging
     logging.set_verbosity_error()
-    hf = Glm5NextForConditionalGeneration.from_pretrained(model_dir, dtype=dtype).to(device).eval()
-    outs, start = [], time.perf_counter()
-    for i in tqdm(range(0, len(prompts), concurrency), desc="transformers", disable=not progress):
-        batch = torch.tensor(prompts[i:i + concurrency], device=device)
-        with torch.no_grad():
-            gen = hf.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=output_len,
-                              min_new_tokens=output_len, do_sample=False, eos_token_id=None, pad_token_id=0)
-        outs += gen[:, batch.shape[1]:].tolist()
-    return time.perf_counter() - start, outs
+    return Glm5NextForConditionalGeneration.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+
+
+def run_transformers(hf, prompts, output_len, device="cpu"):
+    """One batched greedy `generate` over equal-length prompts; returns (seconds, outputs)."""
+    batch = torch.tensor(prompts, device=device)
+    start = time.perf_counter()
+    with torch.no_grad():
+        gen = hf.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=output_len,
+                          min_new_tokens=output_len, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return time.perf_counter() - start, gen[:, batch.shape[1]:].tolist()
 
 
 def decode_floor(model, roof: Roofline, context: int, batch: int) -> dict:
-    """Bytes a batch-`batch` decode step must move (weights once, each sequence's cache and KDA
-    state) and FLOPs it must do, over the measured bandwidth and matmul rate."""
-    from ..layers.context import ModelCache
-    cfg = model.config
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    weight_bytes -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size() * (1 - batch / cfg.vocab_size)
-    cache_bytes = batch * (context * ModelCache.bytes_per_token(cfg) + 2 * ModelCache.bytes_per_slot(cfg))
-    flops = 2 * batch * (sum(p.numel() for p in model.parameters()) - cfg.vocab_size * cfg.hidden_size)
-    return {"weight_bytes": weight_bytes, "cache_bytes": cache_bytes, "flops": flops,
-            "floor_s": roof.floor_s(flops, weight_bytes + cache_bytes)}
+    """The floor of a decode step of `batch` sequences at `context` tokens: `decode_cost` (what
+    the step must compute and move) over the measured matmul rate and copy bandwidth."""
+    cost = decode_cost(model, context, batch)
+    return {"context": context, "batch": batch, "weight_bytes": cost.weight_bytes, "cache_bytes": cost.cache_bytes,
+            "flops": cost.flops, "floor_s": roof.floor_s(cost.flops, cost.bytes), "parts": cost.parts}
 
 
 def bench_offline(model_dir, num_prompts=64, input_len=256, output_len=64, concurrency=32, compare=False,
                   seed=0, progress=True, device="cpu", dtype="auto") -> dict:
+    from tqdm import tqdm
+
     from ..config import EngineConfig
-    from ..models.resolve import load_tokenizer
     from ..models.loader import load_model
+    from ..models.resolve import load_tokenizer
+    load_start = os.getloadavg()[0]   # other processes on the machine skew every timing below
     model = load_model(model_dir, dtype=EngineConfig(device=device, dtype=dtype).torch_dtype(), device=device)
     roof = Roofline.measure(device, model.embed_tokens.weight.dtype)
-    prompts = _prompts(num_prompts, input_len, model.config.vocab_size, seed)
-    elapsed, steps, engine, outs = run_ouro(model, load_tokenizer(model_dir), prompts, output_len, concurrency,
-                                            progress, device)
-    n_in, n_out = num_prompts * input_len, num_prompts * output_len
-    r = {"num_prompts": num_prompts, "input_len": input_len, "output_len": output_len, "concurrency": concurrency,
-         "ouro": {"seconds": elapsed, "input_tok_s": n_in / elapsed, "output_tok_s": n_out / elapsed,
-                  "decode_step_s": statistics.median(steps) if steps else None, "decode_steps_timed": len(steps)},
+    prompts = make_prompts(num_prompts, input_len, model.config.vocab_size, seed)
+    engine = make_engine(model, load_tokenizer(model_dir), input_len, output_len, concurrency, device)
+    hf = load_transformers(model_dir, device, model.embed_tokens.weight.dtype) if compare else None
+    waves, log, outs, hf_outs = [], [], [], []
+    for i in tqdm(range(0, num_prompts, concurrency), desc="waves (ouro, transformers)", disable=not progress):
+        wave = prompts[i:i + concurrency]
+        t, steps, o = run_ouro(engine, wave, output_len)
+        waves.append({"prompts": len(wave), "ouro_s": t})
+        log, outs = log + steps, outs + o
+        if hf is not None:
+            waves[-1]["transformers_s"], o = run_transformers(hf, wave, output_len, device)
+            hf_outs += o
+    r = {"seed": seed, "num_prompts": num_prompts, "input_len": input_len, "output_len": output_len,
+         "concurrency": concurrency, "device": device,
+         "dtype": str(model.embed_tokens.weight.dtype).replace("torch.", ""), "waves": waves,
+         "ouro": _throughput(sum(w["ouro_s"] for w in waves), num_prompts * input_len, outs),
          "matmul_flops_per_s": roof.flops_per_s, "copy_bytes_per_s": roof.bytes_per_s}
-    r["decode_floor"] = decode_floor(model, roof, input_len + output_len // 2, concurrency)
-    if steps:
+    decode = [s for s in log if s["decode"] and s["batch"] == concurrency]   # the steps timed
+    r["ouro"].update({"decode_step_s": statistics.median(s["s"] for s in decode) if decode else None,
+                      "decode_steps_timed": len(decode),
+                      "steps": {"with_prefill": sum(not s["decode"] for s in log),
+                                "with_prefill_s": sum(s["s"] for s in log if not s["decode"]),
+                                "decode_only": sum(s["decode"] for s in log),
+                                "decode_only_s": sum(s["s"] for s in log if s["decode"])}})
+    # the floor at the timed steps' mean sequence length (tokens the new token sees)
+    context = round(statistics.mean(s["context"] for s in decode)) if decode else input_len + output_len // 2
+    r["decode_floor"] = decode_floor(model, roof, context, concurrency)
+    if decode:
         r["decode_step_over_floor"] = r["ouro"]["decode_step_s"] / r["decode_floor"]["floor_s"]
-    # prefill of one prompt against its FLOP floor
-    from ..engine.sampling import SamplingParams
-
-    def one():
-        engine.add_request({"prompt_token_ids": prompts[0]}, SamplingParams(temperature=0, max_tokens=1))
-        _drain(engine)
-    flops = count_flops(one)
-    t = statistics.median([_timed(one) for _ in range(3)])
-    r["prefill"] = {"tokens": input_len, "seconds": t, "flops": flops, "floor_s": flops / roof.flops_per_s,
-                    "over_floor": t / (flops / roof.flops_per_s)}
-    if compare:
-        t_hf, hf_outs = run_transformers(model_dir, prompts, output_len, concurrency, progress, device,
-                                         model.embed_tokens.weight.dtype)
-        r["transformers"] = {"seconds": t_hf, "input_tok_s": n_in / t_hf, "output_tok_s": n_out / t_hf}
+    r["prefill"] = _prefill(engine, model, roof, prompts[0])
+    if hf is not None:
+        r["transformers"] = _throughput(sum(w["transformers_s"] for w in waves), num_prompts * input_len, hf_outs)
         r["ratio"] = r["ouro"]["output_tok_s"] / r["transformers"]["output_tok_s"]
         r["same_tokens"] = sum(a == b for a, b in zip(outs, hf_outs)) / len(outs)
+        # the outputs that part, and where (benchmarks/router_near_tie.py --offline-json looks into them)
+        r["differing"] = [{"prompt": i, "position": next((j for j, (x, y) in enumerate(zip(a, b)) if x != y),
+                                                         min(len(a), len(b))),
+                           "ouro": a, "transformers": b} for i, (a, b) in enumerate(zip(outs, hf_outs)) if a != b]
+    r["load_average"] = [load_start, os.getloadavg()[0]]
     return r
 
 
-def _drain(engine):
-    while engine.has_unfinished():
-        engine.step()
+def _throughput(seconds, input_tokens, outputs):
+    n = sum(len(o) for o in outputs)   # tokens actually produced
+    return {"seconds": seconds, "output_tokens": n, "input_tok_s": input_tokens / seconds, "output_tok_s": n / seconds}
 
 
-def _timed(fn):
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
+def _prefill(engine, model, roof, prompt):
+    """Prefill of one prompt (one chunk) and its first token, median of 3, against its floor."""
+    from ..engine.sampling import SamplingParams
 
+    def one():
+        engine.add_request({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=1))
+        while engine.has_unfinished():
+            engine.step()
 
-def format_offline(r: dict) -> str:
-    o = r["ouro"]
-    lines = [f"offline: {r['num_prompts']} prompts x ({r['input_len']} in / {r['output_len']} out), "
-             f"concurrency {r['concurrency']}",
-             f"  ouro          {o['seconds']:8.2f} s  input {o['input_tok_s']:8.1f} tok/s  output {o['output_tok_s']:7.1f} tok/s"]
-    if "transformers" in r:
-        t = r["transformers"]
-        lines.append(f"  transformers  {t['seconds']:8.2f} s  input {t['input_tok_s']:8.1f} tok/s  "
-                     f"output {t['output_tok_s']:7.1f} tok/s")
-        lines.append(f"  ratio (output tok/s, ouro / transformers): {r['ratio']:.2f}x; "
-                     f"identical greedy outputs: {100 * r['same_tokens']:.0f}%")
-    f = r["decode_floor"]
-    if o["decode_step_s"]:
-        lines.append(f"  decode step (batch {r['concurrency']}): {1e3 * o['decode_step_s']:.1f} ms, floor "
-                     f"{1e3 * f['floor_s']:.1f} ms ({(f['weight_bytes'] + f['cache_bytes']) / 2**20:.0f} MiB at "
-                     f"{r['copy_bytes_per_s'] / 1e9:.1f} GB/s, {f['flops'] / 1e9:.1f} GFLOP at "
-                     f"{r['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s): {r['decode_step_over_floor']:.1f}x the floor")
-    p = r["prefill"]
-    lines.append(f"  prefill of {p['tokens']} tokens: {1e3 * p['seconds']:.0f} ms, FLOP floor {1e3 * p['floor_s']:.0f} ms "
-                 f"({p['flops'] / 1e9:.1f} GFLOP): {p['over_floor']:.1f}x the floor")
-    return "\n".join(lines)
+    def timed():
+        t = time.perf_counter()
+        one()
+        return time.perf_counter() - t
+    cost = prefill_cost(model, len(prompt))
+    t = statistics.median([timed() for _ in range(3)])
+    floor = roof.floor_s(cost.flops, cost.bytes)
+    return {"tokens": len(prompt), "seconds": t, "flops": cost.flops, "bytes": cost.bytes, "floor_s": floor,
+            "over_floor": t / floor, "dispatched_flops": count_flops(one)}

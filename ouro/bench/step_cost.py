@@ -1,0 +1,117 @@
+"""The work one forward step *must* do (FLOPs, bytes), from the model's parameters and config.
+
+This is what the roofline floor divides by the machine's rates. It counts what the step needs,
+not what ouro's kernels happen to dispatch (e.g. the padded all-expert matmul of a decode step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..layers.context import ModelCache
+
+ROUTED = ("experts.gate_up_proj", "experts.down_proj")   # stacked routed-expert weights
+
+
+@dataclass
+class StepCost:
+    flops: float
+    weight_bytes: float
+    cache_bytes: float
+    parts: dict = field(default_factory=dict)   # the terms above, itemised
+
+    @property
+    def bytes(self) -> float:
+        return self.weight_bytes + self.cache_bytes
+
+
+def expected_distinct(n_experts: int, k: int, tokens: int) -> float:
+    """Expected number of distinct experts that `tokens` tokens touch when each picks `k` of
+    `n_experts` uniformly at random: E * (1 - (1 - k/E)^T). An idealisation (the real router is
+    neither uniform nor independent); min(E, T*k) is the worst-case bound."""
+    return n_experts * (1.0 - (1.0 - k / n_experts) ** tokens)
+
+
+def attended_rows(config, context: int) -> int:
+    """Latent rows a query with `context` visible tokens attends to: all of them while the complete
+    pools fit in the top-k budget, else the kept pools plus the incomplete tail pool."""
+    keep = config.index_topk // config.index_kpool
+    if context // config.index_kpool <= keep:
+        return context
+    return keep * config.index_kpool + context % config.index_kpool
+
+
+def step_cost(model, query_lens: list[int], start_pos: list[int], logits_rows: int | None = None) -> StepCost:
+    """FLOPs and bytes of one forward over sequences that already have `start_pos[b]` tokens cached
+    and get `query_lens[b]` new ones; `logits_rows` rows go through the head (default: one per
+    sequence, as the engine asks for).
+
+    FLOPs, per new token: 2 x every parameter it uses once (everything but the embedding, the head
+    and the routed experts; norm, bias and conv vectors count 2 per element too: 0.13% of `small`),
+    plus 2 x the parameters of `num_experts_per_tok` routed experts per MoE layer; 2 x the head per
+    logits row; plus attention over the context: DSA 4*H*kv_lora_rank per attended latent row
+    (absorbed scores and values), the indexer 2*Hi*d per visible pool once there are more pools
+    than it keeps (else it keeps them all unscored), and KDA 6*H*dk*dv (read, update and query of
+    the recurrent state). Element-wise work (norms, activations, mHC mixing, Sinkhorn, top-k) is
+    not counted.
+
+    Bytes: every parameter except the embedding and the routed experts, read once; the embedding
+    rows looked up (one per new token, at most the vocabulary); per MoE layer the routed experts the
+    step's tokens touch, by `expected_distinct`. Cache: each new token's paged row written
+    (`ModelCache.bytes_per_token`); per sequence and DSA layer the latent rows its queries attend
+    to (decode: `attended_rows`; a prefill chunk: its whole context, each row once), per indexer
+    layer its fp32 pool keys when it scores them; the KDA state slot written, and read unless the
+    sequence starts in this step.
+    """
+    c = model.config
+    T = sum(query_lens)
+    rows = len(query_lens) if logits_rows is None else logits_rows
+    named = dict(model.named_parameters())
+    size = lambda p: p.numel() * p.element_size()
+    emb, head = model.embed_tokens.weight, model.lm_head.weight   # (tied weights: one tensor)
+    routed = {n: p for n, p in named.items() if n.endswith(ROUTED)}
+    dense = {n: p for n, p in named.items() if n not in routed and p is not emb and p is not head}
+    n_moe = sum(t == "sparse" for t in c.mlp_layer_types)
+    E, k = c.n_routed_experts, c.num_experts_per_tok
+    per_expert = sum(p.numel() for p in routed.values()) / max(1, n_moe * E)
+    per_expert_bytes = sum(size(p) for p in routed.values()) / max(1, n_moe * E)
+
+    flops = {"weights": 2.0 * T * sum(p.numel() for p in dense.values()),
+             "routed_experts": 2.0 * T * n_moe * k * per_expert,
+             "head": 2.0 * rows * head.numel(), "dsa": 0.0, "indexer": 0.0,
+             "kda": 6.0 * T * len(c.kda_layers) * c.linear_num_heads * c.linear_head_dim ** 2}
+    r, H = c.kv_lora_rank, c.num_attention_heads
+    keep = c.index_topk // c.index_kpool
+    for q, s in zip(query_lens, start_pos):
+        for pos in range(s, s + q):        # the query at `pos` sees pos + 1 tokens
+            flops["dsa"] += 4.0 * len(c.dsa_layers) * H * r * attended_rows(c, pos + 1)
+            pools = (pos + 1) // c.index_kpool
+            if pools > keep:
+                flops["indexer"] += 2.0 * len(c.indexer_layers) * c.index_n_heads * c.index_head_dim * pools
+
+    distinct = expected_distinct(E, k, T)
+    weights = {"dense": float(sum(size(p) for p in dense.values()) + size(head)),
+               "embedding_rows": float(min(T, c.vocab_size) * emb.shape[1] * emb.element_size()),
+               "routed_experts": n_moe * distinct * per_expert_bytes}
+    e = emb.element_size()   # the cache holds the model's dtype (pool keys: fp32)
+    cache = {"written": float(T * ModelCache.bytes_per_token(c, emb.dtype)), "latent_read": 0.0,
+             "pool_keys_read": 0.0, "kda_state": 0.0}
+    for q, s in zip(query_lens, start_pos):
+        ctx = s + q
+        cache["latent_read"] += len(c.dsa_layers) * r * e * (attended_rows(c, ctx) if q == 1 else ctx)
+        if ctx // c.index_kpool > keep:
+            cache["pool_keys_read"] += len(c.indexer_layers) * 4 * c.index_head_dim * (ctx // c.index_kpool)
+        cache["kda_state"] += ModelCache.bytes_per_slot(c) * (1 if s == 0 else 2)
+    return StepCost(flops=sum(flops.values()), weight_bytes=sum(weights.values()), cache_bytes=sum(cache.values()),
+                    parts={"flops": flops, "weight_bytes": weights, "cache_bytes": cache,
+                           "distinct_experts_per_layer": distinct})
+
+
+def decode_cost(model, context: int, batch: int) -> StepCost:
+    """A decode step: `batch` sequences, each adding its token number `context`."""
+    return step_cost(model, [1] * batch, [context - 1] * batch)
+
+
+def prefill_cost(model, tokens: int) -> StepCost:
+    """Prefill of one fresh `tokens`-token prompt in one chunk, logits of the last token only."""
+    return step_cost(model, [tokens], [0], logits_rows=1)

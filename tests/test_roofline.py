@@ -1,0 +1,108 @@
+"""The roofline arithmetic on a model small enough to count by hand.
+
+Every expected number below is written out from the config (D=4, V=10, ...) so that a change in
+what `step_cost` counts, or in the model's parameters, shows up here.
+"""
+
+import itertools
+
+import pytest
+import torch
+
+from ouro.bench.offline import decode_floor
+from ouro.bench.roofline import Roofline, count_flops
+from ouro.bench.step_cost import expected_distinct, prefill_cost
+from ouro.config import ModelConfig
+from ouro.models.glm5_next import Glm5NextModel
+
+# layer 0: KDA + dense MLP, layer 1: DSA (own indexer) + MoE; hc_mult 4, conv kernel 4 (defaults)
+CONFIG = ModelConfig(
+    vocab_size=10, hidden_size=4, intermediate_size=6, moe_intermediate_size=3, num_hidden_layers=2,
+    num_attention_heads=2, n_routed_experts=4, n_group=1, topk_group=1, num_experts_per_tok=2, kv_lora_rank=5,
+    q_lora_rank=3, qk_nope_head_dim=2, v_head_dim=3, index_topk=4, index_head_dim=2, index_n_heads=2,
+    index_kpool=2, linear_head_dim=2, linear_num_heads=3, layer_types=("linear_attention", "indexed_attention"),
+    mlp_layer_types=("dense", "sparse"), indexer_types=("full", "full"))
+
+# parameters by hand (D=4, V=10)
+EMBED = HEAD = 10 * 4
+HC = 24 * 16 + 24 + 3             # fn [(2+4)*4, 4*4], base, scale
+PER_LAYER = 4 + 4 + 2 * HC        # two RMSNorms, attn_hc and ffn_hc
+# KDA, C = 3 heads * 2 = 6: q/k/v proj, convs, f_a, f_b, dt_bias, A_log, b_proj, g_a, g_b, o_norm, o_proj
+KDA = 3 * 4 * 6 + 3 * 6 * 4 + 4 * 2 + 2 * 6 + 6 + 3 + 4 * 3 + 4 * 2 + 2 * 6 + 2 + 6 * 4
+DENSE_MLP = 3 * 4 * 6
+# DSA: q_a, q_a norm, q_b [3 -> 2*2], kv_a [4 -> 5], kv_a norm, kv_b [5 -> 2*(2+3)], o_proj [2*3 -> 4]
+DSA = 4 * 3 + 3 + 3 * 2 * 2 + 4 * 5 + 5 + 5 * 2 * 5 + 2 * 3 * 4
+# indexer: wq_b [3 -> 2*2], wk, k_norm (weight + bias), weights_proj, compress ape [2, 2], gate [2, 4]
+INDEXER = 3 * 2 * 2 + 4 * 2 + 2 * 2 + 4 * 2 + 2 * 2 + 2 * 4
+ROUTER, SHARED = 4 * 4, 3 * 4 * 3
+EXPERT = 3 * 3 * 4                # gate, up, down of one routed expert (I=3, D=4)
+DENSE_PARAMS = 4 + 2 * PER_LAYER + KDA + DENSE_MLP + DSA + INDEXER + ROUTER + SHARED   # 4: final norm
+SLOT = 4 * (3 * 6 * 3 + 3 * 2 * 2)     # fp32 conv window [3C, K-1] + recurrent state [H, dk, dv]
+TOKEN_ROW = 4 * (5 + 2 * 2) + 4 * 2 // 2   # latent + indexer key and gate, + fp32 pool key per kpool tokens
+
+
+@pytest.fixture(scope="module")
+def model():
+    with torch.device("meta"):    # shapes and dtypes only
+        return Glm5NextModel(CONFIG)
+
+
+def test_parameter_count_by_hand(model):
+    assert sum(p.numel() for p in model.parameters()) == DENSE_PARAMS + EMBED + HEAD + 4 * EXPERT
+
+
+def test_decode_floor_by_hand(model):
+    B, L = 3, 7   # 3 sequences, each adding token number 7: 3 complete pools > 4/2 kept
+    rows = 2 * 2 + 7 % 2   # two kept pools of 2 plus the tail token
+    flops = (2 * B * DENSE_PARAMS          # every non-routed weight, once per token
+             + 2 * B * 2 * EXPERT          # 2 routed experts per token, one MoE layer
+             + 2 * B * HEAD                # one logits row per sequence
+             + 4 * B * 2 * 5 * rows        # DSA: scores and values over 5-wide latents, 2 heads
+             + 2 * B * 2 * 2 * 3           # indexer: 2 heads x d=2 over 3 pools
+             + 6 * B * 3 * 2 * 2)          # KDA state: 3 heads of [2, 2]
+    distinct = 4 * (1 - (1 - 2 / 4) ** B)  # expected experts 3 tokens touch: 3.5
+    weight_bytes = 4 * (DENSE_PARAMS + HEAD) + 4 * B * 4 + 4 * distinct * EXPERT
+    cache_bytes = (B * TOKEN_ROW            # each new token's row written
+                   + 4 * B * rows * 5       # attended latent rows read
+                   + 4 * B * 3 * 2          # fp32 pool keys scored
+                   + 2 * B * SLOT)          # KDA state read and written
+    for rates in ((1000.0, 1000.0), (1000.0, 100.0)):   # compute-bound, then memory-bound
+        roof = Roofline(flops_per_s=rates[0], bytes_per_s=rates[1])
+        f = decode_floor(model, roof, context=L, batch=B)
+        assert f["flops"] == flops
+        assert f["weight_bytes"] == pytest.approx(weight_bytes, rel=1e-12)
+        assert f["cache_bytes"] == cache_bytes
+        assert f["floor_s"] == pytest.approx(max(flops / rates[0], (weight_bytes + cache_bytes) / rates[1]),
+                                             rel=1e-12)
+
+
+def test_prefill_cost_by_hand(model):
+    n = 7
+    rows = 1 + 2 + 3 + 4 + 5 + (4 + 0) + (4 + 1)   # whole prefix while pools <= 2, then 2 pools + tail
+    flops = (2 * n * DENSE_PARAMS + 2 * n * 2 * EXPERT + 2 * 1 * HEAD   # logits of the last token only
+             + 4 * 2 * 5 * rows
+             + 2 * 2 * 2 * (3 + 3)        # only the queries at 6 and 7 tokens score (3 pools each)
+             + 6 * n * 3 * 2 * 2)
+    weight_bytes = 4 * (DENSE_PARAMS + HEAD) + 4 * n * 4 + 4 * 4 * (1 - (1 - 2 / 4) ** n) * EXPERT
+    cache_bytes = n * TOKEN_ROW + 4 * 7 * 5 + 4 * 3 * 2 + SLOT   # fresh: KDA state only written
+    c = prefill_cost(model, n)
+    assert c.flops == flops
+    assert c.bytes == pytest.approx(weight_bytes + cache_bytes, rel=1e-12)
+
+
+def test_expected_distinct_experts_by_enumeration():
+    picks = list(itertools.combinations(range(4), 2))          # each token picks 2 of 4
+    mean = sum(len(set(a) | set(b)) for a in picks for b in picks) / len(picks) ** 2
+    assert expected_distinct(4, 2, 2) == pytest.approx(mean)   # 3.0
+
+
+def test_floor_is_the_slower_of_compute_and_memory():
+    roof = Roofline(flops_per_s=1e9, bytes_per_s=1e8)
+    assert roof.floor_s(3e9, 2e8) == 3.0
+    assert roof.floor_s(1e9, 5e8) == 5.0
+
+
+def test_count_flops_of_a_plain_matmul():
+    a, b = torch.randn(3, 5), torch.randn(5, 7)
+    assert count_flops(lambda: a @ b) == 2 * 3 * 5 * 7
+    assert count_flops(lambda: torch.bmm(a.expand(2, 3, 5), b.expand(2, 5, 7))) == 2 * 2 * 3 * 5 * 7
