@@ -85,3 +85,26 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
         self.log.close()
+
+
+def idle(server, timeout=20):
+    """Pools back to full and nothing running, read from /metrics."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        m = server.metrics()
+        get = lambda n: next(v for k, v in m.items() if k.split("{")[0] == n)
+        if (get("ouro:kv_pages_used") == 0 and get("ouro:state_slots_used") == 0 and get("ouro:num_requests_running") == 0
+                and get("ouro:num_requests_waiting") == 0 and get("ouro:num_requests_in_flight") == 0):
+            return True
+        time.sleep(0.3)
+    return False
+
+
+def post(server, path, body, key=..., raw=None):
+    """POST with the server's API key (key=None: none; or another key)."""
+    key = server.api_key if key is ... else key
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    if raw is not None:
+        return httpx.post(server.base + path, content=raw, headers={**headers, "content-type": "application/json"},
+                          timeout=30)
+    return httpx.post(server.base + path, json=body, headers=headers, timeout=30)

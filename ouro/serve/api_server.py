@@ -34,7 +34,6 @@ class ServerState:
     model_name: str
     max_model_len: int
     capacity_tokens: int
-    eos_token_ids: list[int]
     vocab_size: int
     api_key: str | None = None
     max_queued_requests: int = 256

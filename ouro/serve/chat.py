@@ -41,8 +41,7 @@ class ChatFormat:
                 raise ValueError(f"tool_choice names the function {name!r}, which is not in tools")
         if choice in ("required",) and not tools:
             raise ValueError("tool_choice 'required' needs tools")
-        text = self.template.render(messages, tools if choice != "none" else tools,
-                                    add_generation_prompt=body.add_generation_prompt, **kwargs)
+        text = self.template.render(messages, tools, add_generation_prompt=body.add_generation_prompt, **kwargs)
         fmt = ReplyFormat.for_request(text, tools, choice if isinstance(choice, str) else "auto",
                                       id_prefix="call_")
         forced = ""

@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib
 import logging
 import os
-import sys
 import time
 
 log = logging.getLogger("ouro.engine_process")

@@ -17,7 +17,6 @@ class Job:
     child_params: list            # one SamplingParams (n=1) per choice
     stop: list[str]
     skip_special_tokens: bool
-    prompt_text: str | None = None
     parser_factory: object = None  # chat: () -> streaming output parser per choice
     choice_base: int = 0           # index of this job's first choice in the response
 
@@ -54,8 +53,7 @@ def completion_jobs(state, body) -> list[Job]:
     for i, pr in enumerate(prompts):
         ids = state.tokenizer.encode(pr).ids if isinstance(pr, str) else pr
         params = sampling_for(body, _max_tokens(state, body, len(ids)), body.logprobs, body.stop_token_ids)
-        jobs.append(Job(ids, _children(body, params), _stops(body), True, pr if isinstance(pr, str) else None,
-                        choice_base=i * body.n))
+        jobs.append(Job(ids, _children(body, params), _stops(body), True, choice_base=i * body.n))
     return jobs
 
 
@@ -78,7 +76,7 @@ def chat_jobs(state, body) -> list[Job]:
         if len(forced) >= params.max_tokens:
             raise ApiError(400, f"tool_choice needs max_tokens > {len(forced)} to open the tool call")
         params = dataclasses.replace(params, forced_prefix_ids=forced)
-    return [Job(ids, _children(body, params), _stops(body), False, rendered.text,
+    return [Job(ids, _children(body, params), _stops(body), False,
                 parser_factory=lambda: state.chat.parser(body, rendered))]
 
 
@@ -117,7 +115,7 @@ class ResponseView:
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
     def _logprobs(self, entries, offset: int):
-        if not entries or entries[0][2] is None and not self._want_logprobs():
+        if not entries:
             return None
         tok = self.state.tokenizer
         if self.chat:
@@ -218,7 +216,6 @@ class ResponseView:
                     if lp is not None and not deltas:
                         deltas = [{"content": ""}]
                     for k, delta in enumerate(deltas):
-                        last = k == len(deltas) - 1
                         yield self._chunk(v.index, delta, None, lp if k == 0 else None)
                     if d.finish_reason is not None:
                         yield self._chunk(v.index, {}, self._finish(v, c.finish_reason), None, c.stop_reason)

@@ -6,12 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import signal
 import sys
 from pathlib import Path
-
-log = logging.getLogger("ouro.serve")
 
 
 def engine_kwargs(args) -> dict:
@@ -58,7 +55,7 @@ def serve(args) -> int:
     metrics = Metrics(name)
     client = EngineClient(directory, kw, args.logits_processors, on_stats=metrics.update_engine)
     state = ServerState(client=client, tokenizer=tokenizer, chat=ChatFormat.from_checkpoint(directory, tokenizer),
-                        model_name=name, max_model_len=0, capacity_tokens=0, eos_token_ids=mc.eos_token_ids,
+                        model_name=name, max_model_len=0, capacity_tokens=0,
                         vocab_size=mc.vocab_size, api_key=args.api_key, max_queued_requests=args.max_queued_requests,
                         max_num_seqs=args.max_num_seqs, max_body_bytes=args.max_request_body_bytes, metrics=metrics)
     app = build_app(state)
