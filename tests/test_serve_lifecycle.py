@@ -18,8 +18,11 @@ def model_dir(tiny_checkpoint):
 
 @pytest.fixture(scope="module")
 def small_server(model_dir, tmp_path_factory):
-    """Two running + three queued requests at most; killed by the last test that uses it."""
+    """Two running + three queued requests at most; killed by the last test that uses it. Each token
+    takes at least 20 ms (paced), so the five admitted requests of 64 tokens hold their places for
+    seconds on any machine while the overload test sends the rest."""
     s = Server(model_dir, "--max-num-seqs", "2", "--max-queued-requests", "3",
+               "--logits-processors", "paced_steps:PacedSteps",
                tmp_path=tmp_path_factory.mktemp("serve_small"))
     yield s
     s.stop()
@@ -37,7 +40,12 @@ def test_overload_gets_429_quickly_while_admitted_requests_complete(small_server
     async def run():
         async with httpx.AsyncClient(timeout=300) as c:
             first = [asyncio.ensure_future(one(c, i)) for i in range(5)]
-            await asyncio.sleep(0.5)              # the five have their places
+            for _ in range(100):                  # until the five have their places
+                if in_flight((await c.get(s.base + "/metrics")).text) == 5:
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                raise AssertionError("the five admitted requests never showed as in flight")
             rest = await asyncio.gather(*[one(c, i) for i in range(5, 25)])
             return await asyncio.gather(*first), rest
     admitted, refused = asyncio.run(run())
@@ -47,6 +55,11 @@ def test_overload_gets_429_quickly_while_admitted_requests_complete(small_server
     assert max(r[1] for r in refused) < min(r[1] for r in admitted)   # refused at once, not queued
     assert s.metric("ouro:request_rejected_total") >= 20
     assert idle(s)
+
+
+def in_flight(metrics_text: str) -> float:
+    return next(float(line.rsplit(" ", 1)[1]) for line in metrics_text.splitlines()
+                if line.startswith("ouro:num_requests_in_flight{"))
 
 
 def test_engine_killed_mid_load_gives_errors_not_hangs(small_server):
@@ -72,7 +85,8 @@ def test_engine_killed_mid_load_gives_errors_not_hangs(small_server):
 
 
 def test_sigterm_during_load_drains_and_exits_in_time(model_dir, tmp_path):
-    s = Server(model_dir, "--shutdown-timeout", "3", tmp_path=tmp_path)
+    s = Server(model_dir, "--shutdown-timeout", "3", "--logits-processors", "paced_steps:PacedSteps",
+               tmp_path=tmp_path)                   # paced: the long ones cannot finish in time on any machine
 
     async def one(c, i, tokens):
         try:
