@@ -1,9 +1,19 @@
-"""`ouro` command line: make-model, generate (serve, bench, ... arrive with later work)."""
+"""`ouro` command line: make-model, generate, serve, bench, plan, eval."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+
+# idle OpenMP threads sleep instead of spinning: on a machine shared with other work (or with
+# the server's own processes) spinning threads took the cores the busy ones needed (a tiny
+# `ouro eval ppl` ran 6.9 s instead of 0.1 s). Set before torch is imported.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+# the model `serve`, `bench` and `eval` use when none is named (a preset name or a directory)
+DEFAULT_MODEL = "tiny-py"   # the trained built-in model: serve, generate and eval use it
+BENCH_MODEL = "small"       # benchmarks keep the larger random-init shape
 
 
 def _cmd_make_model(args) -> int:
@@ -28,7 +38,7 @@ def _cmd_bench(args) -> int:
         r = bench_serve(args)
         print(format_serve(r))
     if args.kind in ("offline", "prefill"):
-        args.model = args.model or "small"
+        args.model = args.model or BENCH_MODEL
     if args.kind == "offline":
         from .bench.offline import bench_offline, format_offline
         r = bench_offline(resolve_model(args.model), args.num_prompts, args.input_len, args.output_len,
@@ -60,14 +70,66 @@ def _cmd_plan(args) -> int:
     return 0
 
 
+def _cmd_eval_ppl(args) -> int:
+    import json
+    from dataclasses import asdict
+    from .config import CheckpointError, EngineConfig
+    from .engine.llm import LLM
+    from .eval.corpus import default_root, load_split
+    from .eval.ppl import evaluate_bits_per_byte, format_result, transformers_bits_per_byte
+    from .models.resolve import resolve_model
+    EngineConfig(device=args.device, dtype=args.dtype).check_device()
+    if args.context_len < 1 or (args.max_bytes is not None and args.max_bytes < 1):
+        raise ValueError(f"--context-len and --max-bytes must be >= 1, got {args.context_len} and {args.max_bytes}")
+    root = args.corpus if args.corpus is not None else default_root()
+    docs = load_split("held_out", root, max_bytes=args.max_bytes)     # a bad corpus fails before any load
+    directory = resolve_model(args.model, progress=not args.json)
+    llm = LLM(str(directory), device=args.device, dtype=args.dtype)
+    if llm.engine.tokenizer is None:
+        raise CheckpointError(f"checkpoint {directory} has no tokenizer.json: bits/byte needs one")
+    r = evaluate_bits_per_byte(llm, llm.engine.tokenizer, docs, args.context_len)
+    out = {"model": args.model, "corpus": str(root), "split": "held_out", "context_len": args.context_len,
+           "dtype": args.dtype, "device": args.device, "ouro": asdict(r)}
+    lines = [format_result(r, "ouro", args.dtype)]
+    if args.compare_transformers:
+        del llm
+        t = transformers_bits_per_byte(directory, None, docs, args.context_len, args.dtype, args.device,
+                                       progress=True)
+        diff = r.bits_per_byte - t.bits_per_byte
+        out.update(transformers=asdict(t), difference=diff, relative_difference=diff / t.bits_per_byte)
+        lines += [format_result(t, "transformers", args.dtype),
+                  f"ouro - transformers: {diff:+.3e} bits/byte (relative {diff / t.bits_per_byte:+.2e})"]
+    print(json.dumps(out, indent=2) if args.json else "\n".join(lines))
+    return 0
+
+
+def add_eval_parser(sub) -> None:
+    ev = sub.add_parser("eval", help="quality yardsticks through ouro's own engine")
+    kinds = ev.add_subparsers(dest="eval_command", required=True)
+    ppl = kinds.add_parser("ppl", help="held-out bits/byte of the corpus (every token predicted once)")
+    ppl.add_argument("--model", default=DEFAULT_MODEL,
+                     help=f"checkpoint directory or preset name (default: {DEFAULT_MODEL})")
+    ppl.add_argument("--corpus", default=None,
+                     help="directory of .py files (default: this Python's standard library); its held-out split")
+    ppl.add_argument("--max-bytes", type=int, default=None, help="score only the first files fitting this size")
+    ppl.add_argument("--context-len", type=int, default=1024, help="tokens of context per scoring window")
+    ppl.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ppl.add_argument("--device", default="cpu")
+    ppl.add_argument("--compare-transformers", action="store_true",
+                     help="also score the same windows with transformers and print the difference")
+    ppl.add_argument("--json", action="store_true", help="print one JSON object instead of the result lines")
+    ppl.set_defaults(func=_cmd_eval_ppl)
+
+
 def _cmd_serve(args) -> int:
     from .serve.server import serve
     return serve(args)
 
 
 def add_serve_parser(sub) -> None:
-    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default: the small preset on 127.0.0.1:8000)")
-    sv.add_argument("--model", default="small", help="checkpoint directory or preset name (default: small)")
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default: the trained tiny-py model on 127.0.0.1:8000)")
+    sv.add_argument("--model", default=DEFAULT_MODEL,
+                    help=f"checkpoint directory or preset name (default: {DEFAULT_MODEL})")
     sv.add_argument("--served-model-name", default=None, help="model name in the API (default: preset or dir name)")
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000)
@@ -128,7 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     mk.set_defaults(func=_cmd_make_model)
 
     gen = sub.add_parser("generate", help="greedily continue a prompt, printing tokens as they come")
-    gen.add_argument("model", nargs="?", default="tiny", help="checkpoint directory or preset name (default: tiny)")
+    gen.add_argument("model", nargs="?", default=DEFAULT_MODEL,
+                     help=f"checkpoint directory or preset name (default: {DEFAULT_MODEL})")
     gen.add_argument("--prompt", default="The ouro engine serves")
     gen.add_argument("--prompt-token-ids", default=None, help="comma-separated token ids instead of --prompt")
     gen.add_argument("--max-tokens", type=int, default=32)
@@ -145,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks, measured side by side in one run")
     bench.add_argument("kind", choices=["offline", "prefill", "serve"])
-    bench.add_argument("--model", default=None, help="checkpoint directory or preset name (default: small); "
+    bench.add_argument("--model", default=None, help=f"checkpoint directory or preset name (default: {BENCH_MODEL}); "
                        "serve: the model name sent (default: the server's first in /v1/models)")
     bench.add_argument("--input-len", "--random-input-len", dest="input_len", type=int, default=256)
     bench.add_argument("--output-len", "--random-output-len", dest="output_len", type=int, default=64)
@@ -167,6 +230,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--context", default="4096,131072,1048576", help="comma-separated context lengths")
     plan.add_argument("--kv-cache-dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     plan.set_defaults(func=_cmd_plan)
+
+    add_eval_parser(sub)
+    from .train.command import add_train_parser
+    add_train_parser(sub)
     return p
 
 

@@ -147,6 +147,8 @@ class ModelConfig:
                                   "SwiGLU experts and KDA short conv use silu")
         if "eos_token_id" not in kw and d.get("eos_token_id") is not None:
             kw["eos_token_id"] = d["eos_token_id"]
+        if text.get("num_nextn_predict_layers"):
+            kw["has_mtp"] = True
         if "tie_word_embeddings" in d:
             kw["tie_word_embeddings"] = d["tie_word_embeddings"]
         return cls(**kw)
@@ -164,7 +166,8 @@ class ModelConfig:
 
     def to_text_config(self) -> dict:
         d = dataclasses.asdict(self)
-        d.pop("has_mtp")
+        if d.pop("has_mtp"):
+            d["num_nextn_predict_layers"] = 1
         for k in ("layer_types", "mlp_layer_types", "indexer_types"):
             d[k] = list(d[k])
         d.update(model_type="glm5_next_text", qk_rope_head_dim=0, head_dim=0, num_key_value_heads=self.num_attention_heads,

@@ -26,6 +26,7 @@ class GenerationResult:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     cached_tokens: int
+    prompt_logprobs: list | None = None   # SamplingParams.prompt_logprobs: [None, {id: logprob}, ...]
 
     # the first completion's fields, for the common n=1 case
     @property
@@ -115,6 +116,7 @@ class LLM:
             outs = [finished[r] for r in ids[j:j + sp.n]]
             comps = [CompletionOutput(k, o.text, o.token_ids, o.finish_reason, o.stop_reason, o.logprobs,
                                       o.top_logprobs) for k, o in enumerate(outs)]
-            results.append(GenerationResult(ids[j], outs[0].prompt_token_ids, comps, outs[0].cached_tokens))
+            results.append(GenerationResult(ids[j], outs[0].prompt_token_ids, comps, outs[0].cached_tokens,
+                                            outs[0].prompt_logprobs))
             j += sp.n
         return results

@@ -98,6 +98,8 @@ class LLMEngine:
             while request_id in self.requests:   # a user may have taken this name
                 request_id = f"req-{next(self._ids)}"
         req = Request(request_id, ids, params, generator=make_generator(params.seed, self.config.seed + n))
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None] * len(ids)
         if self.tokenizer is not None:
             req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.stop_list, params.skip_special_tokens)
         self.requests[request_id] = req
@@ -252,7 +254,8 @@ class LLMEngine:
         return RequestOutput(r.request_id, new_ids, new_text, list(r.output_ids), text, r.is_finished,
                              r.finish_reason, r.stop_reason, r.prompt_ids, r.cached_tokens,
                              list(r.logprobs), list(r.top_logprobs),
-                             None if r.first_scheduled is None else r.first_scheduled - r.arrival)
+                             None if r.first_scheduled is None else r.first_scheduled - r.arrival,
+                             r.prompt_logprobs)
 
     # ---- prefix caching: KDA checkpoints at page boundaries, inserted once the prompt is computed ----
     def _checkpoint(self, batch) -> None:

@@ -1,6 +1,6 @@
 """Turn a scheduled batch into one model call: the flat batch (cu_seqlens, positions, page
-tables, state-slot indices), KDA checkpoint save/restore, and the logits of each sequence's
-last new token."""
+tables, state-slot indices), KDA checkpoint save/restore, the logits of each sequence's last new
+token, and the prompt logprobs of the sequences that ask for them."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import torch
 
 from ..layers.context import ForwardContext, ModelCache
 from .memory import MemoryPlan
+from .sampling import prompt_logprob_entries
 from .scheduler import ScheduledBatch
 
 
@@ -47,7 +48,9 @@ class ModelRunner:
 
     @torch.inference_mode()  # no autograd bookkeeping at all: cheaper per op than no_grad
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Compute the batch's new tokens; returns float32 logits [B, V] of each last new token."""
+        """Compute the batch's new tokens; returns float32 logits [B, V] of each last new token.
+        Rows asking for prompt logprobs also get the logits of their chunk's prompt positions,
+        reduced at once to their `prompt_logprobs` entries; other rows compute only the last."""
         # batch rows in slot order: with dense slots, KDA layers then update states in place
         order = sorted(range(len(batch.requests)), key=lambda i: batch.requests[i].slot)
         batch.requests = [batch.requests[i] for i in order]
@@ -59,9 +62,44 @@ class ModelRunner:
                 r.restore_from = None
         width = max(len(r.pages) for r in reqs)
         table = torch.tensor([r.pages + [0] * (width - len(r.pages)) for r in reqs], dtype=torch.long)
-        ctx = ForwardContext.build(self.cache, counts, [r.num_computed for r in reqs], [r.slot for r in reqs], table)
+        prompt_rows = [self._prompt_rows(r, n) for r, n in zip(reqs, counts)]
+        index = first = last = None
+        if any(prompt_rows):
+            # logits of every wanted prompt position of the rows that ask, and each row's last
+            index, first, last, start = [], [], [], 0
+            for wanted, n in zip(prompt_rows, counts):
+                first.append(len(index))
+                index += [start + p for p in wanted]
+                if not wanted or wanted[-1] != n - 1:
+                    index.append(start + n - 1)
+                last.append(len(index) - 1)
+                start += n
+        ctx = ForwardContext.build(self.cache, counts, [r.num_computed for r in reqs], [r.slot for r in reqs], table,
+                                   logits="last" if index is None else index)
         ids = [t for r, n in zip(reqs, counts) for t in r.all_ids[r.num_computed: r.num_computed + n]]
         logits = self.model(torch.tensor(ids, device=self.device), ctx)
+        if index is not None:
+            self._fill_prompt_logprobs(reqs, prompt_rows, first, logits)
+            logits = logits[torch.tensor(last, device=logits.device)]
         for r, n in zip(reqs, counts):
             r.num_computed += n
         return logits.float().cpu()  # sampling runs on the CPU with per-request CPU generators
+
+    @staticmethod
+    def _prompt_rows(r, n: int) -> list[int]:
+        """Chunk-relative rows whose logits give a prompt-logprobs entry not yet filled: position
+        p predicts prompt token p + 1 (a recomputed request does not redo filled entries)."""
+        if r.prompt_logprobs is None:
+            return []
+        start, end = r.num_computed, min(r.num_computed + n, len(r.prompt_ids) - 1)
+        return [p - start for p in range(start, end) if r.prompt_logprobs[p + 1] is None]
+
+    @staticmethod
+    def _fill_prompt_logprobs(reqs, prompt_rows, first, logits) -> None:
+        for r, wanted, i in zip(reqs, prompt_rows, first):
+            if wanted:
+                pos = [r.num_computed + p for p in wanted]
+                entries = prompt_logprob_entries(logits[i:i + len(wanted)], [r.prompt_ids[p + 1] for p in pos],
+                                                 r.params.prompt_logprobs)
+                for p, e in zip(pos, entries):
+                    r.prompt_logprobs[p + 1] = e

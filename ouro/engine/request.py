@@ -38,6 +38,8 @@ class Request:
     detokenizer: object | None = None
     prefix_match: object | None = None   # locked prefix-cache match, released when pages are freed
     restore_from: int | None = None      # KDA checkpoint to copy into the slot before computing
+    # params.prompt_logprobs set: one entry per prompt token (entry 0 None), filled during prefill
+    prompt_logprobs: list | None = None
 
     @property
     def all_ids(self) -> list[int]:
@@ -68,3 +70,5 @@ class RequestOutput:
     logprobs: list[float]
     top_logprobs: list
     queue_time: float | None = None   # seconds from arrival to first scheduling
+    # with SamplingParams.prompt_logprobs: [None, {token_id: logprob, ...}, ...], one per prompt token
+    prompt_logprobs: list | None = None

@@ -30,6 +30,8 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # top-k logprobs per token; 0: only the chosen one
+    # logprob of every prompt token under the raw model (vLLM semantics); k > 0: also the top-k
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     forced_prefix_ids: list[int] | None = None  # the output must start with these ids (e.g. a tool-call tag)
 
@@ -59,6 +61,10 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (not is_int(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"prompt_logprobs must be None or an integer in [0, {MAX_LOGPROBS}], "
+                             f"got {self.prompt_logprobs!r}")
         if self.stop is not None:
             stops = [self.stop] if isinstance(self.stop, str) else self.stop
             if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops):
@@ -190,6 +196,29 @@ class Sampler:
                 n = params[i].logprobs
                 top[i] = list(zip(ids[j][:n], vals[j][:n]))
         return SampleOutput(token_ids=token_ids, logprobs=chosen, top_logprobs=top)
+
+
+def prompt_logprob_entries(logits: torch.Tensor, next_ids: list[int], k: int,
+                           block: int = 256) -> list[dict[int, float]]:
+    """One vLLM-style prompt-logprobs entry per logits row: {next token: logprob} plus the
+    top-k when k > 0, from the raw float32 log-softmax (no temperature, no processors). Rows go
+    through in blocks so at most `block` float32 rows of the vocabulary exist at once."""
+    if logits.dim() != 2 or logits.shape[0] != len(next_ids):
+        raise ValueError(f"need logits [n, V] with n == len(next_ids); got {tuple(logits.shape)}, {len(next_ids)} ids")
+    entries: list[dict[int, float]] = []
+    for s in range(0, len(next_ids), block):
+        logp = logits[s:s + block].float().log_softmax(dim=-1)
+        ids = torch.tensor(next_ids[s:s + block], device=logp.device)
+        chosen = logp.gather(-1, ids[:, None])[:, 0].tolist()
+        if k:
+            vals, top = logp.topk(k, dim=-1)
+            vals, top = vals.tolist(), top.tolist()
+        for j, (t, lp) in enumerate(zip(ids.tolist(), chosen)):
+            entry = {t: lp}
+            if k:
+                entry.update(zip(top[j], vals[j]))
+            entries.append(entry)
+    return entries
 
 
 def sample_reference(logits_row: torch.Tensor, params: SamplingParams,

@@ -144,7 +144,9 @@ class Scheduler:
                                 self.slots.num_total, self.pages.num_free)
                 self.slot_limited_steps += 1
                 break
-            if self.prefix_cache is not None and req.num_computed == 0 and req.prefix_match is None:
+            # a request asking for prompt logprobs needs the logits of every prompt position: no hit
+            if (self.prefix_cache is not None and req.num_computed == 0 and req.prefix_match is None
+                    and req.params.prompt_logprobs is None):
                 self._attach_prefix(req)
             n = self._chunk(req, budget)
             if n == 0 or not self._grow(req, req.num_computed + n):

@@ -92,6 +92,13 @@ def _ignored_kind(name: str, config: ModelConfig) -> str | None:
     return None
 
 
+def mtp_head_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The MTP layer's own tensors (besides its decoder block), which every glm5_next MTP layer has."""
+    h, a = config.hidden_size, f"{PREFIX}layers.{config.num_hidden_layers}."
+    return {a + "enorm.weight": (h,), a + "hnorm.weight": (h,), a + "eh_proj.weight": (h, 2 * h),
+            a + "shared_head.norm.weight": (h,)}
+
+
 def check_checkpoint(model: torch.nn.Module, directory: str | Path):
     """Match the files in `directory` against `model`'s tensors (a meta-device model will do, so
     nothing is allocated yet). Raises CheckpointError naming every missing, unexpected or
@@ -112,12 +119,18 @@ def check_checkpoint(model: torch.nn.Module, directory: str | Path):
                     shapes[k] = tuple(h.get_slice(k).get_shape())
     for name in sorted(expected.keys() - shapes.keys()):
         problems.append(f"missing tensor {name} (expected shape {list(expected[name])})")
+    mtp_heads = mtp_head_shapes(config)
     for name in sorted(shapes.keys() - expected.keys()):
         kind = _ignored_kind(name, config)
-        if kind:
+        if name in mtp_heads and shapes[name] != mtp_heads[name]:
+            problems.append(f"MTP tensor {name} has shape {list(shapes[name])}, expected {list(mtp_heads[name])}")
+        elif kind:
             ignored[kind] += 1
         else:
             problems.append(f"unexpected tensor {name} with shape {list(shapes[name])}")
+    if config.has_mtp and ignored["mtp"] and not mtp_heads.keys() <= shapes.keys():
+        problems += [f"missing MTP tensor {n} (expected shape {list(mtp_heads[n])})"
+                     for n in sorted(mtp_heads.keys() - shapes.keys())]
     for name in sorted(expected.keys() & shapes.keys()):
         if shapes[name] != expected[name]:
             problems.append(f"tensor {name} has shape {list(shapes[name])}, expected {list(expected[name])}")

@@ -32,10 +32,20 @@ PRESETS: dict[str, ModelConfig] = {
         index_n_heads=4, index_kpool=4, linear_head_dim=64, linear_num_heads=8, max_position_embeddings=65536,
         layer_types=(KDA, KDA, KDA, DSA) * 2, mlp_layer_types=("dense",) + ("sparse",) * 7,
         indexer_types=("full",) * 8, pad_token_id=0, eos_token_id=[0, 7, 9]),
+    # trained on the Python standard library by `ouro train` and shipped with ouro (ouro/models/builtin)
+    "tiny-py": ModelConfig(
+        vocab_size=2048, hidden_size=192, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, n_routed_experts=8, n_group=1, topk_group=1, num_experts_per_tok=2,
+        kv_lora_rank=64, q_lora_rank=96, qk_nope_head_dim=48, v_head_dim=48, index_topk=32, index_head_dim=32,
+        index_n_heads=4, index_kpool=4, linear_head_dim=48, linear_num_heads=4, max_position_embeddings=8192,
+        layer_types=(KDA, KDA, KDA, DSA), mlp_layer_types=("dense", "sparse", "sparse", "sparse"),
+        indexer_types=("full",) * 4, pad_token_id=0, eos_token_id=[0, 7, 9]),
     "flash": ModelConfig(),  # defaults are the published GLM-5.3-Flash dimensions
 }
 
 CONFIG_ONLY = {"flash"}
+TRAINED = {"tiny-py"}     # shipped trained; `make_model` writes only random-init presets
+BUILTIN_DIR = Path(__file__).parent / "builtin"
 # bumped whenever what make_model writes changes (weights, tokenizer, template): cached presets
 # of another format are rebuilt
 PRESET_FORMAT = 2
@@ -122,6 +132,9 @@ def make_model(preset: str, directory: str | Path, seed: int = 0, progress: bool
     from .tokenizer_factory import write_tokenizer_files
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    if preset in TRAINED:
+        raise ValueError(f"preset {preset!r} is a trained model shipped with ouro (use it by name); "
+                         f"`ouro train --preset {preset} --output DIR` trains it again")
     config = PRESETS[preset]
     directory = Path(directory)
     if directory.exists() and not directory.is_dir():

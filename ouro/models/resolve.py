@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 from ..config import CheckpointError
-from .presets import CONFIG_ONLY, PRESETS
+from .presets import BUILTIN_DIR, CONFIG_ONLY, PRESETS, TRAINED
 
 
 def cache_root() -> Path:
@@ -19,6 +19,12 @@ def resolve_model(name_or_dir: str, progress: bool = True) -> Path:
     path = Path(name_or_dir)
     if path.is_dir():
         return path
+    if name_or_dir in TRAINED:
+        target = BUILTIN_DIR / name_or_dir
+        if not (target / "config.json").is_file():
+            raise CheckpointError(f"the trained preset {name_or_dir!r} is not installed ({target} is missing); "
+                                  f"reinstall ouro, or train it: ouro train --preset {name_or_dir} --output DIR")
+        return target
     if name_or_dir in PRESETS:
         if name_or_dir in CONFIG_ONLY:
             raise CheckpointError(f"preset {name_or_dir!r} is config-only (no weights); use it for memory planning")

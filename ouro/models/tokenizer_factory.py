@@ -149,8 +149,9 @@ CHAT_TEMPLATE = r"""
 """.strip()
 
 
-def build_tokenizer(vocab_size: int) -> Tokenizer:
-    """Train the byte-level BPE; same result on every machine and run."""
+def build_tokenizer(vocab_size: int, texts=None, max_vocab: int = MAX_TRAINED_VOCAB) -> Tokenizer:
+    """Train the byte-level BPE; same result on every machine and run. `texts`: documents to
+    train on (default: the small built-in corpus, kept as one document)."""
     if vocab_size < MIN_VOCAB_SIZE:
         raise ValueError(
             f"vocab_size must be >= {MIN_VOCAB_SIZE} "
@@ -161,7 +162,7 @@ def build_tokenizer(vocab_size: int) -> Tokenizer:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=min(vocab_size, MAX_TRAINED_VOCAB),
+        vocab_size=min(vocab_size, max_vocab),
         # 1 lets the small corpus yield as many merges as possible; ties are
         # broken by symbol ids inside the trainer, so the result is stable.
         min_frequency=1,
@@ -170,7 +171,8 @@ def build_tokenizer(vocab_size: int) -> Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     # One document: keeps "\n\n" and newline+indent pairs that code relies on.
-    tokenizer.train_from_iterator([CORPUS], trainer=trainer, length=1)
+    docs = [CORPUS] if texts is None else list(texts)
+    tokenizer.train_from_iterator(docs, trainer=trainer, length=len(docs))
     _check_layout(tokenizer, vocab_size)
     return tokenizer
 
@@ -205,16 +207,17 @@ def special_token_ids(tokenizer: Tokenizer) -> dict[str, int]:
 
 
 def write_tokenizer_files(
-    directory: str | os.PathLike[str], vocab_size: int, model_max_length: int
+    directory: str | os.PathLike[str], vocab_size: int, model_max_length: int, tokenizer: Tokenizer | None = None
 ) -> dict:
-    """Write tokenizer.json / tokenizer_config.json / special_tokens_map.json.
+    """Write tokenizer.json / tokenizer_config.json / special_tokens_map.json (of `tokenizer`,
+    default: the one `build_tokenizer(vocab_size)` trains on the built-in corpus).
 
     Returns the ids from ``special_token_ids`` plus ``tokenizer_size`` (the
     real number of entries, which may be below ``vocab_size``).
     """
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(vocab_size)
+    tokenizer = tokenizer or build_tokenizer(vocab_size)
     # to_str() is byte-identical across runs, so checkpoints diff cleanly.
     (out / "tokenizer.json").write_text(tokenizer.to_str(pretty=True) + "\n", encoding="utf-8")
 

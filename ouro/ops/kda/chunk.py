@@ -72,10 +72,13 @@ def kda_chunk(q, k, v, g, beta, initial_state=None, chunk_size: int = 16):
     k_dec = (k * _decay(last - gc)).transpose(-1, -2)                   # key decayed to the chunk end
     s_dec = _decay(last).transpose(-1, -2)                              # [B, H, N, dk, 1]
     S = q.new_zeros(B, H, dk, dv) if initial_state is None else initial_state.float().clone()
-    out = q.new_full((B, H, N, C, dv), float("nan"))                    # NaN: unwritten rows show
-    for n in range(N):
-        u = w_v[:, :, n] - w_k[:, :, n] @ S
-        out[:, :, n] = q_dec[:, :, n] @ S + a_qk[:, :, n] @ u
-        S = S * s_dec[:, :, n] + k_dec[:, :, n] @ u
-    out = out.reshape(B, H, N * C, dv)[:, :, :T].transpose(1, 2)
-    return out, S
+    # chunks by unbind and outputs by one stack, not per-chunk indexing and slice assignment:
+    # under autograd (ouro train runs this) each indexed or assigned slice costs a backward pass
+    # over the whole tensor, O(N^2) in the number of chunks; unbind/stack keep it O(N)
+    outs = []
+    for w_v_n, w_k_n, q_n, a_n, s_n, k_n in zip(*(t.unbind(2) for t in (w_v, w_k, q_dec, a_qk, s_dec, k_dec))):
+        u = w_v_n - w_k_n @ S
+        outs.append(q_n @ S + a_n @ u)
+        S = S * s_n + k_n @ u
+    out = (torch.stack(outs, 2) if outs else q.new_zeros(B, H, 0, C, dv)).reshape(B, H, N * C, dv)
+    return out[:, :, :T].transpose(1, 2), S

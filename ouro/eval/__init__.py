@@ -1,0 +1,1 @@
+"""Quality yardsticks: the held-out corpus split and bits/byte through ouro's engine."""
