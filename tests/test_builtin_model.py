@@ -92,3 +92,35 @@ def test_held_out_bits_per_byte_ouro_equals_transformers(dtype, tok):
     tol = 1e-5 if dtype == "float32" else 2e-2
     assert abs(mine.bits_per_byte - theirs.bits_per_byte) <= tol * theirs.bits_per_byte
     assert mine.bits_per_byte < 2.6     # untrained: ~3.6 (11 bits/token over ~3 bytes/token)
+
+
+def test_a_mis_shaped_mtp_head_is_named(tmp_path):
+    import shutil
+    from safetensors.torch import load_file, save_file
+    from ouro.config import CheckpointError
+    from ouro.models.loader import load_model
+    for f in DIR.iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    name = "model.language_model.layers.4.eh_proj.weight"
+    tensors[name] = tensors[name][:, :10].contiguous()
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"MTP tensor .*layers\.4\.eh_proj\.weight has shape \[192, 10\]"):
+        load_model(tmp_path)
+
+
+def test_ouro_serve_default_model_continues_python(tmp_path):
+    """The README's main job: `ouro serve` with no --model serves the trained tiny-py."""
+    import httpx
+    from serve_helpers import Server
+    s = Server("tiny-py", tmp_path=tmp_path)
+    try:
+        models = httpx.get(s.base + "/v1/models", timeout=10).json()
+        assert models["data"][0]["id"] == "tiny-py"
+        r = httpx.post(s.base + "/v1/completions", timeout=120, json={
+            "prompt": "import os\n\n\ndef main(", "max_tokens": 48, "temperature": 0}).json()
+        text = r["choices"][0]["text"]
+        code_shaped = any(ch in text for ch in "():") and "\n" in text    # not byte noise
+        assert code_shaped and r["usage"]["completion_tokens"] > 10, text
+    finally:
+        s.stop()
