@@ -162,7 +162,7 @@ class Trainer:
         documents = documents or self.held_out
         length = length or self.cfg.seq_len
         windows = data.eval_windows(data.document_ids(self.tokenizer, documents), length)
-        bits = correct = mtp_correct = mtp_n = n = 0.0
+        bits = correct = mtp_correct = mtp_accept = mtp_n = n = 0.0
         rec = {"hit": 0.0, "chance": 0.0, "rows": 0}
         k = mc.index_topk // mc.index_kpool
         for w in windows:
@@ -174,7 +174,10 @@ class Trainer:
             correct += (logp.argmax(-1) == tgt).sum().item()
             n += len(tgt)
             if mtp_logits is not None and len(w) > 2:
-                mtp_correct += (mtp_logits[0].argmax(-1) == w[2:]).sum().item()
+                draft = mtp_logits[0].argmax(-1)
+                mtp_correct += (draft == w[2:]).sum().item()
+                # greedy speculative acceptance: the draft for t+2 equals the trunk's own greedy pick
+                mtp_accept += (draft == logp[1:].argmax(-1)).sum().item()
                 mtp_n += len(w) - 2
             for name, attn in self.inputs.attns:
                 if name in self.inputs.inputs:
@@ -186,6 +189,7 @@ class Trainer:
         self.inputs.clear()
         n_bytes = sum(d.n_bytes for d in documents)
         return {"bits_per_byte": bits / n_bytes, "top1": correct / n, "mtp_top1": mtp_correct / max(1, mtp_n),
+                "mtp_greedy_acceptance": mtp_accept / max(1, mtp_n),
                 "indexer_recall": rec["hit"] / max(1, rec["rows"]), "recall_chance": rec["chance"] / max(1, rec["rows"]),
                 "tokens": int(n), "bytes": n_bytes, "documents": len(documents)}
 
