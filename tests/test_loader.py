@@ -73,9 +73,14 @@ def test_wrong_shape_is_named(tiny_dir):
 def test_unexpected_tensor_is_named_and_vision_mtp_are_reported(tiny_dir):
     d, _ = tiny_dir
     edit(d, lambda t: t.update({"model.visual.patch_embed.proj.weight": torch.zeros(2),
-                                "model.language_model.layers.4.eh_proj.weight": torch.zeros(2)}))
+                                "model.language_model.layers.4.eh_proj.weight": torch.zeros(64, 128),
+                                "model.language_model.layers.4.self_attn.q_a_proj.weight": torch.zeros(2)}))
     model = load_model(d)
-    assert model.load_report == {"vision": 1, "mtp": 1}
+    assert model.load_report == {"vision": 1, "mtp": 2}      # the MTP block's own tensors are counted
+    edit(d, lambda t: t.update({"model.language_model.layers.4.eh_proj.weight": torch.zeros(2)}))
+    with pytest.raises(CheckpointError, match=r"MTP tensor .*layers\.4\.eh_proj\.weight has shape \[2\], expected \[64, 128\]"):
+        load_model(d)                                        # its head tensors are checked
+    edit(d, lambda t: t.update({"model.language_model.layers.4.eh_proj.weight": torch.zeros(64, 128)}))
     edit(d, lambda t: t.update({"model.language_model.layers.0.self_attn.surprise": torch.zeros(2)}))
     with pytest.raises(CheckpointError, match=r"unexpected tensor model\.language_model\.layers\.0\.self_attn\.surprise"):
         load_model(d)

@@ -31,6 +31,7 @@ def export_checkpoint(model, config: ModelConfig, tokenizer, directory, dtype=to
         hf_logging.disable_progress_bar()
         m.save_pretrained(tmp, safe_serialization=True)
         shutil.move(str(Path(tmp) / WEIGHTS), str(directory / WEIGHTS))   # one file: a few MB
+    (directory / WEIGHTS).chmod(0o644)      # the temporary directory's files are private (0600)
     hf = config.to_hf_dict(dict(VISION, out_hidden_size=config.hidden_size))
     hf["text_config"]["num_nextn_predict_layers"] = 1
     hf["dtype"] = str(dtype).removeprefix("torch.")
