@@ -192,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="greedily continue a prompt, printing tokens as they come")
     gen.add_argument("model", nargs="?", default=DEFAULT_MODEL,
                      help=f"checkpoint directory or preset name (default: {DEFAULT_MODEL})")
-    gen.add_argument("--prompt", default="The ouro engine serves")
+    gen.add_argument("--prompt", default="import os\n\n\ndef main(", help="text to continue (the built-in tiny-py continues Python)")
     gen.add_argument("--prompt-token-ids", default=None, help="comma-separated token ids instead of --prompt")
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--device", default="cpu")
