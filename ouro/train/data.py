@@ -1,24 +1,23 @@
 """Token streams for training and windows for evaluation, from corpus documents.
 
-Each document is `<|endoftext|>` + its tokens (the same framing `ouro eval ppl` scores). Training
-batches are windows at offsets drawn from a generator seeded by (seed, step), so a run resumed at
-step k sees exactly the batches an uninterrupted run would."""
+Documents are framed and windowed exactly as `ouro eval ppl` scores them (`eval.ppl.document_ids`,
+`eval.ppl.windows`). Training batches are windows at offsets drawn from a generator seeded by
+(seed, step), so a run resumed at step k sees exactly the batches an uninterrupted run would."""
 
 from __future__ import annotations
 
 import torch
 
-EOS_ID = 0
+from ..eval.ppl import document_ids as scored_ids
+from ..eval.ppl import windows
 
 
 def document_ids(tokenizer, documents) -> list[list[int]]:
-    enc = tokenizer.encode_batch([d.text for d in documents], add_special_tokens=False)
-    return [[EOS_ID] + e.ids for e in enc]
+    return [scored_ids(tokenizer, d.text) for d in documents]
 
 
 def token_stream(tokenizer, documents) -> torch.Tensor:
-    ids = document_ids(tokenizer, documents)
-    return torch.tensor([t for doc in ids for t in doc], dtype=torch.long)
+    return torch.tensor([t for doc in document_ids(tokenizer, documents) for t in doc], dtype=torch.long)
 
 
 def batch_at(stream: torch.Tensor, step: int, seed: int, batch_size: int, window: int) -> torch.Tensor:
@@ -31,10 +30,4 @@ def batch_at(stream: torch.Tensor, step: int, seed: int, batch_size: int, window
 
 
 def eval_windows(doc_ids: list[list[int]], length: int) -> list[torch.Tensor]:
-    """Each document cut into windows s[j*L : j*L+L+1]; scoring positions 1.. of every window
-    predicts every token of the document exactly once."""
-    out = []
-    for s in doc_ids:
-        for j in range(0, len(s) - 1, length):
-            out.append(torch.tensor(s[j:j + length + 1], dtype=torch.long))
-    return out
+    return [torch.tensor(w, dtype=torch.long) for ids in doc_ids for w in windows(ids, length)]

@@ -40,7 +40,7 @@ def use_ouro_kda(chunk_size: int = 16) -> None:
     m = hf_modeling()
     base = getattr(m.chunk_kimi_delta_attention, "_ouro_base", m.chunk_kimi_delta_attention)
 
-    def chunk_kda(query, key, value, g, beta, chunk_size_=None, initial_state=None, output_final_state=False,
+    def chunk_kda(query, key, value, g, beta, initial_state=None, output_final_state=False,
                   use_qk_l2norm_in_kernel=False, **kwargs):
         from ..ops.kda.chunk import kda_chunk
         dtype = query.dtype

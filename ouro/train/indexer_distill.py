@@ -47,10 +47,16 @@ class LayerInputs:
 
 
 @torch.no_grad()
-def dense_pool_mass(attn, x: torch.Tensor, kpool: int) -> torch.Tensor:
+def query_latent(attn, x: torch.Tensor) -> torch.Tensor:
+    """The q LoRA latent both the main attention and the indexer read."""
+    return attn.q_a_layernorm(attn.q_a_proj(x))
+
+
+@torch.no_grad()
+def dense_pool_mass(attn, x: torch.Tensor, kpool: int, q_resid: torch.Tensor | None = None) -> torch.Tensor:
     """[B, S, P] mean-over-heads probability mass of causal dense attention on each complete pool."""
     b, s, _ = x.shape
-    q_resid = attn.q_a_layernorm(attn.q_a_proj(x))
+    q_resid = query_latent(attn, x) if q_resid is None else q_resid
     q = attn.q_b_proj(q_resid).view(b, s, -1, attn.qk_head_dim).transpose(1, 2)
     kv_pass, k_rot = torch.split(attn.kv_a_proj_with_mqa(x), [attn.kv_lora_rank, attn.qk_rope_head_dim], dim=-1)
     k_pass = attn.kv_a_layernorm(kv_pass).view(b, 1, s, attn.kv_lora_rank)
@@ -62,13 +68,12 @@ def dense_pool_mass(attn, x: torch.Tensor, kpool: int) -> torch.Tensor:
     return probs[..., : p * kpool].reshape(b, s, p, kpool).sum(-1)
 
 
-def indexer_pool_scores(attn, x: torch.Tensor) -> torch.Tensor:
+def indexer_pool_scores(attn, x: torch.Tensor, q_resid: torch.Tensor | None = None) -> torch.Tensor:
     """[B, S, P] the indexer's score of each complete pool (with gradients to its weights), the
     same computation transformers' indexer runs before its top-k."""
     ind = attn.indexer
     b, s, _ = x.shape
-    with torch.no_grad():
-        q_resid = attn.q_a_layernorm(attn.q_a_proj(x))
+    q_resid = query_latent(attn, x) if q_resid is None else q_resid
     q = ind.wq_b(q_resid).view(b, s, -1, ind.head_dim)
     k = ind.k_norm(ind.wk(x))
     gate = F.linear(x, ind.index_kpool_compress_gate)
@@ -95,8 +100,9 @@ class DistillStats:
 
 def distill(attn, x: torch.Tensor, kpool: int, topk_pools: int) -> DistillStats:
     x = x.detach()
-    target = dense_pool_mass(attn, x, kpool)
-    scores = indexer_pool_scores(attn, x)
+    q_resid = query_latent(attn, x)
+    target = dense_pool_mass(attn, x, kpool, q_resid)
+    scores = indexer_pool_scores(attn, x, q_resid)
     b, s, p = target.shape
     scores = scores[..., :p]
     cand = candidate_mask(s, p, kpool, x.device)[None].expand(b, -1, -1)

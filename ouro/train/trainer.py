@@ -63,8 +63,8 @@ class Trainer:
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         use_ouro_kda(cfg.kda_chunk_size)
-        self.tokenizer = self._tokenizer()
         train_docs = load_split("train", cfg.corpus, max_bytes=cfg.max_train_bytes)
+        self.tokenizer = self._tokenizer(train_docs)
         self.held_out = load_split("held_out", cfg.corpus, max_bytes=cfg.eval_max_bytes)
         self.stream = data.token_stream(self.tokenizer, train_docs)
         self.train_bytes = sum(d.n_bytes for d in train_docs)
@@ -79,13 +79,12 @@ class Trainer:
         self._resume()
 
     # ---- set-up ----
-    def _tokenizer(self):
+    def _tokenizer(self, docs):
         from tokenizers import Tokenizer
         from ..models.tokenizer_factory import build_tokenizer
         path = self.state_dir / "tokenizer.json"
         if path.is_file():
             return Tokenizer.from_file(str(path))
-        docs = load_split("train", self.cfg.corpus, max_bytes=self.cfg.max_train_bytes)
         tok = build_tokenizer(self.mc.vocab_size, (d.text for d in docs), max_vocab=self.mc.vocab_size)
         path.write_text(tok.to_str(pretty=True) + "\n", encoding="utf-8")
         return tok
@@ -124,8 +123,9 @@ class Trainer:
         cfg, model = self.cfg, self.model
         model.train()
         set_dense(model, self.step < cfg.dense_warmup * cfg.steps, cfg.seq_len, self.mc)
+        lr = lr_at(self.step, cfg)
         for g in self.opt.param_groups:
-            g["lr"] = lr_at(self.step, cfg)
+            g["lr"] = lr
         w = data.batch_at(self.stream, self.step, cfg.seed, cfg.batch_size, cfg.seq_len + 1)
         x = w[:, :-1]
         self.inputs.clear()
@@ -150,7 +150,7 @@ class Trainer:
         self.tokens_seen += x.numel()
         return {"step": self.step, "loss": loss.item(), "lm_bits_per_token": lm.item() / LN2,
                 "mtp_loss": mtp.item(), "indexer_kl": idx.item(), "balance": bal.item(),
-                "max_load_ratio": worst_load, "grad_norm": grad_norm, "lr": lr_at(self.step - 1, cfg)}
+                "max_load_ratio": worst_load, "grad_norm": grad_norm, "lr": lr}
 
     # ---- evaluation ----
     @torch.no_grad()
