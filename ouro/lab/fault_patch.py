@@ -1,0 +1,102 @@
+"""Applies a planted fault to a copy of the ouro package: the named function is found by its
+qualified name with `ast` (so line numbers may move as the code changes), each (old, new)
+snippet is replaced inside that function only, and the result is checked: every snippet found
+exactly once, the file still parses, and the function's new text contains every replacement."""
+
+from __future__ import annotations
+
+import ast
+import os
+import shutil
+import textwrap
+from dataclasses import dataclass, field
+
+
+class FaultDoesNotApply(RuntimeError):
+    """The code a fault patches has changed: the fault must be rewritten, not silently skipped."""
+
+
+@dataclass
+class Fault:
+    name: str
+    description: str
+    file: str                          # repo-relative, e.g. ouro/layers/kda.py
+    function: str                      # qualified: Class.method or function
+    replace: list                      # [(old snippet, new snippet)], new written dedented
+    localised: list                    # alternatives: dicts of where-keys to match (see `matches`)
+    probes: list                       # argument lists of `ouro probe ...` a person would run
+    symptom: str = ""
+    extra_imports: list = field(default_factory=list)   # lines added at the top of the file
+
+
+def find_function(tree: ast.Module, qualname: str):
+    node, parts = tree, qualname.split(".")
+    for part in parts:
+        found = None
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and child.name == part:
+                found = child
+                break
+        if found is None:
+            return None
+        node = found
+    return node
+
+
+def _indent_like(new: str, indent: str) -> str:
+    """The first line goes where the old snippet began; the others keep their nesting relative
+    to the least indented of them, which sits at the first line's level."""
+    first, *rest = new.split("\n")
+    rest = textwrap.dedent("\n".join(rest)).split("\n") if rest else []
+    return "\n".join([first] + [(indent + l) if l.strip() else l for l in rest])
+
+
+def patch_source(source: str, fault: Fault) -> str:
+    tree = ast.parse(source)
+    fn = find_function(tree, fault.function)
+    if fn is None:
+        raise FaultDoesNotApply(f"fault {fault.name}: {fault.function} is not in {fault.file} any more")
+    lines = source.split("\n")
+    start = (fn.decorator_list[0].lineno if fn.decorator_list else fn.lineno) - 1
+    end = fn.end_lineno
+    body = "\n".join(lines[start:end])
+    for old, new in fault.replace:
+        count = body.count(old)
+        if count != 1:
+            raise FaultDoesNotApply(f"fault {fault.name}: {old!r} occurs {count} times in {fault.function} "
+                                    f"({fault.file}); it must occur exactly once")
+        at = body.index(old)
+        line_start = body.rfind("\n", 0, at) + 1
+        indent = body[line_start:at] if not body[line_start:at].strip() else ""
+        body = body.replace(old, _indent_like(new, indent))
+    patched = "\n".join(lines[:start] + body.split("\n") + lines[end:])
+    if fault.extra_imports:
+        patched = "\n".join(fault.extra_imports) + "\n" + patched
+    try:
+        new_tree = ast.parse(patched)
+    except SyntaxError as e:
+        raise FaultDoesNotApply(f"fault {fault.name}: the patched {fault.file} does not parse: {e}") from None
+    new_fn = find_function(new_tree, fault.function)
+    new_text = "\n".join(patched.split("\n")[new_fn.lineno - 1:new_fn.end_lineno]) if new_fn is not None else None
+    if new_text is None or any(n.split("\n")[0].strip() not in new_text for _, n in fault.replace):
+        raise FaultDoesNotApply(f"fault {fault.name}: the replacement did not take in {fault.function}")
+    return patched
+
+
+def copy_tree(repo: str, dest: str) -> str:
+    """The checkout without .git and caches; the shipped weights are linked, not copied."""
+    def ignore(d, names):
+        return [n for n in names if n in (".git", "__pycache__", ".pytest_cache", "runs", ".hypothesis")
+                or n.endswith(".egg-info")]
+    shutil.copytree(repo, dest, ignore=ignore, symlinks=True,
+                    copy_function=lambda s, d: os.symlink(s, d) if s.endswith(".safetensors") else shutil.copy2(s, d))
+    return dest
+
+
+def apply_fault(root: str, fault: Fault) -> None:
+    path = os.path.join(root, fault.file)
+    with open(path) as f:
+        source = f.read()
+    patched = patch_source(source, fault)
+    with open(path, "w") as f:
+        f.write(patched)

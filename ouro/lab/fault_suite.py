@@ -1,0 +1,173 @@
+"""`ouro lab faults`: each planted fault is applied to a temporary copy of the checkout, the
+probes a person would run for its symptom run there as real `ouro probe` processes, and the
+result is scored (detected, localised, seconds to the finding). `--sparse` adds what sparse
+feedback says about the same copy: the default test suite's verdict and the throughput change."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+from .call_trace import REPO_DIR
+from .fault_patch import Fault, apply_fault, copy_tree
+from .fault_scoring import score
+from .findings import Finding
+from .faults import all_faults
+
+BENCH = ["bench", "offline", "--model", "tiny", "--num-prompts", "8", "--input-len", "64", "--output-len", "16",
+         "--max-concurrency", "8"]
+
+
+def _env(root: str) -> dict:
+    env = dict(os.environ, PYTHONPATH=root, OMP_WAIT_POLICY="PASSIVE")
+    env.pop("OURO_TRACE", None)
+    return env
+
+
+def run_probe(root: str, args: list[str], timeout: float) -> tuple[list[Finding], float, str | None]:
+    """One `ouro probe` process against the copy at root: (findings, seconds, error or None)."""
+    out = os.path.join(root, f".probe-{args[0]}-{time.monotonic_ns()}.json")
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run([sys.executable, "-m", "ouro.cli", "probe", *args, "--json", out], cwd=root,
+                           env=_env(root), capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return [], time.perf_counter() - t0, f"timed out after {timeout:.0f} s"
+    seconds = time.perf_counter() - t0
+    if p.returncode not in (0, 1) or not os.path.exists(out):
+        return [], seconds, (p.stderr or p.stdout).strip().splitlines()[-1:] or [f"exit {p.returncode}"]
+    with open(out) as f:
+        return [Finding(**d) for d in json.load(f)["findings"]], seconds, None
+
+
+def run_tests(root: str, timeout: float = 1800.0) -> dict:
+    """The default test suite on the copy, stopping at the first failure."""
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider"], cwd=root,
+                           env=_env(root), capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"tests": "timeout", "seconds": timeout}
+    failed = [l.split(" ")[1] for l in p.stdout.splitlines() if l.startswith(("FAILED ", "ERROR "))]
+    return {"tests": "pass" if p.returncode == 0 else "fail", "first_failure": failed[0] if failed else None,
+            "seconds": time.perf_counter() - t0}
+
+
+def output_tok_s(root: str, timeout: float = 600.0) -> float | None:
+    out = os.path.join(root, ".bench.json")
+    p = subprocess.run([sys.executable, "-m", "ouro.cli", *BENCH, "--output-json", out], cwd=root, env=_env(root),
+                       capture_output=True, text=True, timeout=timeout)
+    if p.returncode != 0:
+        return None
+    with open(out) as f:
+        return json.load(f)["ouro"]["output_tok_s"]
+
+
+def _dsa_layers() -> set[int]:
+    from ..models.presets import PRESETS
+    return {i for i, t in enumerate(PRESETS["tiny"].layer_types) if t != "linear_attention"}
+
+
+def run_fault(fault: Fault, workdir: str, timeout: float, sparse: bool = False, clean_tok_s=None) -> dict:
+    root = copy_tree(REPO_DIR, os.path.join(workdir, fault.name))
+    apply_fault(root, fault)
+    findings, seconds, errors, first_detect = [], 0.0, [], None
+    for args in fault.probes:
+        f, s, err = run_probe(root, args, timeout)
+        seconds += s
+        findings += f
+        if err:
+            errors.append(f"{args[0]}: {err}")
+        if first_detect is None and any(x.severity != "info" for x in f):
+            first_detect = seconds
+    row = {"name": fault.name, "description": fault.description, "breaks": f"{fault.file}:{fault.function}",
+           "probes": [" ".join(a) for a in fault.probes], **score(findings, fault.localised, _dsa_layers()),
+           "seconds": first_detect if first_detect is not None else seconds, "errors": errors}
+    if sparse:
+        row.update(run_tests(root))
+        tok_s = output_tok_s(root)
+        row["output_tok_s"] = tok_s
+        row["throughput_change"] = None if tok_s is None or not clean_tok_s else tok_s / clean_tok_s - 1
+    return row
+
+
+def clean_baseline(faults: list[Fault], workdir: str, timeout: float) -> list[dict]:
+    """The same probe commands on an unpatched copy: what they say when nothing is broken."""
+    root = copy_tree(REPO_DIR, os.path.join(workdir, "_clean"))
+    rows, seen = [], set()
+    for fault in faults:
+        for args in fault.probes:
+            key = tuple(args)
+            if key in seen:
+                continue
+            seen.add(key)
+            f, s, err = run_probe(root, args, timeout)
+            worst = max(f, key=lambda x: x.rank, default=None)
+            rows.append({"probe": " ".join(args), "false_alarm": any(x.severity != "info" for x in f),
+                         "worst": None if worst is None else f"{worst.severity}: {worst.summary}",
+                         "seconds": s, "error": err})
+    return rows
+
+
+def format_rows(rows: list[dict], sparse: bool) -> str:
+    head = f"{'fault':<30} {'probe':<10} {'detected':<8} {'localised':<9} {'seconds':>7}"
+    if sparse:
+        head += f"  {'tests':<6} {'throughput':>10}"
+    lines = [head]
+    for r in rows:
+        line = (f"{r['name']:<30} {r['probes'][0].split()[0]:<10} {str(r['detected']):<8} "
+                f"{str(r['localised']):<9} {r['seconds']:>7.1f}")
+        if sparse:
+            ch = r.get("throughput_change")
+            line += f"  {r.get('tests', '-'):<6} {('%+.0f%%' % (100 * ch)) if ch is not None else '-':>10}"
+        lines.append(line)
+        if r["top"]:
+            lines.append(f"    top: [{r['top']['severity']}] {r['top']['summary'][:110]}")
+        for e in r["errors"]:
+            lines.append(f"    error: {e}")
+    n = len(rows)
+    det, loc = sum(r["detected"] for r in rows), sum(r["localised"] for r in rows)
+    lines.append(f"\n{det}/{n} detected, {loc}/{n} localised by the top finding; "
+                 f"slowest {max((r['seconds'] for r in rows), default=0):.1f} s")
+    if sparse:
+        missed = [r["name"] for r in rows if r.get("tests") == "pass"]
+        lines.append(f"sparse feedback: the default tests fail for {n - len(missed)}/{n}; "
+                     f"they miss: {', '.join(missed) or 'none'}")
+    return "\n".join(lines)
+
+
+def run_suite(args) -> int:
+    faults = all_faults()
+    if args.list:
+        for f in faults:
+            print(f"{f.name:<30} {f.file}:{f.function}\n    {f.description}")
+        return 0
+    if args.only:
+        names = set(args.only.split(","))
+        unknown = names - {f.name for f in faults}
+        if unknown:
+            raise ValueError(f"unknown fault(s) {sorted(unknown)}; `ouro lab faults --list` names them")
+        faults = [f for f in faults if f.name in names]
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="ouro-faults-") as work:
+        clean_tok_s = None
+        if args.sparse:
+            clean = copy_tree(REPO_DIR, os.path.join(work, "_bench_clean"))
+            clean_tok_s = output_tok_s(clean)
+        baseline = [] if args.no_clean else clean_baseline(faults, work, args.timeout)
+        for fault in faults:
+            rows.append(run_fault(fault, work, args.timeout, args.sparse, clean_tok_s))
+            print(format_rows(rows[-1:], args.sparse).split("\n\n")[0], flush=True)
+    print("\n" + format_rows(rows, args.sparse))
+    for b in baseline:
+        print(f"clean  {b['probe']}: {'FALSE ALARM ' if b['false_alarm'] else ''}{b['worst']} ({b['seconds']:.1f} s)"
+              + (f" error: {b['error']}" if b["error"] else ""))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"faults": rows, "clean": baseline, "clean_output_tok_s": clean_tok_s}, f, indent=1)
+    ok = all(r["detected"] and r["localised"] for r in rows) and not any(b["false_alarm"] for b in baseline)
+    return 0 if ok else 1
