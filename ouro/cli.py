@@ -1,4 +1,4 @@
-"""`ouro` command line: make-model, generate, serve, bench, plan, eval."""
+"""`ouro` command line: make-model, generate, serve, bench, plan, eval, train, probe, lab."""
 
 from __future__ import annotations
 
@@ -152,6 +152,8 @@ def add_serve_parser(sub) -> None:
     sv.add_argument("--max-request-body-bytes", type=int, default=4 << 20)
     sv.add_argument("--logits-processors", nargs="*", default=[],
                     help="'module:Class' logits processors, each built with the checkpoint directory")
+    sv.add_argument("--trace", default=None, metavar="FILE",
+                    help="record spans in the frontend and the engine process; merged into FILE (Chrome trace) at exit")
     sv.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     sv.set_defaults(func=_cmd_serve)
 
@@ -178,7 +180,7 @@ def add_bench_serve_options(bench) -> None:
                    help="torch threads (default: OURO_NUM_THREADS, else torch's: the server engine's rule)")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv=None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ouro", description="Serve and study GLM-5.3-Flash-class models.")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -220,6 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--output-json", default=None)
     bench.add_argument("--device", default="cpu", help="offline: cpu or cuda (both systems run there)")
     bench.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="offline: auto (float32 on CPU, bfloat16 on CUDA)")
+    from .lab.spans import TraceToFile
+    bench.add_argument("--trace", default=None, metavar="FILE", action=TraceToFile,
+                       help="record the run's spans into FILE (Chrome trace, written at exit)")
     add_bench_serve_options(bench)
     bench.set_defaults(func=_cmd_bench)
 
@@ -234,11 +239,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_eval_parser(sub)
     from .train.command import add_train_parser
     add_train_parser(sub)
+    from .lab.command import add_lab_parser, add_probe_parser
+    argv = sys.argv[1:] if argv is None else argv
+    add_probe_parser(sub, with_options=argv[1] if argv[:1] == ["probe"] and len(argv) > 1 else None)
+    add_lab_parser(sub)
     return p
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser(argv).parse_args(argv)
     from .config import CheckpointError
     try:
         return args.func(args)

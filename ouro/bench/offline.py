@@ -13,6 +13,8 @@ import time
 
 import torch
 
+from ..lab.ab import verdict_from_times
+from ..lab.spans import span
 from .offline_report import format_offline  # noqa: F401  (the CLI imports it from here)
 from .roofline import Roofline, count_flops
 from .step_cost import decode_cost, prefill_cost
@@ -95,11 +97,13 @@ def bench_offline(model_dir, num_prompts=64, input_len=256, output_len=64, concu
     waves, log, outs, hf_outs = [], [], [], []
     for i in tqdm(range(0, num_prompts, concurrency), desc="waves (ouro, transformers)", disable=not progress):
         wave = prompts[i:i + concurrency]
-        t, steps, o = run_ouro(engine, wave, output_len)
+        with span("ouro wave", cat="bench"):
+            t, steps, o = run_ouro(engine, wave, output_len)
         waves.append({"prompts": len(wave), "ouro_s": t})
         log, outs = log + steps, outs + o
         if hf is not None:
-            waves[-1]["transformers_s"], o = run_transformers(hf, wave, output_len, device)
+            with span("transformers wave", cat="bench"):
+                waves[-1]["transformers_s"], o = run_transformers(hf, wave, output_len, device)
             hf_outs += o
     r = {"seed": seed, "num_prompts": num_prompts, "input_len": input_len, "output_len": output_len,
          "concurrency": concurrency, "device": device,
@@ -122,6 +126,9 @@ def bench_offline(model_dir, num_prompts=64, input_len=256, output_len=64, concu
     if hf is not None:
         r["transformers"] = _throughput(sum(w["transformers_s"] for w in waves), num_prompts * input_len, hf_outs)
         r["ratio"] = r["ouro"]["output_tok_s"] / r["transformers"]["output_tok_s"]
+        # the A/B verdict of ouro (B) against transformers (A) over the alternating waves (same prompts)
+        r["verdict"] = verdict_from_times([w["transformers_s"] for w in waves], [w["ouro_s"] for w in waves],
+                                          "transformers", "ouro").to_dict()
         r["same_tokens"] = sum(a == b for a, b in zip(outs, hf_outs)) / len(outs)
         # the outputs that part, and where (benchmarks/router_near_tie.py --offline-json looks into them)
         r["differing"] = [{"prompt": i, "position": next((j for j, (x, y) in enumerate(zip(a, b)) if x != y),

@@ -24,6 +24,10 @@ def format_offline(r: dict) -> str:
                      f"identical greedy outputs: {100 * r['same_tokens']:.0f}%")
         lines.append("  per wave (ouro s / transformers s): " + ", ".join(
             f"{w['ouro_s']:.2f} / {w['transformers_s']:.2f}" for w in r["waves"]))
+        if "verdict" in r:
+            v = r["verdict"]
+            lines.append(f"  A/B verdict: ouro is {v['verdict']} (wave time ratio {v['ratio']:.3f}, interval "
+                         f"{v['low']:.3f}..{v['high']:.3f}, {v['repeats']} waves)")
     f = r["decode_floor"]
     if o["decode_step_s"]:
         lines.append(f"  decode step (batch {f['batch']}, context {f['context']}): {1e3 * o['decode_step_s']:.1f} ms "

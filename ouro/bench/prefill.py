@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from ..lab.ab import verdict_from_times
 from .roofline import Roofline, count_flops
 from .step_cost import prefill_cost
 
@@ -60,6 +61,8 @@ def bench_prefill(model_dir, input_len: int = 1024, repeats: int = 3, compare: b
     if hf is not None:
         result["transformers_s"] = statistics.median(times["transformers"])
         result["ratio"] = result["transformers_s"] / result["ouro_s"]  # > 1: ouro is faster
+        # the A/B verdict of ouro (B) against transformers (A) over the interleaved repeats
+        result["verdict"] = verdict_from_times(times["transformers"], times["ouro"], "transformers", "ouro").to_dict()
     result["ouro_over_floor"] = result["ouro_s"] / result["floor_s"]
     return result
 
@@ -70,6 +73,10 @@ def format_prefill(r: dict) -> str:
     if "transformers_s" in r:
         lines.append(f"  transformers  {r['transformers_s']:.3f} s  ({r['input_len'] / r['transformers_s']:.0f} tok/s)")
         lines.append(f"  speed-up      {r['ratio']:.2f}x (transformers time / ouro time)")
+        if "verdict" in r:
+            v = r["verdict"]
+            lines.append(f"  A/B verdict   ouro is {v['verdict']} (time ratio {v['ratio']:.3f}, interval "
+                         f"{v['low']:.3f}..{v['high']:.3f}, {v['repeats']} interleaved pairs)")
     lines.append(f"  floor         {r['floor_s']:.3f} s  = max({r['flops'] / 1e9:.1f} GFLOP at "
                  f"{r['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s, {r['bytes'] / 2**20:.0f} MiB at "
                  f"{r['copy_bytes_per_s'] / 1e9:.1f} GB/s measured); ouro is {r['ouro_over_floor']:.1f}x the floor "

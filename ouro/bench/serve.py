@@ -11,6 +11,7 @@ import os
 import statistics
 import time
 
+from ..lab.spans import span
 from .load_gen import FALLBACK_VOCAB_RANGE, make_prompts, run_load, served_model
 
 LATENCIES = (("ttft", "Time to First Token", "TTFT"), ("tpot", "Time per Output Token (excl. 1st token)", "TPOT"),
@@ -166,9 +167,10 @@ def bench_serve(args) -> dict:
     rng, rng_from = vocab_range(args.vocab_range, model_dir)
     prompts = make_prompts(args.num_prompts, args.input_len, rng, args.seed)
     load_start = os.getloadavg()[0]
-    records, duration = asyncio.run(run_load(args.base_url, args.endpoint, model, prompts, args.output_len,
-                                             args.request_rate, args.max_concurrency, args.seed, args.api_key,
-                                             progress=not args.disable_tqdm))
+    with span("load", cat="bench"):
+        records, duration = asyncio.run(run_load(args.base_url, args.endpoint, model, prompts, args.output_len,
+                                                 args.request_rate, args.max_concurrency, args.seed, args.api_key,
+                                                 progress=not args.disable_tqdm))
     recs = [r.to_dict() for r in records]
     r = {"backend": "openai", "base_url": args.base_url, "endpoint": args.endpoint, "model": model,
          "num_prompts": args.num_prompts, "random_input_len": args.input_len, "random_output_len": args.output_len,

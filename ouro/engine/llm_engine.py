@@ -10,6 +10,7 @@ import sys
 import torch
 
 from ..config import EngineConfig
+from ..lab.spans import span
 from .detokenizer import IncrementalDetokenizer
 from .memory import available_bytes, plan_memory
 from .model_runner import ModelRunner
@@ -176,6 +177,7 @@ class LLMEngine:
         return out
 
     # ---- one step ----
+    @span("step", cat="step")
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
         if not batch:
@@ -192,7 +194,8 @@ class LLMEngine:
                     self._drop_checkpoints(r)
                     self.scheduler.reset(r)
             raise
-        self._checkpoint(batch)
+        with span("checkpoint", cat="cache"):
+            self._checkpoint(batch)
         rows = [i for i, r in enumerate(batch.requests) if r.num_computed == r.num_tokens]
         if not rows:
             return []
@@ -210,21 +213,23 @@ class LLMEngine:
                 keep = logits[k, tok].clone()
                 logits[k].fill_(float("-inf"))
                 logits[k, tok] = keep
-        sampled = self.sampler.sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+        with span("sample", cat="sample"):
+            sampled = self.sampler.sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
         outputs = []
-        for k, r in enumerate(reqs):
-            if self.record_logits:
-                self.logits_history.setdefault(r.request_id, []).append(logits[k].clone())
-            tok = sampled.token_ids[k]
-            r.output_ids.append(tok)
-            r.logprobs.append(sampled.logprobs[k])
-            r.top_logprobs.append(sampled.top_logprobs[k])
-            new_text = r.detokenizer.add(tok) if r.detokenizer else ""
-            self._check_stop(r, tok)
-            if r.is_finished and r.detokenizer is not None:
-                # text held back as a possible stop-string start is released unless a stop string matched
-                new_text += r.detokenizer.flush()
-            outputs.append(self._output(r, [tok], new_text))
+        with span("outputs", cat="outputs"):   # detokenize, stop checks, output objects
+            for k, r in enumerate(reqs):
+                if self.record_logits:
+                    self.logits_history.setdefault(r.request_id, []).append(logits[k].clone())
+                tok = sampled.token_ids[k]
+                r.output_ids.append(tok)
+                r.logprobs.append(sampled.logprobs[k])
+                r.top_logprobs.append(sampled.top_logprobs[k])
+                new_text = r.detokenizer.add(tok) if r.detokenizer else ""
+                self._check_stop(r, tok)
+                if r.is_finished and r.detokenizer is not None:
+                    # text held back as a possible stop-string start is released unless a stop string matched
+                    new_text += r.detokenizer.flush()
+                outputs.append(self._output(r, [tok], new_text))
         return outputs
 
     def reset_prefix_cache(self) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from ..lab.spans import span
 from ..layers.context import ForwardContext, ModelCache
 from .memory import MemoryPlan
 from .sampling import prompt_logprob_entries
@@ -46,6 +47,7 @@ class ModelRunner:
         self.cache = ModelCache(model.config, plan.n_slots, plan.n_pages, plan.page_size, dtype=dtype, device=device)
         self.checkpoints = CheckpointStore(self.cache, plan.n_checkpoints) if plan.n_checkpoints else None
 
+    @span("execute", cat="compute")
     @torch.inference_mode()  # no autograd bookkeeping at all: cheaper per op than no_grad
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
         """Compute the batch's new tokens; returns float32 logits [B, V] of each last new token.
@@ -77,7 +79,8 @@ class ModelRunner:
         ctx = ForwardContext.build(self.cache, counts, [r.num_computed for r in reqs], [r.slot for r in reqs], table,
                                    logits="last" if index is None else index)
         ids = [t for r, n in zip(reqs, counts) for t in r.all_ids[r.num_computed: r.num_computed + n]]
-        logits = self.model(torch.tensor(ids, device=self.device), ctx)
+        with span("forward", cat="compute"):
+            logits = self.model(torch.tensor(ids, device=self.device), ctx)
         if index is not None:
             self._fill_prompt_logprobs(reqs, prompt_rows, first, logits)
             logits = logits[torch.tensor(last, device=logits.device)]

@@ -8,6 +8,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from ..lab.spans import span
 from .page_pool import OutOfPages, PagePool, SlotPool
 from .request import Request, Status
 
@@ -114,6 +115,7 @@ class Scheduler:
         return max(n, 0)
 
     # ---- one step ----
+    @span("schedule", cat="schedule")
     def schedule(self) -> ScheduledBatch:
         budget = self.token_budget
         batch = ScheduledBatch([], [])

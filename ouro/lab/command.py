@@ -20,10 +20,13 @@ PROBES = {
 
 
 def _run_probe(args) -> int:
-    from .findings import format_table, sort_findings, write_json
+    from .findings import apply_baseline, format_table, read_json, sort_findings, write_json
     module = importlib.import_module(PROBES[args.probe][0])
     t0 = time.perf_counter()
-    findings = sort_findings(module.run(args))
+    findings = module.run(args)
+    if args.baseline:
+        findings = apply_baseline(findings, read_json(args.baseline))
+    findings = sort_findings(findings)
     seconds = time.perf_counter() - t0
     print(format_table(findings))
     print(f"\n{args.probe}: {len(findings)} finding(s) in {seconds:.1f} s")
@@ -45,6 +48,8 @@ def add_probe_parser(sub, with_options: str | None = None) -> None:
         p.add_argument("--json", default=None, metavar="FILE", help='write {"findings": [...]} to FILE')
         p.add_argument("--fail-on", default=None, choices=["warning", "error"],
                        help="exit 1 when a finding this severe or worse is made")
+        p.add_argument("--baseline", default=None, metavar="FILE",
+                       help="findings JSON of a known-good run: findings it already had become info")
         if with_options == name:
             importlib.import_module(mod).add_arguments(p)
         p.set_defaults(func=_run_probe)

@@ -6,9 +6,12 @@ exactly once, the file still parses, and the function's new text contains every 
 from __future__ import annotations
 
 import ast
+import importlib
 import os
 import shutil
+import sys
 import textwrap
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 
@@ -22,7 +25,9 @@ class Fault:
     description: str
     file: str                          # repo-relative, e.g. ouro/layers/kda.py
     function: str                      # qualified: Class.method or function
-    replace: list                      # [(old snippet, new snippet)], new written dedented
+    # [(old snippet, new snippet)]: the new snippet's first line takes the old one's place; its
+    # other lines keep their nesting as Python reads it (see `_indent_like`)
+    replace: list
     localised: list                    # alternatives: dicts of where-keys to match (see `matches`)
     probes: list                       # argument lists of `ouro probe ...` a person would run
     symptom: str = ""
@@ -45,9 +50,15 @@ def find_function(tree: ast.Module, qualname: str):
 
 def _indent_like(new: str, indent: str) -> str:
     """The first line goes where the old snippet began; the others keep their nesting relative
-    to the least indented of them, which sits at the first line's level."""
+    to the least indented of them, which sits at the first line's level, or one level deeper
+    when the first line opens a block and the next line is at that least indentation."""
     first, *rest = new.split("\n")
-    rest = textwrap.dedent("\n".join(rest)).split("\n") if rest else []
+    if not rest:
+        return first
+    rest = textwrap.dedent("\n".join(rest)).split("\n")
+    opens = first.split("#")[0].rstrip().endswith(":")
+    if opens and rest[0] and not rest[0][0].isspace():
+        indent += "    "
     return "\n".join([first] + [(indent + l) if l.strip() else l for l in rest])
 
 
@@ -100,3 +111,38 @@ def apply_fault(root: str, fault: Fault) -> None:
     patched = patch_source(source, fault)
     with open(path, "w") as f:
         f.write(patched)
+
+
+@contextmanager
+def applied_in_process(fault: Fault, repo: str):
+    """The fault's patched function swapped into the running ouro (tests, quick checks). The
+    function is compiled under its real file name, so stacks and findings name the real place;
+    every loaded ouro module that imported the original object by name gets the new one too."""
+    module_name = fault.file[:-3].replace("/", ".")
+    module = importlib.import_module(module_name)
+    with open(os.path.join(repo, fault.file)) as f:
+        patched = patch_source(f.read(), fault)
+    namespace = dict(vars(module))
+    exec(compile(patched, module.__file__, "exec"), namespace)
+    owner_path, _, attr = fault.function.rpartition(".")
+    owner, new_owner = module, None
+    for part in owner_path.split(".") if owner_path else ():
+        owner = getattr(owner, part)
+    new_obj = namespace
+    for part in fault.function.split("."):
+        new_obj = new_obj[part] if isinstance(new_obj, dict) else getattr(new_obj, part)
+    original = owner.__dict__[attr]
+    swaps = [(owner, attr, original)]
+    if owner is module:   # a module-level function: rebind where it was imported by name
+        for name, mod in list(sys.modules.items()):
+            if name.startswith("ouro.") and mod is not None and mod is not module:
+                for k, v in list(vars(mod).items()):
+                    if v is original:
+                        swaps.append((mod, k, v))
+    try:
+        for obj, k, _ in swaps:
+            setattr(obj, k, new_obj)
+        yield
+    finally:
+        for obj, k, v in swaps:
+            setattr(obj, k, v)

@@ -83,6 +83,28 @@ def sort_findings(findings: list[Finding]) -> list[Finding]:
     return sorted(findings, key=lambda f: -f.rank)[:MAX_FINDINGS]
 
 
+def finding_key(f: Finding) -> tuple:
+    """What makes two runs' findings the same finding: probe, place and kind (not the numbers,
+    not the line, which moves as code changes)."""
+    w = f.where
+    kind = f.summary.split(":", 1)[-1].split("(")[0]
+    kind = "".join(c for c in kind if not c.isdigit() and c not in ".,%")
+    return f.probe, w.get("file"), w.get("function"), w.get("module"), w.get("op"), w.get("thread"), kind.strip()
+
+
+def apply_baseline(findings: list[Finding], baseline: list[Finding]) -> list[Finding]:
+    """Findings a known-good run also made are kept, as info marked 'in baseline': what is left
+    at warning or error is what changed."""
+    known = {finding_key(b) for b in baseline if b.severity != "info"}
+    out = []
+    for f in findings:
+        if f.severity != "info" and finding_key(f) in known:
+            f = Finding(f.probe, "info", f"[in baseline, was {f.severity}] {f.summary}", f.where, f.measured,
+                        f.expected, f.evidence, f.next)
+        out.append(f)
+    return out
+
+
 def top_finding(findings: list[Finding]) -> Finding | None:
     s = sort_findings(findings)
     return s[0] if s else None

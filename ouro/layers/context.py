@@ -137,6 +137,23 @@ class ForwardContext:
     def is_decode(self) -> bool:
         return all(n == 1 for n in self.query_lens)
 
+    @cached_property
+    def query_lens_tensor(self) -> torch.Tensor:
+        return torch.tensor(self.query_lens, device=self.positions.device)
+
+    def pool_ends(self, kpool: int) -> torch.Tensor | None:
+        """Flat rows of the tokens that complete a pool of `kpool` (position + 1 divisible by it),
+        from the host-side lengths: no device-to-host read inside a layer. None if there are none."""
+        cache = self.__dict__.setdefault("_pool_ends", {})
+        if kpool not in cache:
+            rows, offset = [], 0
+            for start, n in zip(self.start_pos, self.query_lens):
+                first = -(-(start + 1) // kpool) * kpool - 1      # first position p >= start with (p+1) % kpool == 0
+                rows += [offset + p - start for p in range(first, start + n, kpool)]
+                offset += n
+            cache[kpool] = torch.tensor(rows, dtype=torch.long, device=self.positions.device) if rows else None
+        return cache[kpool]
+
     def context_len(self, b: int) -> int:
         return self.start_pos[b] + self.query_lens[b]
 

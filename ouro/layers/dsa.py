@@ -42,8 +42,8 @@ class Indexer(nn.Module):
 
     def _write_completed_pools(self, ctx):
         """Compress every pool whose last token arrived in this batch and store its key."""
-        ends = ((ctx.positions + 1) % self.kpool == 0).nonzero().flatten()
-        if ends.numel() == 0:
+        ends = ctx.pool_ends(self.kpool)
+        if ends is None:
             return
         ci, seqs = self.cache_index, ctx.seq_index[ends]
         tok = (ctx.positions[ends] + 1 - self.kpool)[:, None] + torch.arange(self.kpool, device=ends.device)

@@ -50,8 +50,9 @@ class KDAttention(KeepFloat32):
 
     def forget_gate(self, x):
         """Per-channel log-decay g <= 0, [T, H, dk]."""
-        raw = (self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()).view(-1, self.H, self.dk)
-        rate = self.A_log.float().exp().view(1, self.H, 1)
+        cdt = torch.promote_types(x.dtype, torch.float32)   # float64 stays float64 (reference runs)
+        raw = (self.f_b_proj(self.f_a_proj(x)).to(cdt) + self.dt_bias.to(cdt)).view(-1, self.H, self.dk)
+        rate = self.A_log.to(cdt).exp().view(1, self.H, 1)
         if self.lower_bound is not None:  # bounded form: lower_bound * sigmoid(.) lies in (lb, 0)
             return self.lower_bound * torch.sigmoid(rate * raw)
         return -rate * F.softplus(raw)
@@ -83,14 +84,15 @@ class KDAttention(KeepFloat32):
         weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]).squeeze(1)
 
         mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)      # [T, 3C]
-        lengths = torch.tensor(ctx.query_lens, device=x.device)
+        lengths = ctx.query_lens_tensor
         conv_out, new_conv = causal_conv1d(ctx.pad(mixed).transpose(1, 2), weight, conv_state, lengths)
         mixed = F.silu(ctx.unpad(conv_out.transpose(1, 2)))
-        q, k, v = (t.reshape(T, self.H, self.dk).float() for t in mixed.chunk(3, dim=-1))
+        cdt = torch.promote_types(x.dtype, torch.float32)   # float64 stays float64 (reference runs)
+        q, k, v = (t.reshape(T, self.H, self.dk).to(cdt) for t in mixed.chunk(3, dim=-1))
         q = l2_normalize(q) * self.dk ** -0.5
         k = l2_normalize(k)
         g = self.forget_gate(x)
-        beta = torch.sigmoid(self.b_proj(x).float())
+        beta = torch.sigmoid(self.b_proj(x).to(cdt))
 
         if ctx.is_decode:
             o = kda_recurrent_step(q, k, v, g, beta, rec_state)
@@ -105,7 +107,7 @@ class KDAttention(KeepFloat32):
                 rec_state.copy_(new_rec)
         else:
             cache.conv[si].index_copy_(0, slots, new_conv.float())
-            cache.recurrent[si].index_copy_(0, slots, new_rec)
+            cache.recurrent[si].index_copy_(0, slots, new_rec.float())
 
         gate = self.g_b_proj(self.g_a_proj(x)).view(T, self.H, self.dk)
         o = self.o_norm(o.to(x.dtype), gate).reshape(T, -1)

@@ -17,6 +17,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.sampling import SamplingParams
+from ..lab import spans
 from . import formats
 from .generation import Generation, GenerationError
 from .metrics import Metrics
@@ -180,9 +181,11 @@ def build_app(state: ServerState) -> FastAPI:
 
     async def _serve(request: Request, body, chat: bool):
         place = request.state.place
+        place.trace_t0 = spans.now_ns()
         if body.model is not None and body.model != state.model_name:
             raise ApiError(400, f"the model {body.model!r} does not exist; this server serves {state.model_name!r}")
-        jobs = formats.chat_jobs(state, body) if chat else formats.completion_jobs(state, body)
+        with spans.span("prepare", cat="request"):   # template, tokenize, check
+            jobs = formats.chat_jobs(state, body) if chat else formats.completion_jobs(state, body)
         for j in jobs:
             _check_length(state, j.prompt_ids, body)
         gens = [Generation(state.client, m, state.tokenizer, j.prompt_ids, j.child_params, j.stop,
@@ -210,6 +213,7 @@ def build_app(state: ServerState) -> FastAPI:
             place.release()
             for g in gens:
                 await g.abort()
+            _trace_request(place)
         return JSONResponse(view.final())
 
     async def _stream(view, place):
@@ -227,8 +231,14 @@ def build_app(state: ServerState) -> FastAPI:
             place.release()
             for g in view.gens:
                 await g.abort()
+            _trace_request(place)
 
     return app
+
+
+def _trace_request(place) -> None:
+    """One HTTP request's lifetime, on its own lane: requests overlap on the one event loop."""
+    spans.record("request", "request", place.trace_t0, spans.now_ns(), spans.lane("http requests"))
 
 
 async def _collect_or_disconnect(request: Request, gens) -> None:

@@ -1,15 +1,21 @@
 """The engine process: scheduler + model behind two ZeroMQ sockets (see `messages.py`).
 
 It owns the LLMEngine; the frontend never touches the model. The loop drains incoming
-messages, runs one engine step when there is work, sends the step's outputs as one message,
-and sends a stats heartbeat a few times a second (the frontend's health check and /metrics)."""
+messages, runs one engine step when there is work, hands the step's outputs to the sender thread
+(which encodes and sends them as one message while the next step computes), and sends a stats
+heartbeat a few times a second (the frontend's health check and /metrics)."""
 
 from __future__ import annotations
 
 import importlib
 import logging
 import os
+import queue
+import threading
 import time
+
+from ..lab import spans
+from ..lab.spans import span
 
 log = logging.getLogger("ouro.engine_process")
 
@@ -28,6 +34,46 @@ def load_logits_processors(specs, model_dir):
     return procs
 
 
+def _next_item(q: queue.Queue):
+    """The sender's wait for work: a blocking get, which releases the GIL while it waits."""
+    return q.get()
+
+
+class OutputSender:
+    """Encodes and sends the engine's messages on its own thread, so the next step's compute
+    overlaps the send. The only user of the outbox socket once started (ZeroMQ sockets are not
+    thread-safe)."""
+
+    def __init__(self, outbox, encode, output_to_wire):
+        self.outbox, self.encode, self.output_to_wire = outbox, encode, output_to_wire
+        self.queue: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self._loop, name="ouro-output-sender", daemon=True)
+        self.thread.start()
+
+    def send(self, msg: dict) -> None:
+        self.queue.put(msg)
+
+    def send_outputs(self, outs) -> None:
+        self.queue.put(outs)      # RequestOutputs are snapshots: safe to encode on the other thread
+
+    def close(self, timeout: float = 5.0) -> None:
+        self.queue.put(None)
+        self.thread.join(timeout)
+
+    def _loop(self) -> None:
+        while True:
+            item = _next_item(self.queue)
+            if item is None:
+                return
+            try:
+                with span("send", cat="transfer"):
+                    if isinstance(item, list):
+                        item = {"type": "outputs", "items": [self.output_to_wire(o) for o in item]}
+                    self.outbox.send(self.encode(item))
+            except Exception:   # one bad message must not silence every later one
+                log.exception("could not send %s", item.get("type") if isinstance(item, dict) else "outputs")
+
+
 def run_engine(model_dir: str, engine_kwargs: dict, in_addr: str, out_addr: str, logits_processors=()) -> None:
     import zmq
     import torch
@@ -37,6 +83,7 @@ def run_engine(model_dir: str, engine_kwargs: dict, in_addr: str, out_addr: str,
     from ..models.loader import load_model
     from .messages import decode, encode, output_to_wire, params_from_wire
 
+    trace_path = spans.start_from_env(".engine.json", process_name="ouro engine")
     torch.set_num_threads(int(os.environ.get("OURO_NUM_THREADS", torch.get_num_threads())))
     ctx = zmq.Context()
     inbox, outbox = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
@@ -56,11 +103,26 @@ def run_engine(model_dir: str, engine_kwargs: dict, in_addr: str, out_addr: str,
     outbox.send(encode({"type": "ready", "pid": os.getpid(), "plan": engine.plan.describe(min(engine.max_model_len, 4096)),
                         "max_model_len": engine.max_model_len, "max_tokens": engine.plan.max_tokens,
                         "max_num_seqs": cfg.max_num_seqs}))
+    sender = OutputSender(outbox, encode, output_to_wire)
+    try:
+        _loop(engine, inbox, sender, decode, params_from_wire)
+    finally:
+        sender.close()
+        if trace_path:
+            spans.save_once(trace_path, "ouro engine")
+
+
+def _loop(engine, inbox, sender, decode, params_from_wire) -> None:
     last_beat, failures, parent = 0.0, 0, os.getppid()
+    busy_since = None                 # the trace's "pending" spans: when the engine has work
     while True:
+        if busy_since is not None and not engine.has_unfinished():
+            spans.record("pending", "pending", busy_since, spans.now_ns())
+            busy_since = None
         timeout = 0 if engine.has_unfinished() else int(HEARTBEAT_S * 1000)
         while inbox.poll(timeout):
             timeout = 0
+            t_recv = spans.now_ns()
             msg = decode(inbox.recv())
             kind = msg.get("type")
             if kind == "add":
@@ -68,12 +130,15 @@ def run_engine(model_dir: str, engine_kwargs: dict, in_addr: str, out_addr: str,
                     engine.add_request({"prompt_token_ids": msg["prompt_token_ids"]}, params_from_wire(msg["params"]),
                                        msg["rid"])
                 except ValueError as e:
-                    outbox.send(encode({"type": "error", "rid": msg["rid"], "message": str(e), "status": 400}))
+                    sender.send({"type": "error", "rid": msg["rid"], "message": str(e), "status": 400})
             elif kind == "abort":
                 engine.abort(msg["rid"])
             elif kind == "shutdown":
-                outbox.send(encode({"type": "bye"}))
+                sender.send({"type": "bye"})
                 return
+            spans.record("recv", "io", t_recv, spans.now_ns())
+        if busy_since is None and engine.has_unfinished():
+            busy_since = spans.now_ns()
         if engine.has_unfinished():
             try:
                 outs = engine.step()
@@ -84,15 +149,15 @@ def run_engine(model_dir: str, engine_kwargs: dict, in_addr: str, out_addr: str,
                 if failures >= MAX_CONSECUTIVE_FAILURES:
                     for rid in list(engine.requests):
                         engine.abort(rid)
-                        outbox.send(encode({"type": "error", "rid": rid, "status": 500,
-                                            "message": f"the engine failed on this request: {type(e).__name__}: {e}"}))
+                        sender.send({"type": "error", "rid": rid, "status": 500,
+                                     "message": f"the engine failed on this request: {type(e).__name__}: {e}"})
                     failures = 0
                 outs = []
             if outs:
-                outbox.send(encode({"type": "outputs", "items": [output_to_wire(o) for o in outs]}))
+                sender.send_outputs(outs)
         now = time.monotonic()
         if now - last_beat >= HEARTBEAT_S:
             if os.getppid() != parent:   # the frontend is gone (killed): nobody to serve
                 return
-            outbox.send(encode({"type": "stats", "stats": engine.stats(), "time": time.time()}))
+            sender.send({"type": "stats", "stats": engine.stats(), "time": time.time()})
             last_beat = now

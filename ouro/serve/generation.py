@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..engine.detokenizer import IncrementalDetokenizer
+from ..lab.spans import span
 from .engine_client import EngineUnavailable
 from .protocol import ServeError as GenerationError
 
@@ -77,6 +78,7 @@ class Generation:
                 raise GenerationError(item["status"], item["error"])
             yield self._apply(c, item)
 
+    @span("detokenize", cat="detokenize")
     def _apply(self, c: Choice, item: dict) -> ChoiceDelta:
         now = time.monotonic()
         if self.first_token_at is None:

@@ -40,6 +40,11 @@ def serve(args) -> int:
     from .engine_client import EngineClient, EngineUnavailable
     from .metrics import Metrics
 
+    from ..lab import spans
+    trace = getattr(args, "trace", None) or spans.trace_path_from_env()
+    if trace:   # the engine process reads the same switch and writes FILE.engine.json
+        spans.set_env(trace)
+        spans.start_from_env(".frontend.json", process_name="ouro frontend")
     directory = resolve_model(args.model, progress=True)
     kw = engine_kwargs(args)
     mc = ModelConfig.from_hf(directory)
@@ -98,6 +103,17 @@ def serve(args) -> int:
             starting.cancel()
             await client.shutdown(timeout=5)
             client.cleanup()
+            if trace:
+                _merge_trace(trace)
         return status[0]
 
     return asyncio.run(main())
+
+
+def _merge_trace(path: str) -> None:
+    """The frontend's and the engine process's traces, merged into one Chrome trace at `path`."""
+    from ..lab import spans
+    from ..lab.chrome_trace import merge
+    spans.save_once(path + ".frontend.json", "ouro frontend")
+    merge([path + ".frontend.json", path + ".engine.json"], path)
+    print(f"ouro: wrote the trace {path} (open it in https://ui.perfetto.dev)", file=sys.stderr, flush=True)

@@ -9,6 +9,6 @@ FAULT = Fault(
               "torch.zeros_like(conv_state), lengths)  # FAULT")],
     localised=[{"module": r"layers\.0\.self_attn.*"}, {"layer": 0}, {"op": r"causal_conv1d|conv"},
                {"file": "ouro/layers/kda.py", "function": ["_forward"]}],
-    probes=[["numerics", "--model", "tiny", "--a", "chunk=whole", "--b", "chunk=17"]],
+    probes=[["numerics", "--model", "tiny", "--a", "impl=ouro", "--b", "chunk=17"]],
     symptom="long prompts (chunked prefill) give different answers than short ones",
 )

@@ -38,14 +38,16 @@ def kda_chunk(q, k, v, g, beta, initial_state=None, chunk_size: int = 16):
     """Same contract as `kda_naive`: q, k [B, T, H, dk]; v [B, T, H, dv]; g [B, T, H, dk];
     beta [B, T, H]; initial_state [B, H, dk, dv] or None. Sequences shorter than T must be
     right-padded with g = 0 and beta = 0 (a no-op step), so the final state is exact.
-    Returns (o [B, T, H, dv] float32, final_state [B, H, dk, dv] float32)."""
+    Returns (o [B, T, H, dv], final_state [B, H, dk, dv]) in float32, or float64 for float64
+    inputs (an fp64 reference run stays fp64 here)."""
     B, T, H, dk = k.shape
+    cdt = torch.promote_types(q.dtype, torch.float32)
     dv = v.shape[-1]
     C = chunk_size
     pad = (-T) % C
 
     def chunks(x):  # [B, T, H, ...] -> [B, H, N, C, ...]
-        x = x.float().transpose(1, 2)
+        x = x.to(cdt).transpose(1, 2)
         x = F.pad(x, (0, 0, 0, pad)) if x.dim() == 4 else F.pad(x, (0, pad))
         return x.reshape(B, H, -1, C, *x.shape[3:])
     q, k, v, g, beta = map(chunks, (q, k, v, g, beta))
@@ -63,7 +65,7 @@ def kda_chunk(q, k, v, g, beta, initial_state=None, chunk_size: int = 16):
     egc = _decay(gc)
     b = beta.unsqueeze(-1)
     # a 3-D batch: torch's CPU solve is ~1000x slower on 4-D+ batches (measured, torch 2.13)
-    lhs = (torch.eye(C, device=q.device) + b * a_kk).reshape(-1, C, C)
+    lhs = (torch.eye(C, device=q.device, dtype=cdt) + b * a_kk).reshape(-1, C, C)
     rhs = torch.cat([b * v, b * k * egc], dim=-1).reshape(-1, C, dv + dk)
     w = torch.linalg.solve_triangular(lhs, rhs, upper=False, unitriangular=True).view(B, H, N, C, dv + dk)
     w_v, w_k = w[..., :dv], w[..., dv:]
@@ -71,7 +73,7 @@ def kda_chunk(q, k, v, g, beta, initial_state=None, chunk_size: int = 16):
     last = gc[..., -1:, :]                                              # [B, H, N, 1, dk]
     k_dec = (k * _decay(last - gc)).transpose(-1, -2)                   # key decayed to the chunk end
     s_dec = _decay(last).transpose(-1, -2)                              # [B, H, N, dk, 1]
-    S = q.new_zeros(B, H, dk, dv) if initial_state is None else initial_state.float().clone()
+    S = q.new_zeros(B, H, dk, dv) if initial_state is None else initial_state.to(cdt).clone()
     # chunks by unbind and outputs by one stack, not per-chunk indexing and slice assignment:
     # under autograd (ouro train runs this) each indexed or assigned slice costs a backward pass
     # over the whole tensor, O(N^2) in the number of chunks; unbind/stack keep it O(N)

@@ -12,18 +12,18 @@ def clamped_swiglu(gate, up, limit: float):
 def experts_grouped(x, weights, experts, gate_up, down, limit: float):
     """x: [T, D]; weights, experts: [T, k]; gate_up: [E, 2I, D]; down: [E, D, I]. Returns [T, D].
 
-    Few tokens per expert (decode): every expert's tokens are padded to the busiest expert's count
-    and all experts run as one batched matmul (one pass over the weights, no per-expert Python).
-    Many tokens (prefill, compute-bound): one matmul per active expert, no padding waste."""
+    Few tokens per expert (decode) with few experts per choice (E <= 4k): every expert's tokens
+    are padded to T rows, a bound known on the host, and all experts run as one batched matmul
+    (one pass over the weights, no per-expert Python, no device-to-host read: padding at most 4x).
+    Otherwise (prefill, or many experts): one matmul per active expert, no padding waste."""
     T, k = experts.shape
     E = gate_up.shape[0]
     flat = experts.flatten()
     order = flat.argsort(stable=True)
-    counts = torch.bincount(flat, minlength=E)
+    counts = torch.zeros(E, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
     x_sorted = x[order // k]                       # token copies grouped by expert
-    busiest = int(counts.max())
-    if T * k <= 4 * E and busiest * E <= 4 * T * k:  # few rows per expert, padding at most 4x
-        y_sorted = _experts_padded(x_sorted, flat[order], counts, busiest, gate_up, down, limit)
+    if T * k <= 4 * E and E <= 4 * k:              # an expert holds at most T rows: pad to T
+        y_sorted = _experts_padded(x_sorted, flat[order], counts, T, gate_up, down, limit)
     else:
         y_sorted = torch.full_like(x_sorted, float("nan"))
         start = 0

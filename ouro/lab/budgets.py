@@ -1,0 +1,232 @@
+"""`ouro probe budgets [FILE.toml]`: declared constraints over named measurements.
+
+    [[budget]]
+    name = "decode step near the roofline"
+    scenario = "decode"                 # a scenario of ouro/lab/scenarios.py
+    model = "tiny"                      # optional (default: --model, else tiny)
+    check = "decode_step_ms <= 40.0 * roofline_ms"
+    severity = "warning"                # optional: warning (default) or error
+
+`check` is parsed with `ast` and may hold only measurement names, numbers, + - * / (and unary
+minus) and comparisons. Each scenario runs once per model with the span tracer on; a failing
+budget is a finding carrying the measurements and the scenario's worst intervals.
+
+Python API: `check_budgets(path=None, model=None) -> list[Finding]`."""
+
+from __future__ import annotations
+
+import ast
+import operator
+import os
+import time
+import tomllib
+
+from .findings import Finding
+
+PROBE = "budgets"
+DEFAULT_FILE = os.path.join("budgets", "default.toml")
+_BIN = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+_CMP = {ast.Lt: operator.lt, ast.LtE: operator.le, ast.Gt: operator.gt, ast.GtE: operator.ge,
+        ast.Eq: operator.eq, ast.NotEq: operator.ne}
+
+
+def add_arguments(p) -> None:
+    p.add_argument("file", nargs="?", default=None, help=f"budgets TOML (default: {DEFAULT_FILE})")
+    p.add_argument("--model", default=None, help="run every budget on this preset or checkpoint directory")
+
+
+def run(args) -> list[Finding]:
+    return check_budgets(args.file, args.model)
+
+
+def default_path() -> str:
+    here = os.path.dirname(os.path.abspath(__file__))
+    # the checkout holding this package, then package data, then the working directory (a copy
+    # of the package elsewhere, as the fault suite makes, still finds the repo's file)
+    for root in (os.path.dirname(os.path.dirname(here)), here, os.getcwd()):
+        p = os.path.join(root, DEFAULT_FILE)
+        if os.path.exists(p):
+            return p
+    raise ValueError(f"no {DEFAULT_FILE} found next to the ouro package; pass a budgets file")
+
+
+# ---- the budgets file ----
+def load_budgets(path: str) -> list[dict]:
+    from .scenarios import MEASURES, SCENARIOS
+    try:
+        with open(path, "rb") as fh:
+            doc = tomllib.load(fh)
+    except FileNotFoundError:
+        raise ValueError(f"budgets file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"budgets file {path} is not valid TOML: {e}") from None
+    budgets = doc.get("budget")
+    if not isinstance(budgets, list) or not budgets:
+        raise ValueError(f"budgets file {path} has no [[budget]] tables")
+    for i, b in enumerate(budgets):
+        label = f"{path}: budget #{i + 1} ({b.get('name', 'unnamed')!r})"
+        missing = [k for k in ("name", "scenario", "check") if not isinstance(b.get(k), str)]
+        if missing:
+            raise ValueError(f"{label}: missing or non-string key(s) {missing}")
+        if b["scenario"] not in SCENARIOS:
+            raise ValueError(f"{label}: unknown scenario {b['scenario']!r}; known: {sorted(SCENARIOS)}")
+        if b.get("severity", "warning") not in ("warning", "error"):
+            raise ValueError(f"{label}: severity must be 'warning' or 'error', got {b['severity']!r}")
+        try:
+            unknown = [n for n in names_in(b["check"]) if n not in MEASURES]
+        except ValueError as e:
+            raise ValueError(f"{label}: {e}") from None
+        if unknown:
+            raise ValueError(f"{label}: unknown measurement(s) {unknown}; known: {sorted(MEASURES)}")
+    return budgets
+
+
+# ---- the safe check ----
+def parse_check(text: str) -> ast.Expression:
+    try:
+        tree = ast.parse(text, mode="eval")
+    except SyntaxError as e:
+        raise ValueError(f"check {text!r} does not parse: {e.msg}") from None
+    for node in ast.walk(tree):
+        ok = isinstance(node, (ast.Expression, ast.Compare, ast.BinOp, ast.UnaryOp, ast.Name, ast.Load)) \
+            or type(node) in _BIN or type(node) in _CMP or isinstance(node, (ast.USub, ast.UAdd)) \
+            or (isinstance(node, ast.Constant) and type(node.value) in (int, float))
+        if not ok:
+            raise ValueError(f"check {text!r}: {type(node).__name__} is not allowed (only measurement names, "
+                             "numbers, + - * / and comparisons)")
+    return tree
+
+
+def names_in(text: str) -> list[str]:
+    return sorted({n.id for n in ast.walk(parse_check(text)) if isinstance(n, ast.Name)})
+
+
+def evaluate(text: str, values: dict):
+    """The check's value (True/False for a comparison) over `values`."""
+    def ev(node):
+        if isinstance(node, ast.Expression):
+            return ev(node.body)
+        if isinstance(node, ast.Constant):
+            return node.value
+        if isinstance(node, ast.Name):
+            if node.id not in values:
+                raise ValueError(f"check {text!r}: no measurement {node.id!r}; the scenario gives {sorted(values)}")
+            return values[node.id]
+        if isinstance(node, ast.UnaryOp):
+            return -ev(node.operand) if isinstance(node.op, ast.USub) else ev(node.operand)
+        if isinstance(node, ast.BinOp):
+            return _BIN[type(node.op)](ev(node.left), ev(node.right))
+        if isinstance(node, ast.Compare):
+            left = ev(node.left)
+            for op, right_node in zip(node.ops, node.comparators):
+                right = ev(right_node)
+                if not _CMP[type(op)](left, right):
+                    return False
+                left = right
+            return True
+        raise ValueError(f"check {text!r}: {type(node).__name__} is not allowed")
+    try:
+        return ev(parse_check(text))
+    except ZeroDivisionError:
+        raise ValueError(f"check {text!r}: division by zero with {values}") from None
+
+
+def sides(text: str, values: dict) -> dict:
+    """Each side of a single comparison, evaluated: what a finding shows as measured vs bound."""
+    tree = parse_check(text).body
+    if isinstance(tree, ast.Compare) and len(tree.ops) == 1:
+        return {"left": evaluate(ast.unparse(tree.left), values),
+                "right": evaluate(ast.unparse(tree.comparators[0]), values)}
+    return {}
+
+
+# ---- running ----
+def measure(scenario: str, model_dir: str) -> dict:
+    """Run one scenario with the tracer on; returns measurements, trace doc and seconds."""
+    import torch
+    from . import scenarios, spans
+    t = time.perf_counter()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)     # one thread, as the server's engine runs here: steadier on a shared machine
+    try:
+        r = _measure(scenarios, spans, scenario, model_dir)
+    finally:
+        torch.set_num_threads(threads)
+    r["seconds"] = time.perf_counter() - t
+    return r
+
+
+def _measure(scenarios, spans, scenario: str, model_dir: str) -> dict:
+    if scenario in ("serve", "offline"):     # they trace themselves
+        kw = {"heartbeat": False} if scenario == "serve" else {}
+        r = scenarios.SCENARIOS[scenario](model_dir, **kw)
+    else:
+        spans.clear()
+        spans.enable()
+        try:
+            r = scenarios.SCENARIOS[scenario](model_dir)
+        finally:
+            spans.disable()
+        r["trace"] = {"traceEvents": spans.chrome_events(process_name=f"ouro {scenario}")}
+    return r
+
+
+def check_budgets(path: str | None = None, model: str | None = None) -> list[Finding]:
+    from ..models.resolve import resolve_model
+    from .scenarios import MEASURES
+    path = path or default_path()
+    budgets = load_budgets(path)
+    results: dict = {}
+    failed, passed = [], []
+    for b in budgets:
+        name = model or b.get("model", "tiny")
+        needed = [b["scenario"]] + [MEASURES[n] for n in names_in(b["check"]) if n in MEASURES]
+        values = {}
+        for sc in dict.fromkeys(reversed(needed)):       # the budget's own scenario last: its values win
+            if (sc, name) not in results:
+                results[(sc, name)] = measure(sc, str(resolve_model(name)))
+            values.update(results[(sc, name)]["measurements"])
+        r = results[(b["scenario"], name)]
+        used = {n: round(values[n], 4) if isinstance(values.get(n), float) else values.get(n)
+                for n in names_in(b["check"])}
+        ok = evaluate(b["check"], values)
+        both = sides(b["check"], values)
+        measured = {**used, **({"left": round(both["left"], 4), "right": round(both["right"], 4)} if both else {})}
+        if ok:
+            passed.append(Finding(PROBE, "info", f"budget passed: {b['name']} ({b['check']})",
+                                  measured=measured, expected=b["check"],
+                                  evidence={"scenario": b["scenario"], "model": name}))
+            continue
+        failed.append(_failure(b, name, r, measured, path))
+    return failed + passed
+
+
+def _failure(b: dict, model: str, r: dict, measured: dict, path: str) -> Finding:
+    from .timeline import analyse_doc
+    findings = analyse_doc(r["trace"]) if r.get("trace") else []
+    top = [{"severity": f.severity, "summary": f.summary, "where": f.where} for f in findings[:3]]
+    longest = _longest_spans(r.get("trace"))
+    where = next((f.where for f in findings if f.severity != "info" and f.where), None)
+    if where is None and longest:
+        where = {"thread": longest[0]["thread"], "interval": longest[0]["interval"]}
+    return Finding(PROBE, b.get("severity", "warning"), f"budget failed: {b['name']} ({b['check']})",
+                   where=where or {}, measured=measured, expected=b["check"],
+                   evidence={"scenario": b["scenario"], "model": model, "measurements": r["measurements"],
+                             "worst_intervals": longest, "timeline": top, "trace_path": r.get("trace_path"),
+                             "seconds": round(r["seconds"], 1)},
+                   next=f"ouro probe timeline --model {model} --scenario "
+                        f"{'serve' if b['scenario'] == 'serve' else 'offline'} --trace-out t.json; budgets: {path}")
+
+
+def _longest_spans(doc, n: int = 3) -> list[dict]:
+    """The scenario's longest spans (not windows), each with its interval from the trace start."""
+    if not doc:
+        return []
+    from .chrome_trace import spans_of
+    spans = [s for s in spans_of(doc) if s["cat"] not in ("pending", "request")]
+    if not spans:
+        return []
+    t0 = min(s["start_ms"] for s in spans)
+    top = sorted(spans, key=lambda s: -s["dur_ms"])[:n]
+    return [{"span": s["name"], "cat": s["cat"], "thread": s["thread"], "dur_ms": round(s["dur_ms"], 3),
+             "interval": [round(s["start_ms"] - t0, 3), round(s["end_ms"] - t0, 3)]} for s in top]

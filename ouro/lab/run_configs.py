@@ -1,0 +1,199 @@
+"""A numerics configuration (`key=value,...`) and one run of it over a prompt, with taps on.
+
+ouro runs through the real engine (`LLMEngine`: scheduler, model runner, prefix cache), so a
+bug in how the serving path feeds the model shows up; transformers runs the same checkpoint as
+the reference, its indexer with the earlier-pool-wins tie rule ouro documents.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from .taps import OuroTaps, Recording, TransformersTaps
+
+KEYS = {
+    "impl": ("ouro", "transformers"),
+    "dtype": ("float32", "float64", "bfloat16"),
+    "chunk": int, "mode": ("prefill", "decode"), "decode": int, "prefix": ("cold", "hit"),
+    "batch": int, "kda_chunk": int,
+}
+PAGE_SIZE = 16
+
+
+@dataclass(frozen=True)
+class Config:
+    impl: str = "ouro"
+    dtype: str = "float32"
+    chunk: int | None = None      # None: the whole prompt in one step
+    mode: str = "prefill"
+    decode: int = 8               # decode mode: the last `decode` tokens fed one per step
+    prefix: str = "cold"
+    batch: int = 1
+    kda_chunk: int = 16
+    text: str = ""
+
+    def __str__(self):   # a valid configuration string (the defaults when none was given)
+        return self.text or "impl=ouro"
+
+
+def parse_config(text: str) -> Config:
+    """`dtype=float64,chunk=17` -> Config. Unknown keys or values raise ValueError naming them."""
+    values = {}
+    for part in filter(None, (p.strip() for p in (text or "").split(","))):
+        key, eq, value = part.partition("=")
+        key, value = key.strip(), value.strip()
+        if key not in KEYS:
+            raise ValueError(f"unknown numerics configuration key {key!r} in {text!r}; known: {', '.join(KEYS)}")
+        allowed = KEYS[key]
+        if not eq or not value:
+            raise ValueError(f"configuration key {key!r} needs a value ({key}=...)")
+        if allowed is int:
+            if not value.isdigit() or int(value) < 1:
+                raise ValueError(f"configuration key {key!r} needs a positive integer, got {value!r}")
+            values[key] = int(value)
+        elif value not in allowed:
+            raise ValueError(f"configuration key {key!r} must be one of {', '.join(allowed)}, got {value!r}")
+        else:
+            values[key] = value
+    cfg = Config(**values, text=text or "")
+    if "decode" in values and cfg.mode != "decode":
+        cfg = replace(cfg, mode="decode")
+    if cfg.impl == "transformers":
+        bad = [k for k in ("prefix", "batch", "kda_chunk") if k in values and values[k] != getattr(Config(), k)]
+        if bad:
+            raise ValueError(f"configuration key {bad[0]!r} applies to impl=ouro only (transformers runs "
+                             "one sequence without ouro's prefix cache or kernels)")
+    return cfg
+
+
+def pieces(cfg: Config, n: int) -> list[int]:
+    """How the prompt's n tokens are fed: prefill chunks, then single decode tokens."""
+    k = min(cfg.decode, n - 1) if cfg.mode == "decode" else 0
+    pre = n - k
+    size = cfg.chunk or pre
+    return [min(size, pre - s) for s in range(0, pre, size)] + [1] * k
+
+
+def hit_tokens(cfg: Config, n: int) -> int:
+    """prefix=hit: the cached part, whole pages, about half of what is prefilled."""
+    pre = n - (min(cfg.decode, n - 1) if cfg.mode == "decode" else 0)
+    return max(PAGE_SIZE, (pre // 2) // PAGE_SIZE * PAGE_SIZE)
+
+
+def run_config(model_dir, cfg: Config, prompt: list[int], seed: int = 0, device: str = "cpu",
+               names: dict | None = None) -> Recording:
+    """Run `prompt` under `cfg` with every module and op tapped; `names` (ouro name -> (kind,
+    source)) is needed for transformers, to know which of its modules to record."""
+    from ..config import ModelConfig
+    mc = ModelConfig.from_hf(model_dir)
+    rec = Recording(n_experts=mc.n_routed_experts, width=len(prompt))
+    if cfg.impl == "transformers":
+        _run_transformers(model_dir, cfg, prompt, rec, names or {}, device)
+    else:
+        _run_ouro(model_dir, cfg, prompt, rec, seed, device)
+    return rec
+
+
+def load_ouro(model_dir, cfg: Config, device: str = "cpu"):
+    from ..models.loader import load_model
+    return load_model(model_dir, dtype=getattr(torch, cfg.dtype), device=device, kda_chunk_size=cfg.kda_chunk)
+
+
+def _run_ouro(model_dir, cfg, prompt, rec, seed, device):
+    from ..config import EngineConfig
+    from ..engine.llm_engine import LLMEngine
+    from ..engine.sampling import SamplingParams
+    from ..layers.context import ModelCache
+    model = load_ouro(model_dir, cfg, device)
+    mc, n = model.config, len(prompt)
+    parts = pieces(cfg, n)
+    k = sum(1 for p in parts if p == 1) if cfg.mode == "decode" else 0
+    pre = n - k
+    tokens = n + k + 2 * PAGE_SIZE
+    per_token = ModelCache.bytes_per_token(mc, getattr(torch, cfg.dtype))
+    budget = 4 * (cfg.batch + 1) * (tokens * per_token + 2 * ModelCache.bytes_per_slot(mc)) + (1 << 20)
+    ec = EngineConfig(device=device, page_size=PAGE_SIZE, max_num_seqs=cfg.batch + 1, max_memory=budget,
+                      max_num_batched_tokens=cfg.chunk or max(4096, (cfg.batch + 1) * n), kda_chunk_size=cfg.kda_chunk)
+    engine = LLMEngine(model, None, ec, enable_prefix_caching=cfg.prefix == "hit", verbose=False)
+    probed = []
+
+    def params(forced):
+        return SamplingParams(max_tokens=len(forced) + 1 if forced else 1, temperature=0.0, ignore_eos=True,
+                              forced_prefix_ids=forced or None)
+
+    def add(ids, forced):
+        rid = engine.add_request(list(ids), params(forced))
+        return engine.requests[rid]
+
+    def drain():
+        while engine.has_unfinished():
+            engine.step()
+
+    slots = lambda: [r.slot for r in probed if r.slot is not None]
+    with OuroTaps(model, rec, slots):
+        if cfg.prefix == "hit":   # warm the cache with whole pages of the prompt; its rows count too
+            probed.append(add(prompt[:hit_tokens(cfg, n)], []))
+            drain()
+        gen = torch.Generator().manual_seed(seed + 1)
+        others = []
+        for i in range(cfg.batch - 1):
+            length = int(torch.randint(max(2, n // 2), n + 1, (1,), generator=gen))
+            ids = torch.randint(1, mc.vocab_size, (length,), generator=gen).tolist()
+            others.append((ids[:length - k] if k else ids, ids[length - k:] if k else []))
+        half = len(others) // 2
+        for ids, forced in others[:half]:
+            add(ids, forced)
+        probed.append(add(prompt[:pre], prompt[pre:]))
+        for ids, forced in others[half:]:
+            add(ids, forced)
+        drain()
+    return rec
+
+
+class _StableTopk(TorchFunctionMode):
+    """transformers' indexer ties broken towards the earlier pool, as ouro does."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.topk, torch.Tensor.topk):
+            x, k = args[0], args[1] if len(args) > 1 else kwargs["k"]
+            dim, largest = kwargs.get("dim", -1), kwargs.get("largest", True)
+            v, i = torch.sort(x, dim=dim, descending=largest, stable=True)
+            return torch.return_types.topk((v.narrow(dim, 0, k), i.narrow(dim, 0, k)))
+        return func(*args, **kwargs)
+
+
+def _run_transformers(model_dir, cfg, prompt, rec, names, device):
+    try:
+        from transformers import Glm5NextForConditionalGeneration
+    except ImportError as e:
+        raise ValueError(f"impl=transformers needs transformers with glm5_next installed ({e})") from None
+    from transformers.utils import logging as hf_logging
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()     # the load report lists the unused vision tower: noise here
+    hf_logging.disable_progress_bar()
+    try:
+        hf = Glm5NextForConditionalGeneration.from_pretrained(model_dir, dtype=getattr(torch, cfg.dtype))
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        hf_logging.enable_progress_bar()
+    hf = hf.to(device).eval()
+    modes, handles = [], []
+    for m in hf.modules():
+        if type(m).__name__.endswith("Indexer"):
+            handles.append(m.register_forward_pre_hook(lambda mod, a: modes.append(_StableTopk().__enter__())))
+            handles.append(m.register_forward_hook(lambda mod, a, o: modes.pop().__exit__(None, None, None)))
+    try:
+        with TransformersTaps(hf, rec, names) as taps, torch.no_grad():
+            cache, start = None, 0
+            for size in pieces(cfg, len(prompt)):
+                taps.positions = list(range(start, start + size))
+                ids = torch.tensor([prompt[start:start + size]], device=device)
+                out = hf(ids, cache=cache, use_cache=True)
+                cache, start = out.cache, start + size
+    finally:
+        for h in handles:
+            h.remove()

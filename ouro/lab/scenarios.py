@@ -1,0 +1,255 @@
+"""Named measurements: each scenario runs a short, real workload and returns numbers (the
+budgets' vocabulary) plus, where traced, the spans and heartbeat samples of the run.
+
+offline   LLM-engine generate on a few requests, traced with the heartbeat on
+decode    decode_step_ms, roofline_ms (step_cost + measured roofline), ops_per_decode_step
+prefill   prefill_ms (model only), offline_prefill_ms (one request's prefill + first token)
+serve     a real `ouro serve` on a free port with --trace: ttft_p50_ms, tpot_ms, and its trace
+leaks     leaked_pages, leaked_slots after a run where some requests are aborted
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+PROMPT_LEN, MAX_TOKENS = 48, 8
+_engines: dict = {}
+
+
+def _engine(model_dir: str, max_num_seqs: int = 8):
+    """One engine per model per process (loading is most of a scenario's cost)."""
+    key = (str(model_dir), max_num_seqs)
+    if key not in _engines:
+        from ..config import EngineConfig
+        from ..engine.llm_engine import LLMEngine
+        from ..models.loader import load_model
+        from ..models.resolve import load_tokenizer
+        model = load_model(model_dir)
+        cfg = EngineConfig(max_num_seqs=max_num_seqs, max_memory=64 << 20, page_size=16, max_model_len=512)
+        _engines[key] = LLMEngine(model, load_tokenizer(model_dir), cfg, verbose=False)
+    return _engines[key]
+
+
+def prompts(n: int, length: int = PROMPT_LEN, vocab: int = 300, seed: int = 0) -> list[list[int]]:
+    import random
+    rng = random.Random(seed)
+    return [[rng.randrange(10, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def _drain(engine) -> None:
+    while engine.has_unfinished():
+        engine.step()
+
+
+def offline(model_dir, requests: int = 4, max_tokens: int = MAX_TOKENS, heartbeat: bool = True) -> dict:
+    """Traced generate of `requests` prompts; returns measurements and the trace (Chrome JSON doc)."""
+    from ..engine.sampling import SamplingParams
+    from . import heartbeat as hb
+    from . import spans
+    engine = _engine(model_dir)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    engine.add_request({"prompt_token_ids": prompts(1)[0]}, SamplingParams(temperature=0, max_tokens=2))
+    _drain(engine)                                    # warm-up, untraced
+    spans.clear(), hb.clear()
+    spans.enable()
+    if heartbeat:
+        hb.start()
+        time.sleep(0.05)                              # idle samples: the heartbeat's baseline
+    try:
+        t = time.perf_counter()
+        with spans.span("pending", cat="pending"):
+            for p in prompts(requests, seed=1):
+                engine.add_request({"prompt_token_ids": p}, params)
+            _drain(engine)
+        seconds = time.perf_counter() - t
+    finally:
+        hb.stop()
+        spans.disable()
+    doc = {"traceEvents": spans.chrome_events(process_name="ouro offline")}
+    return {"measurements": {"offline_s": seconds, "offline_tok_s": requests * max_tokens / seconds},
+            "trace": doc}
+
+
+def decode(model_dir, batch: int = 4, steps: int = 6) -> dict:
+    from ..bench.roofline import Roofline
+    from ..bench.step_cost import decode_cost
+    from ..engine.sampling import SamplingParams
+    engine = _engine(model_dir)
+    for p in prompts(batch, seed=2):
+        engine.add_request({"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True))
+    engine.step()                                      # the prefill (all prompts fit one step)
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t)
+    ops = _count_ops(engine.step)
+    _drain(engine)
+    roof = Roofline.measure()
+    cost = decode_cost(engine.model, PROMPT_LEN + steps, batch)
+    return {"measurements": {"decode_step_ms": 1e3 * statistics.median(times),
+                             "roofline_ms": 1e3 * roof.floor_s(cost.flops, cost.bytes),
+                             "ops_per_decode_step": ops}}
+
+
+def _count_ops(fn) -> int:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+    with Count():
+        fn()
+    return Count.n
+
+
+def prefill(model_dir, length: int = PROMPT_LEN, repeats: int = 3) -> dict:
+    import torch
+    from ..bench.roofline import median_time
+    from ..engine.sampling import SamplingParams
+    from ..engine.simple_runner import SimpleRunner
+    engine = _engine(model_dir)
+    ids = prompts(1, length, seed=3)[0]
+
+    def model_only():
+        SimpleRunner(engine.model, 1, length).step([ids])
+
+    def through_engine():
+        engine.add_request({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=1))
+        _drain(engine)
+    out = {}
+    with torch.inference_mode():
+        for name, fn in (("prefill_ms", model_only), ("offline_prefill_ms", through_engine)):
+            out[name] = 1e3 * median_time(fn, repeats)
+    return {"measurements": out}
+
+
+def leaks(model_dir, requests: int = 6) -> dict:
+    from ..engine.sampling import SamplingParams
+    engine = _engine(model_dir)
+    pages0, slots0 = engine.pages.num_free, engine.slots.num_free
+    ids = [engine.add_request({"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+           for p in prompts(requests, seed=4)]
+    engine.abort(ids[-1])                    # aborted while waiting
+    engine.step()
+    engine.abort(ids[0])                     # aborted while running
+    engine.step()
+    engine.abort(ids[1])
+    _drain(engine)
+    return {"measurements": {"leaked_pages": pages0 - engine.pages.num_free,
+                             "leaked_slots": slots0 - engine.slots.num_free}}
+
+
+def serve(model_dir, requests: int = 4, max_tokens: int = MAX_TOKENS, trace_out: str | None = None,
+          heartbeat: bool = True, timeout: float = 120.0) -> dict:
+    """A real `ouro serve --trace FILE` on 127.0.0.1; streamed completions give TTFT and TPOT."""
+    from .chrome_trace import load
+    port = free_port()
+    tmp = tempfile.mkdtemp(prefix="ouro-timeline-")
+    trace = trace_out or os.path.join(tmp, "trace.json")
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OURO_NUM_THREADS": "1",
+           "OURO_TRACE_HEARTBEAT": "1" if heartbeat else "0"}
+    env.pop("OURO_TRACE", None)
+    log = open(os.path.join(tmp, "server.log"), "w+")
+    cmd = [sys.executable, "-c", SERVE_MAIN, "serve", "--model", str(model_dir), "--port", str(port),
+           "--max-memory", str(64 << 20), "--page-size", "16", "--trace", trace, "--shutdown-timeout", "2"]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        wait_ready(proc, base, timeout, log)
+        stream_completions(base, prompts(1, seed=5), 2, LOAD_SECONDS)          # warm-up
+        records = stream_completions(base, prompts(requests, seed=6), max_tokens, LOAD_SECONDS)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    if not os.path.exists(trace):
+        log.seek(0)
+        raise RuntimeError(f"ouro serve wrote no trace {trace}:\n{log.read()[-2000:]}")
+    ttft = [r["ttft_ms"] for r in records if r["ttft_ms"] is not None]
+    tpot = [r["tpot_ms"] for r in records if r["tpot_ms"] is not None]
+    return {"measurements": {"ttft_p50_ms": statistics.median(ttft) if ttft else float("inf"),
+                             "tpot_ms": statistics.median(tpot) if tpot else 0.0},
+            "trace": load(trace), "trace_path": trace}
+
+
+# `ouro serve` through its own parser only, so a probe module that fails to import elsewhere in
+# the CLI cannot stop this scenario
+SERVE_MAIN = ("import argparse, sys; from ouro.cli import add_serve_parser; p = argparse.ArgumentParser(); "
+              "add_serve_parser(p.add_subparsers()); a = p.parse_args(sys.argv[1:]); sys.exit(a.func(a))")
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(proc, base: str, timeout: float, log) -> None:
+    import httpx
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            log.seek(0)
+            raise RuntimeError(f"ouro serve exited ({proc.returncode}):\n{log.read()[-2000:]}")
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"ouro serve was not ready within {timeout:.0f} s")
+
+
+LOAD_SECONDS = 20.0   # a server slowed down by the very fault under study still gives a trace
+
+
+def stream_completions(base: str, prompt_ids: list[list[int]], max_tokens: int,
+                       seconds: float | None = None) -> list[dict]:
+    """All prompts at once, streamed: per request the time to first token and per output token.
+    After `seconds` the requests still running are cut off (their partial times are kept)."""
+    import asyncio
+    import httpx
+
+    async def one(client, ids):
+        body = {"prompt": ids, "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True}
+        t0, stamps = time.perf_counter(), []
+        try:
+            async with client.stream("POST", base + "/v1/completions", json=body) as r:
+                r.raise_for_status()
+                async for line in r.aiter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        stamps.append(time.perf_counter())
+        except asyncio.CancelledError:
+            pass
+        ttft = 1e3 * (stamps[0] - t0) if stamps else None
+        tpot = 1e3 * (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else None
+        return {"ttft_ms": ttft, "tpot_ms": tpot, "chunks": len(stamps)}
+
+    async def run():
+        async with httpx.AsyncClient(timeout=60) as client:
+            tasks = [asyncio.ensure_future(one(client, ids)) for ids in prompt_ids]
+            await asyncio.wait(tasks, timeout=seconds)
+            for t in tasks:
+                t.cancel()
+            return await asyncio.gather(*tasks)
+    return asyncio.run(run())
+
+
+SCENARIOS = {"offline": offline, "decode": decode, "prefill": prefill, "leaks": leaks, "serve": serve}
+# which scenario measures each name (a check may combine measurements of several scenarios)
+MEASURES = {"offline_s": "offline", "offline_tok_s": "offline", "decode_step_ms": "decode", "roofline_ms": "decode",
+            "ops_per_decode_step": "decode", "prefill_ms": "prefill", "offline_prefill_ms": "prefill",
+            "leaked_pages": "leaks", "leaked_slots": "leaks", "ttft_p50_ms": "serve", "tpot_ms": "serve"}

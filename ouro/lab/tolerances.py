@@ -1,0 +1,76 @@
+"""One table of numerics tolerances: per module / op kind, per precision of the pair compared.
+
+A tolerance bounds the relative RMS error of one token position's output (the row's error norm
+over the reference row's norm, the norm floored at a fraction of the typical row so near-zero
+rows do not blow up). Columns are the *less* precise dtype of the two configurations compared:
+`float64` (both sides fp64), `float32` (fp32 vs fp64 or vs fp32 computed another way:
+chunking, batching, transformers) and `bfloat16`. Calibrated on clean ouro with the `tiny`,
+`small` and trained `tiny-py` presets (see tests/test_lab_numerics.py): clean runs sit 5-50x
+below these, while the planted bugs land 100x and more above.
+
+Discrete outputs (expert choice, token selection) flip on near-ties; at bfloat16 a few flips are
+normal, so `ALLOWED_FRACTION` says what share of positions may exceed the bound before the
+module counts as divergent.
+"""
+
+from __future__ import annotations
+
+# kind -> (float64, float32, bfloat16). float32 column: clean fp64-vs-fp32 maxima measured on
+# 96-token prompts were <= 1.7e-5 (linear: the indexer's weights_proj), <= 8.2e-6 (KDA, norms,
+# on `small`), <= 3e-6 elsewhere; a TF32-rounded (10-bit) accumulation lands at >= 1e-4.
+TOLERANCES: dict[str, tuple[float, float, float]] = {
+    "embedding": (1e-12, 1e-6, 1e-2),
+    "linear": (1e-9, 1e-4, 0.1),
+    "norm": (1e-9, 5e-5, 0.1),
+    "hc": (1e-9, 5e-5, 0.1),            # hyper-connection weights / block input
+    "conv": (1e-9, 5e-5, 0.1),          # KDA short conv (before activation)
+    "kda": (1e-9, 5e-5, 0.1),           # KDA layer output
+    "kda_kernel": (1e-9, 5e-5, 0.1),    # chunked / recurrent delta rule
+    "attention": (1e-9, 5e-5, 0.1),     # sparse MLA
+    "dsa": (1e-9, 5e-5, 0.1),
+    "selection": (0.0, 0.0, 0.5),       # selected token sets: share of the union picked by one side
+    "router": (1e-9, 5e-5, 0.5),        # dense [T, E] routing weights (a flipped expert: ~1)
+    "experts": (1e-9, 5e-5, 0.1),
+    "mlp": (1e-9, 5e-5, 0.1),
+    "moe": (1e-9, 5e-5, 0.1),
+    "layer": (1e-9, 5e-5, 0.1),         # a whole decoder layer's streams
+    "logits": (1e-9, 5e-5, 0.1),
+    "other": (1e-9, 1e-4, 0.1),
+}
+COLUMNS = ("float64", "float32", "bfloat16")
+# share of positions that may exceed the bound (per column); discrete kinds flip on near-ties
+ALLOWED_FRACTION = {"float64": 0.0, "float32": 0.0, "bfloat16": 0.25}
+ERROR_FACTOR = 10.0   # worse than 10x the tolerance (or NaN): severity `error`
+
+# ouro module classes / op functions -> kind
+CLASS_KINDS = {
+    "Embedding": "embedding", "Linear": "linear", "RMSNorm": "norm", "GatedRMSNorm": "norm",
+    "LayerNorm": "norm", "HyperConnection": "hc", "KDAttention": "kda", "DSAttention": "dsa",
+    "Indexer": "selection", "Router": "router", "Experts": "experts", "MoE": "moe", "MLP": "mlp",
+    "DecoderLayer": "layer", "ShortConv": "conv",
+}
+OP_KINDS = {
+    "kda_chunk": "kda_kernel", "kda_recurrent_step": "kda_kernel", "kda_naive": "kda_kernel",
+    "causal_conv1d": "conv", "route": "router", "experts_grouped": "experts", "sparse_mla": "attention",
+    "index_select": "selection", "hc_weights": "hc", "clamped_swiglu": "mlp",
+}
+
+
+def column(dtype_a: str, dtype_b: str) -> str:
+    """The precision column for a pair: the less precise of the two dtypes."""
+    rank = {"float64": 0, "float32": 1, "bfloat16": 2}
+    return max((dtype_a, dtype_b), key=lambda d: rank[d])
+
+
+def tolerance(kind: str, col: str) -> float:
+    return TOLERANCES.get(kind, TOLERANCES["other"])[COLUMNS.index(col)]
+
+
+def kind_of_module(name: str, class_name: str) -> str:
+    if name == "lm_head":
+        return "logits"
+    return CLASS_KINDS.get(class_name, "other")
+
+
+def kind_of_op(op: str) -> str:
+    return OP_KINDS.get(op, "other")

@@ -1,0 +1,101 @@
+"""The budgets probe: a budget that holds passes, one that fails carries its scenario's evidence,
+a planted slot leak breaks the shipped leak budget, checks are evaluated safely, a bad file
+gives a clear error."""
+
+import argparse
+
+import pytest
+
+from ouro.engine import scheduler
+from ouro.lab import budgets
+from ouro.lab.findings import sort_findings
+
+
+def write(tmp_path, text: str) -> str:
+    p = tmp_path / "b.toml"
+    p.write_text(text)
+    return str(p)
+
+
+def test_passing_and_failing_budgets(tmp_path):
+    path = write(tmp_path, '''
+[[budget]]
+name = "ops per decode step bounded"
+scenario = "decode"
+check = "ops_per_decode_step <= 1000000"
+
+[[budget]]
+name = "impossible: decode faster than a thousandth of its floor"
+scenario = "decode"
+model = "tiny"
+check = "decode_step_ms <= 0.001 * roofline_ms"
+severity = "error"
+''')
+    findings = sort_findings(budgets.run(argparse.Namespace(file=path, model=None)))
+    top = findings[0]
+    assert top.severity == "error" and "impossible" in top.summary
+    assert top.measured["decode_step_ms"] > 0 and top.measured["left"] > top.measured["right"]
+    ev = top.evidence
+    assert {"decode_step_ms", "roofline_ms", "ops_per_decode_step"} <= set(ev["measurements"])
+    assert ev["worst_intervals"] and ev["worst_intervals"][0]["span"] in ("step", "execute", "forward")
+    assert len(top.where["interval"]) == 2           # it points at a place in the scenario's trace
+    assert [f.severity for f in findings[1:]] == ["info"] and "passed" in findings[1].summary
+
+
+def test_planted_slot_leak_fails_the_shipped_budget(tmp_path, monkeypatch):
+    original = scheduler.Scheduler.finish
+
+    def finish_keeping_the_slot(self, req, reason):     # the planted fault: abort leaks the KDA slot
+        if reason == "abort":
+            req.slot = None
+        original(self, req, reason)
+    monkeypatch.setattr(scheduler.Scheduler, "finish", finish_keeping_the_slot)
+    from ouro.lab import scenarios
+    monkeypatch.setattr(scenarios, "_engines", {})
+    default = budgets.load_budgets(budgets.default_path())
+    leak = [b for b in default if b["scenario"] == "leaks"]
+    text = "".join(f'[[budget]]\nname = "{b["name"]}"\nscenario = "leaks"\ncheck = "{b["check"]}"\n'
+                   f'severity = "{b.get("severity", "warning")}"\n' for b in leak)
+    findings = sort_findings(budgets.check_budgets(write(tmp_path, text)))
+    assert findings[0].severity == "error" and "slot" in findings[0].summary
+    assert findings[0].measured["leaked_slots"] > 0
+
+
+def test_check_is_evaluated_safely():
+    assert budgets.evaluate("a + 2 * b <= 10", {"a": 1, "b": 4}) is True
+    assert budgets.evaluate("a / b > 1 - -1", {"a": 6, "b": 2}) is True
+    for bad in ("__import__('os').system('true')", "a.__class__", "open('x')", "[a][0] < 1", "a < 1 or b",
+                "lambda: 1", "'text' == a"):
+        with pytest.raises(ValueError, match="not allowed|does not parse"):
+            budgets.evaluate(bad, {"a": 1, "b": 2})
+    with pytest.raises(ValueError, match="no measurement 'c'"):
+        budgets.evaluate("c < 1", {"a": 1})
+
+
+def test_bad_files_give_clear_errors(tmp_path):
+    with pytest.raises(ValueError, match="not valid TOML"):
+        budgets.load_budgets(write(tmp_path, "[[budget]\nname = 1"))
+    with pytest.raises(ValueError, match="no \\[\\[budget\\]\\] tables"):
+        budgets.load_budgets(write(tmp_path, "title = 'x'"))
+    with pytest.raises(ValueError, match="missing or non-string key"):
+        budgets.load_budgets(write(tmp_path, '[[budget]]\nname = "x"\nscenario = "decode"'))
+    with pytest.raises(ValueError, match="unknown scenario 'warp'"):
+        budgets.load_budgets(write(tmp_path, '[[budget]]\nname = "x"\nscenario = "warp"\ncheck = "a < 1"'))
+    with pytest.raises(ValueError, match="unknown measurement"):
+        budgets.load_budgets(write(tmp_path, '[[budget]]\nname = "x"\nscenario = "decode"\ncheck = "speed > 1"'))
+    with pytest.raises(ValueError, match="not allowed"):
+        budgets.load_budgets(write(tmp_path, '[[budget]]\nname = "x"\nscenario = "decode"\n'
+                                             'check = "__import__(\'os\') == 0"'))
+    with pytest.raises(ValueError, match="does not exist"):
+        budgets.load_budgets(str(tmp_path / "nope.toml"))
+
+
+def test_default_budgets_load():
+    default = budgets.load_budgets(budgets.default_path())
+    assert {b["scenario"] for b in default} >= {"decode", "prefill", "serve", "leaks"}
+
+
+@pytest.mark.slow
+def test_clean_ouro_passes_the_default_budgets():
+    findings = budgets.check_budgets()
+    assert [f.summary for f in findings if f.severity != "info"] == []
