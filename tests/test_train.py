@@ -49,7 +49,9 @@ def corpus(tmp_path_factory):
 
 def test_corpus_split_is_by_file_disjoint_and_leaves_out_tests(corpus):
     files = corpus_files(corpus)
-    assert not any("leak" in f.name for f in files)
+    rel = {f.relative_to(corpus).as_posix() for f in files}
+    assert "tests/leak.py" not in rel and "pkg0/test_leak.py" not in rel
+    assert not any(f.read_text().startswith("LEAK =") for f in files)
     files = [f for f in files if f.read_text()]                  # empty files are skipped
     train, held = load_split("train", corpus), load_split("held_out", corpus)
     assert {d.path for d in train}.isdisjoint({d.path for d in held})

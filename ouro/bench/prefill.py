@@ -8,6 +8,7 @@ import time
 import torch
 
 from ..lab.ab import verdict_from_times
+from ..lab.spans import span
 from .roofline import Roofline, count_flops
 from .step_cost import prefill_cost
 
@@ -22,7 +23,9 @@ def bench_prefill(model_dir, input_len: int = 1024, repeats: int = 3, compare: b
     cfg = model.config
     ids = torch.randint(0, cfg.vocab_size, (input_len,), generator=torch.Generator().manual_seed(seed))
     roof = Roofline.measure()
-    run_ouro = lambda: SimpleRunner(model, 1, input_len).step([ids.tolist()])
+    def run_ouro():
+        with span("prefill", cat="compute"):
+            return SimpleRunner(model, 1, input_len).step([ids.tolist()])
     hf = None
     if compare:
         from transformers import Glm5NextForConditionalGeneration
@@ -31,7 +34,7 @@ def bench_prefill(model_dir, input_len: int = 1024, repeats: int = 3, compare: b
         hf = Glm5NextForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
 
     def run_hf():
-        with torch.no_grad():
+        with torch.no_grad(), span("prefill (transformers)", cat="compute"):
             return hf(ids.view(1, -1), logits_to_keep=1).logits[0, -1]
     if hf is not None:  # the comparison only counts when both compute the same thing
         a, b = run_ouro()[0], run_hf()
