@@ -11,7 +11,12 @@
 minus) and comparisons. Each scenario runs once per model with the span tracer on; a failing
 budget is a finding carrying the measurements and the scenario's worst intervals.
 
-Python API: `check_budgets(path=None, model=None) -> list[Finding]`."""
+With `--url URL` the serve scenario's measurements (ttft_p50_ms, tpot_ms) come from that running
+server (traced on demand by /start_trace and /stop_trace) instead of a server started here; the
+other scenarios still run in this process on --model (else each budget's model, else tiny), so
+give the model the server serves when a check mixes the two.
+
+Python API: `check_budgets(path=None, model=None, url=None, api_key=None) -> list[Finding]`."""
 
 from __future__ import annotations
 
@@ -33,10 +38,13 @@ _CMP = {ast.Lt: operator.lt, ast.LtE: operator.le, ast.Gt: operator.gt, ast.GtE:
 def add_arguments(p) -> None:
     p.add_argument("file", nargs="?", default=None, help=f"budgets TOML (default: {DEFAULT_FILE})")
     p.add_argument("--model", default=None, help="run every budget on this preset or checkpoint directory")
+    p.add_argument("--url", default=None, metavar="URL",
+                   help="measure the serve scenario on this running `ouro serve`; other scenarios run here")
+    p.add_argument("--api-key", default=None, help="the running server's API key (with --url)")
 
 
 def run(args) -> list[Finding]:
-    return check_budgets(args.file, args.model)
+    return check_budgets(args.file, args.model, getattr(args, "url", None), getattr(args, "api_key", None))
 
 
 def default_path() -> str:
@@ -141,11 +149,16 @@ def sides(text: str, values: dict) -> dict:
 
 
 # ---- running ----
-def measure(scenario: str, model_dir: str) -> dict:
-    """Run one scenario with the tracer on; returns measurements, trace doc and seconds."""
+def measure(scenario: str, model_dir: str | None, url: str | None = None, api_key: str | None = None) -> dict:
+    """Run one scenario with the tracer on; returns measurements, trace doc and seconds. With
+    `url`, the serve scenario runs against that server."""
     import torch
     from . import scenarios, spans
     t = time.perf_counter()
+    if scenario == "serve" and url:
+        r = scenarios.serve_url(url, heartbeat=False, api_key=api_key)
+        r["seconds"] = time.perf_counter() - t
+        return r
     threads = torch.get_num_threads()
     torch.set_num_threads(1)     # one thread, as the server's engine runs here: steadier on a shared machine
     try:
@@ -171,22 +184,27 @@ def _measure(scenarios, spans, scenario: str, model_dir: str) -> dict:
     return r
 
 
-def check_budgets(path: str | None = None, model: str | None = None) -> list[Finding]:
+def check_budgets(path: str | None = None, model: str | None = None, url: str | None = None,
+                  api_key: str | None = None) -> list[Finding]:
     from ..models.resolve import resolve_model
     from .scenarios import MEASURES
     path = path or default_path()
     budgets = load_budgets(path)
     results: dict = {}
     failed, passed = [], []
+
+    def key(sc: str, name: str):
+        return (sc, url) if sc == "serve" and url else (sc, name)   # the server is one, whatever the model
     for b in budgets:
         name = model or b.get("model", "tiny")
         needed = [b["scenario"]] + [MEASURES[n] for n in names_in(b["check"]) if n in MEASURES]
         values = {}
         for sc in dict.fromkeys(reversed(needed)):       # the budget's own scenario last: its values win
-            if (sc, name) not in results:
-                results[(sc, name)] = measure(sc, str(resolve_model(name)))
-            values.update(results[(sc, name)]["measurements"])
-        r = results[(b["scenario"], name)]
+            if key(sc, name) not in results:
+                local = None if sc == "serve" and url else str(resolve_model(name))
+                results[key(sc, name)] = measure(sc, local, url, api_key)
+            values.update(results[key(sc, name)]["measurements"])
+        r = results[key(b["scenario"], name)]
         used = {n: round(values[n], 4) if isinstance(values.get(n), float) else values.get(n)
                 for n in names_in(b["check"])}
         ok = evaluate(b["check"], values)
@@ -195,13 +213,14 @@ def check_budgets(path: str | None = None, model: str | None = None) -> list[Fin
         if ok:
             passed.append(Finding(PROBE, "info", f"budget passed: {b['name']} ({b['check']})",
                                   measured=measured, expected=b["check"],
-                                  evidence={"scenario": b["scenario"], "model": name}))
+                                  evidence={"scenario": b["scenario"], "model": name,
+                                            **({"url": url} if url and b["scenario"] == "serve" else {})}))
             continue
-        failed.append(_failure(b, name, r, measured, path))
+        failed.append(_failure(b, name, r, measured, path, url if b["scenario"] == "serve" else None))
     return failed + passed
 
 
-def _failure(b: dict, model: str, r: dict, measured: dict, path: str) -> Finding:
+def _failure(b: dict, model: str, r: dict, measured: dict, path: str, url: str | None = None) -> Finding:
     from .timeline import analyse_doc
     findings = analyse_doc(r["trace"]) if r.get("trace") else []
     top = [{"severity": f.severity, "summary": f.summary, "where": f.where} for f in findings[:3]]
@@ -213,9 +232,11 @@ def _failure(b: dict, model: str, r: dict, measured: dict, path: str) -> Finding
                    where=where or {}, measured=measured, expected=b["check"],
                    evidence={"scenario": b["scenario"], "model": model, "measurements": r["measurements"],
                              "worst_intervals": longest, "timeline": top, "trace_path": r.get("trace_path"),
-                             "seconds": round(r["seconds"], 1)},
-                   next=f"ouro probe timeline --model {model} --scenario "
-                        f"{'serve' if b['scenario'] == 'serve' else 'offline'} --trace-out t.json; budgets: {path}")
+                             "seconds": round(r["seconds"], 1), **({"url": url} if url else {})},
+                   next=(f"ouro probe timeline --url {url} --trace-out t.json" if url else
+                         f"ouro probe timeline --model {model} --scenario "
+                         f"{'serve' if b['scenario'] == 'serve' else 'offline'} --trace-out t.json")
+                   + f"; budgets: {path}")
 
 
 def _longest_spans(doc, n: int = 3) -> list[dict]:

@@ -20,14 +20,16 @@ def load(path: str) -> dict:
     return doc
 
 
+def combine(event_lists: list[list[dict]]) -> dict:
+    """One trace of several processes' events (one clock: CLOCK_MONOTONIC, so they line up)."""
+    return {"traceEvents": [e for events in event_lists for e in events], "displayTimeUnit": "ms"}
+
+
 def merge(paths: list[str], out: str) -> str:
-    """Concatenate the events of the traces that exist (one clock: CLOCK_MONOTONIC)."""
-    events = []
-    for p in paths:
-        if os.path.exists(p):
-            events += load(p)["traceEvents"]
+    """Combine the traces that exist into the file `out`."""
+    doc = combine([load(p)["traceEvents"] for p in paths if os.path.exists(p)])
     with open(out, "w") as fh:
-        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, fh)
+        json.dump(doc, fh)
     return out
 
 

@@ -11,6 +11,7 @@ import os
 import shutil
 import sys
 import textwrap
+import types
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -113,6 +114,19 @@ def apply_fault(root: str, fault: Fault) -> None:
         f.write(patched)
 
 
+def _rebind(fn, module, owner):
+    """The new function with the real module's globals, and `__class__` (zero-argument super())
+    bound to the real class, not to the copy the patched source defined."""
+    if not isinstance(fn, types.FunctionType):
+        return fn
+    cells = []
+    for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
+        cells.append(types.CellType(owner) if name == "__class__" and isinstance(owner, type) else cell)
+    new = types.FunctionType(fn.__code__, module.__dict__, fn.__name__, fn.__defaults__, tuple(cells) or None)
+    new.__kwdefaults__, new.__qualname__, new.__doc__ = fn.__kwdefaults__, fn.__qualname__, fn.__doc__
+    return new
+
+
 @contextmanager
 def applied_in_process(fault: Fault, repo: str):
     """The fault's patched function swapped into the running ouro (tests, quick checks). The
@@ -132,6 +146,7 @@ def applied_in_process(fault: Fault, repo: str):
     for part in fault.function.split("."):
         new_obj = new_obj[part] if isinstance(new_obj, dict) else getattr(new_obj, part)
     original = owner.__dict__[attr]
+    new_obj = _rebind(new_obj, module, owner)
     swaps = [(owner, attr, original)]
     if owner is module:   # a module-level function: rebind where it was imported by name
         for name, mod in list(sys.modules.items()):

@@ -133,7 +133,7 @@ def chrome_events(pid: int) -> list[dict]:
     out = [{"ph": "M", "name": "thread_name", "pid": pid, "tid": 1, "args": {"name": NAME}}] if _samples else []
     if _samples:
         out.append({"ph": "i", "name": "heartbeat_stats", "cat": "heartbeat", "ts": _samples[0][0] * 1e3,
-                    "pid": pid, "tid": 1, "s": "t", "args": {"period_ms": PERIOD_S * 1e3, "samples": _samples}})
+                    "pid": pid, "tid": 1, "s": "t", "args": {"period_ms": PERIOD_S * 1e3, "samples": list(_samples)}})
     for s in _late:
         out.append({"ph": "i", "name": "heartbeat_late", "cat": "heartbeat", "ts": s["at_ms"] * 1e3, "pid": pid,
                     "tid": 1, "s": "t", "args": s})

@@ -129,6 +129,17 @@ def compare(ra: Recording, rb: Recording, col: str) -> list[dict]:
     return out
 
 
+def _ouro_source(rec, key: str):
+    """The source of `key`, or of its nearest enclosing module defined in ouro (an nn.Linear's
+    forward is torch's: the finding names the ouro module that owns it)."""
+    while key:
+        src = rec.sources.get(key)
+        if src and src[0].startswith("ouro/"):
+            return src
+        key = key.rpartition(".")[0]
+    return None
+
+
 def growth(positions, err) -> dict:
     """Does the error grow with position? mean(last quarter) / mean(first quarter), correlation."""
     e = err.double().clamp(max=1e30)
@@ -191,10 +202,13 @@ def _divergence(ra, rb, rows, i, col, ctx, label) -> Finding:
     key, err, pos = r["key"], r["err"], r["positions"]
     bad = [p for p, o in zip(pos, r["offending"].tolist()) if o]
     module = key.rsplit(".", 1)[0] if r["op"] else key
-    ours = ra if ra.ops else rb          # transformers records modules only
+    ours = rb if rb.ops else ra          # b is the run under test (a the reference); transformers records modules only
     op_key = key if r["op"] else _suspect_op(ours, key)
     op = op_key.rsplit(".", 1)[1] if op_key else r["kind"]
-    src = ours.sources.get(op_key or key) or ours.sources.get(module)
+    src = _ouro_source(ours, op_key or key) or _ouro_source(ours, module)
+    real = ours.op_at.get(op_key, {}).get(bad[0]) if op_key else None
+    if real:    # one role, several ops (the chunked kernel and the recurrent step): the one that ran there
+        op, src = real, ours.op_sources.get(real, src)
     worst = r["worst"]
     bound = ERROR_FACTOR * r["tol"] if r["tol"] > 0 else 0.05
     severity = "error" if not math.isfinite(worst) or worst > bound else "warning"

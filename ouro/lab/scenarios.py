@@ -5,19 +5,19 @@ offline   LLM-engine generate on a few requests, traced with the heartbeat on
 decode    decode_step_ms, roofline_ms (step_cost + measured roofline), ops_per_decode_step
 prefill   prefill_ms (model only), offline_prefill_ms (one request's prefill + first token)
 serve     a real `ouro serve` on a free port with --trace: ttft_p50_ms, tpot_ms, and its trace
+          (serve_scenarios.py; `serve_url`: the same against a server already running)
 leaks     leaked_pages, leaked_slots after a run where some requests are aborted
 """
 
 from __future__ import annotations
 
-import os
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 
-PROMPT_LEN, MAX_TOKENS = 48, 8
+from .serve_scenarios import (LOAD_SECONDS, SERVE_MAIN, free_port, serve, serve_url,  # noqa: F401 (re-exported)
+                              stream_completions, wait_ready)
+
+PROMPT_LEN, MAX_TOKENS = 48, 8   # serve_scenarios.py's defaults say 8 too
 _engines: dict = {}
 
 
@@ -146,106 +146,6 @@ def leaks(model_dir, requests: int = 6) -> dict:
     _drain(engine)
     return {"measurements": {"leaked_pages": pages0 - engine.pages.num_free,
                              "leaked_slots": slots0 - engine.slots.num_free}}
-
-
-def serve(model_dir, requests: int = 4, max_tokens: int = MAX_TOKENS, trace_out: str | None = None,
-          heartbeat: bool = True, timeout: float = 120.0) -> dict:
-    """A real `ouro serve --trace FILE` on 127.0.0.1; streamed completions give TTFT and TPOT."""
-    from .chrome_trace import load
-    port = free_port()
-    tmp = tempfile.mkdtemp(prefix="ouro-timeline-")
-    trace = trace_out or os.path.join(tmp, "trace.json")
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OURO_NUM_THREADS": "1",
-           "OURO_TRACE_HEARTBEAT": "1" if heartbeat else "0"}
-    env.pop("OURO_TRACE", None)
-    log = open(os.path.join(tmp, "server.log"), "w+")
-    cmd = [sys.executable, "-c", SERVE_MAIN, "serve", "--model", str(model_dir), "--port", str(port),
-           "--max-memory", str(64 << 20), "--page-size", "16", "--trace", trace, "--shutdown-timeout", "2"]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    try:
-        base = f"http://127.0.0.1:{port}"
-        wait_ready(proc, base, timeout, log)
-        stream_completions(base, prompts(1, seed=5), 2, LOAD_SECONDS)          # warm-up
-        records = stream_completions(base, prompts(requests, seed=6), max_tokens, LOAD_SECONDS)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    if not os.path.exists(trace):
-        log.seek(0)
-        raise RuntimeError(f"ouro serve wrote no trace {trace}:\n{log.read()[-2000:]}")
-    ttft = [r["ttft_ms"] for r in records if r["ttft_ms"] is not None]
-    tpot = [r["tpot_ms"] for r in records if r["tpot_ms"] is not None]
-    return {"measurements": {"ttft_p50_ms": statistics.median(ttft) if ttft else float("inf"),
-                             "tpot_ms": statistics.median(tpot) if tpot else 0.0},
-            "trace": load(trace), "trace_path": trace}
-
-
-# `ouro serve` through its own parser only, so a probe module that fails to import elsewhere in
-# the CLI cannot stop this scenario
-SERVE_MAIN = ("import argparse, sys; from ouro.cli import add_serve_parser; p = argparse.ArgumentParser(); "
-              "add_serve_parser(p.add_subparsers()); a = p.parse_args(sys.argv[1:]); sys.exit(a.func(a))")
-
-
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_ready(proc, base: str, timeout: float, log) -> None:
-    import httpx
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            log.seek(0)
-            raise RuntimeError(f"ouro serve exited ({proc.returncode}):\n{log.read()[-2000:]}")
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"ouro serve was not ready within {timeout:.0f} s")
-
-
-LOAD_SECONDS = 20.0   # a server slowed down by the very fault under study still gives a trace
-
-
-def stream_completions(base: str, prompt_ids: list[list[int]], max_tokens: int,
-                       seconds: float | None = None) -> list[dict]:
-    """All prompts at once, streamed: per request the time to first token and per output token.
-    After `seconds` the requests still running are cut off (their partial times are kept)."""
-    import asyncio
-    import httpx
-
-    async def one(client, ids):
-        body = {"prompt": ids, "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True}
-        t0, stamps = time.perf_counter(), []
-        try:
-            async with client.stream("POST", base + "/v1/completions", json=body) as r:
-                r.raise_for_status()
-                async for line in r.aiter_lines():
-                    if line.startswith("data: ") and line != "data: [DONE]":
-                        stamps.append(time.perf_counter())
-        except asyncio.CancelledError:
-            pass
-        ttft = 1e3 * (stamps[0] - t0) if stamps else None
-        tpot = 1e3 * (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else None
-        return {"ttft_ms": ttft, "tpot_ms": tpot, "chunks": len(stamps)}
-
-    async def run():
-        async with httpx.AsyncClient(timeout=60) as client:
-            tasks = [asyncio.ensure_future(one(client, ids)) for ids in prompt_ids]
-            await asyncio.wait(tasks, timeout=seconds)
-            for t in tasks:
-                t.cancel()
-            return await asyncio.gather(*tasks)
-    return asyncio.run(run())
 
 
 SCENARIOS = {"offline": offline, "decode": decode, "prefill": prefill, "leaks": leaks, "serve": serve}

@@ -2,8 +2,9 @@
 
 Standard library only, so `engine/`, `serve/` and `bench/` can import it. Off by default: a span
 then costs one flag check (plus, for the `with` form, building a small object). On, each span is
-one tuple (name, cat, start_ns, dur_ns, native thread id) in a process-wide list; `save(path)`
-writes a Chrome trace (Perfetto opens it). Clock: `time.perf_counter_ns` (CLOCK_MONOTONIC on
+one tuple (name, cat, start_ns, dur_ns, native thread id) in a process-wide ring of at most
+MAX_EVENTS (the oldest are dropped, and the trace says how many); `save(path)` writes a Chrome
+trace (Perfetto opens it). Clock: `time.perf_counter_ns` (CLOCK_MONOTONIC on
 Linux, shared by every process on the machine, so traces of two processes merge as they are).
 
 `OURO_TRACE=FILE` (and `OURO_TRACE_HEARTBEAT=1`) are read here and nowhere else.
@@ -18,6 +19,7 @@ import json
 import os
 import threading
 import time
+from collections import deque
 
 ENV_TRACE, ENV_HEARTBEAT = "OURO_TRACE", "OURO_TRACE_HEARTBEAT"
 
@@ -26,8 +28,11 @@ class _State:
     on = False
 
 
+MAX_EVENTS = 200_000   # ~20 MB of trace JSON: a server traced for hours stays bounded
+
 _state = _State()
-_events: list[tuple] = []                 # (name, cat, start_ns, dur_ns, tid)
+_events: deque = deque(maxlen=MAX_EVENTS)   # (name, cat, start_ns, dur_ns, tid); append is atomic
+_seen = [0]                                  # events recorded since clear(), dropped ones included
 _thread_names: dict[int, str] = {}
 _lanes: dict[str, int] = {}               # virtual lanes (e.g. async HTTP requests) -> fake tid
 _clock = time.perf_counter_ns
@@ -47,6 +52,25 @@ def enabled() -> bool:
 
 def clear() -> None:
     _events.clear()
+    _seen[0] = 0
+
+
+def set_max_events(n: int) -> None:
+    """Change the cap (clears the recorded events)."""
+    global _events, MAX_EVENTS
+    MAX_EVENTS = n
+    _events = deque(maxlen=n)
+    _seen[0] = 0
+
+
+def dropped() -> int:
+    """How many of the oldest events the cap has dropped since clear()."""
+    return max(0, _seen[0] - len(_events))
+
+
+def _push(ev: tuple) -> None:
+    _seen[0] += 1
+    _events.append(ev)
 
 
 def events() -> list[dict]:
@@ -82,7 +106,7 @@ def lane(name: str) -> int:
 def record(name: str, cat: str, start_ns: int, end_ns: int, tid: int | None = None) -> None:
     """Add a finished span (for spans whose start and end are not in one block)."""
     if _state.on:
-        _events.append((name, cat, start_ns, end_ns - start_ns, _tid() if tid is None else tid))
+        _push((name, cat, start_ns, end_ns - start_ns, _tid() if tid is None else tid))
 
 
 def span(name: str, cat: str = "misc"):
@@ -128,7 +152,7 @@ class _Span:
 
     def __exit__(self, *exc):
         if self.t0:
-            _events.append((self.name, self.cat, self.t0, _clock() - self.t0, _tid()))
+            _push((self.name, self.cat, self.t0, _clock() - self.t0, _tid()))
             self.t0 = 0
         return False
 
@@ -143,20 +167,23 @@ class _Span:
             try:
                 return fn(*a, **k)
             finally:
-                _events.append((name, cat, t0, _clock() - t0, _tid()))
+                _push((name, cat, t0, _clock() - t0, _tid()))
         return traced
 
 
 # ---- Chrome trace ----
 def chrome_events(pid: int | None = None, process_name: str | None = None) -> list[dict]:
     pid = os.getpid() if pid is None else pid
+    recorded = list(_events)          # one copy: other threads may append meanwhile
     out = [{"ph": "M", "name": "process_name", "pid": pid, "tid": 0,
-            "args": {"name": process_name or f"ouro {pid}"}}]
-    tids = {e[4] for e in _events}
+            "args": {"name": process_name or f"ouro {pid}"}},
+           {"ph": "M", "name": "ouro_trace", "pid": pid, "tid": 0,   # the cap, and what it cost
+            "args": {"max_events": MAX_EVENTS, "dropped_oldest_events": dropped()}}]
+    tids = {e[4] for e in recorded}
     for tid in sorted(tids):
         out.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid,
                     "args": {"name": _thread_names.get(tid, str(tid))}})
-    for n, c, s, d, t in list(_events):
+    for n, c, s, d, t in recorded:
         out.append({"ph": "X", "name": n, "cat": c, "ts": s / 1e3, "dur": d / 1e3, "pid": pid, "tid": t})
     from . import heartbeat   # the heartbeat's samples ride along (its own module; stdlib only)
     out += heartbeat.chrome_events(pid)

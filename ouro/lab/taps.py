@@ -28,6 +28,9 @@ from .tolerances import kind_of_module, kind_of_op
 NOT_PER_TOKEN = {"absorb_weights", "pool_keys"}
 # ops whose padded output is channels-first [B, C, T] (shape alone cannot tell when C == T)
 CHANNELS_FIRST = {"causal_conv1d"}
+# ops that play one role by different routes are recorded under one name, so a decode run (the
+# recurrent step) lines up with a prefill run (the chunked kernel) at the op, not one module later
+OP_ROLES = {"kda_chunk": "kda_kernel", "kda_recurrent_step": "kda_kernel"}
 
 
 @dataclass
@@ -40,6 +43,8 @@ class Recording:
     kinds: dict = field(default_factory=dict)
     sources: dict = field(default_factory=dict)  # key -> (file, function, line)
     ops: set = field(default_factory=set)        # keys that are op taps
+    op_at: dict = field(default_factory=dict)    # op key -> {position: the op that computed it} (OP_ROLES)
+    op_sources: dict = field(default_factory=dict)   # op name -> (file, function, line)
     forward_index: int = 0
     _events: int = 0
 
@@ -211,6 +216,8 @@ class OuroTaps:
         got = probed_rows(t, ctx, set(self.slots()), channels_first)
         if got is not None:
             self.rec.add(key, *got)
+            return got[1]
+        return None
 
     def _module_hook(self, name, mod):
         def hook(m, args, out):
@@ -234,11 +241,13 @@ class OuroTaps:
             ctx = _find_local("ctx", ForwardContext)
             name = self.names.get(id(owner))
             if name is not None:
-                key = f"{name}.{op}"
+                key = f"{name}.{OP_ROLES.get(op, op)}"
                 self.rec.ops.add(key)
                 self.rec.kinds[key] = kind_of_op(op)
-                self.rec.sources[key] = source_of(fn)
-                self._record(key, out, ctx, op in CHANNELS_FIRST)
+                self.rec.sources[key] = self.rec.op_sources[op] = source_of(fn)
+                pos = self._record(key, out, ctx, op in CHANNELS_FIRST)
+                if pos is not None:
+                    self.rec.op_at.setdefault(key, {}).update(dict.fromkeys(pos.tolist(), op))
             return out
         return wrapped
 

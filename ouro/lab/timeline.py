@@ -1,10 +1,11 @@
 """`ouro probe timeline`: run a short traced scenario (offline generate in this process, or a
-real `ouro serve --trace` with a few HTTP requests) with the heartbeat on, or read an existing
-trace, and report GIL starvation, idle gaps of the engine loop, time per category and the
-overlap between categories, worst intervals first.
+real `ouro serve --trace` with a few HTTP requests) with the heartbeat on, or trace a server
+that is already running (`--url`: /start_trace, the same streamed requests, /stop_trace), or
+read an existing trace, and report GIL starvation, idle gaps of the engine loop, time per
+category and the overlap between categories, worst intervals first.
 
-Python API: `timeline(model, scenario="offline", requests=4, trace_out=None, from_trace=None)`
--> list[Finding]."""
+Python API: `timeline(model, scenario="offline", requests=4, trace_out=None, from_trace=None,
+max_tokens=8, url=None, api_key=None)` -> list[Finding]."""
 
 from __future__ import annotations
 
@@ -22,17 +23,27 @@ def add_arguments(p) -> None:
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--trace-out", default=None, metavar="FILE", help="write the run's Chrome trace here")
     p.add_argument("--from-trace", default=None, metavar="FILE", help="analyse this trace instead of running")
+    p.add_argument("--url", default=None, metavar="URL",
+                   help="trace this running `ouro serve` (e.g. http://127.0.0.1:8000) instead of starting one; "
+                        "--model and --scenario are then unused")
+    p.add_argument("--api-key", default=None, help="the running server's API key (with --url)")
 
 
 def run(args) -> list[Finding]:
     return timeline(args.model, args.scenario, args.requests, args.trace_out, args.from_trace,
-                    max_tokens=getattr(args, "max_tokens", 8))
+                    max_tokens=getattr(args, "max_tokens", 8), url=getattr(args, "url", None),
+                    api_key=getattr(args, "api_key", None))
 
 
 def timeline(model="tiny", scenario: str = "offline", requests: int = 4, trace_out: str | None = None,
-             from_trace: str | None = None, max_tokens: int = 8) -> list[Finding]:
+             from_trace: str | None = None, max_tokens: int = 8, url: str | None = None,
+             api_key: str | None = None) -> list[Finding]:
     if from_trace:
         doc, path = load(from_trace), from_trace
+    elif url:
+        from .serve_scenarios import serve_url
+        r = serve_url(url, requests, max_tokens, trace_out=trace_out, api_key=api_key)
+        doc, path = r["trace"], r["trace_path"]
     else:
         doc, path = trace_of(model, scenario, requests, trace_out, max_tokens)
     findings = analyse_doc(doc)

@@ -14,6 +14,7 @@ PROBE = "timeline"
 GIL_FLOOR_MS = 2.0          # heartbeat delay below this is ordinary scheduling, whatever the baseline
 GIL_BASELINE_FACTOR = 5.0
 CULPRIT_MIN_CPU_SHARE = 0.2  # another thread ran at least this share of the late intervals
+CULPRIT_BUSY_SHARE = 0.5     # ...outside its own work spans: a thread busy in `forward` is computing, not waiting
 GAP_MIN_MS = 5.0
 NEXT = "ouro probe timeline --trace-out t.json, then open t.json in https://ui.perfetto.dev"
 
@@ -55,6 +56,19 @@ def _culprit(late: list[dict], own_thread: str) -> dict | None:
             "others": {k: round(v / interval, 3) for k, v in cpu.most_common(4)}}
 
 
+def _busy_share(spans: list[dict], thread: str, late: list[dict]) -> float:
+    """Share of the late wakes at which `thread` was inside one of its own work spans."""
+    own = sorted(((x["start_ms"], x["end_ms"]) for x in spans if x["thread"] == thread and x["cat"] != "pending"))
+    if not late or not own:
+        return 0.0
+    starts = [a for a, _ in own]
+    busy = 0
+    for s in late:
+        i = bisect.bisect_right(starts, s["at_ms"]) - 1
+        busy += any(a <= s["at_ms"] <= b for a, b in own[max(0, i - 8):i + 1])
+    return busy / len(late)
+
+
 def gil_findings(spans: list[dict], heartbeats: dict, t0: float) -> list[Finding]:
     out = []
     for pid, hb in heartbeats.items():
@@ -86,6 +100,8 @@ def gil_findings(spans: list[dict], heartbeats: dict, t0: float) -> list[Finding
             c = _culprit(late_in, thread)
             worst = max(inst, key=lambda s: max((delays[i] for i in _in_spans(times, [s])), default=0.0))
             key = (c["thread"], c["file"], c["function"]) if c and c["cpu_share"] >= CULPRIT_MIN_CPU_SHARE else None
+            if key is not None and _busy_share(mine, c["thread"], late_in) >= CULPRIT_BUSY_SHARE:
+                key = None   # the other thread was doing its own traced work: contention, not a wait
             entry = by_culprit.setdefault(key, {"culprit": c, "spans": [], "p90": 0.0, "worst": worst, "p99": 0.0})
             entry["spans"].append({"span": name, "thread": thread, "delay_p90_ms": round(p90, 2),
                                    "delay_p99_ms": round(p99, 2), "samples": len(d)})
@@ -112,7 +128,8 @@ def gil_findings(spans: list[dict], heartbeats: dict, t0: float) -> list[Finding
             else:
                 out.append(Finding(PROBE, "info",
                                    f"the heartbeat woke {e['p90']:.1f} ms late (p90) during {names}, but no other "
-                                   "thread of this process ran meanwhile: the OS or the span's own Python",
+                                   "thread of this process ran outside its own traced work meanwhile: ordinary "
+                                   "contention, the OS or the span's own Python",
                                    where={"thread": w["thread"], "interval": interval},
                                    measured={"delay_p90_ms": round(e["p90"], 2)},
                                    expected={"delay_p90_ms_at_most": round(expected, 2)}, evidence=evidence, next=NEXT))

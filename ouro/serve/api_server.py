@@ -1,6 +1,7 @@
 """The HTTP frontend: OpenAI routes, errors in the OpenAI body, API key, overload and body-size
-limits, SSE streaming, /health and /metrics. Tokenisation, chat templates and detokenisation
-happen here; the model runs in the engine process (`engine_client.py`)."""
+limits, SSE streaming, /health and /metrics, tracing on demand (`trace_routes.py`). Tokenisation,
+chat templates and detokenisation happen here; the model runs in the engine process
+(`engine_client.py`)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from .generation import Generation, GenerationError
 from .metrics import Metrics
 from .protocol import ChatCompletionRequest, CompletionRequest, error_body
 from .protocol import ServeError as ApiError
+from .trace_routes import add_trace_routes
 
 GENERATE_ROUTES = ("/v1/chat/completions", "/v1/completions")
 
@@ -42,6 +44,7 @@ class ServerState:
     max_body_bytes: int = 4 << 20
     draining: bool = False
     in_flight: int = 0
+    tracing: dict | None = None      # an on-demand trace being recorded (trace_routes.py)
     metrics: Metrics = field(default=None)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -170,6 +173,8 @@ def build_app(state: ServerState) -> FastAPI:
     async def models():
         return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
                                             "owned_by": "ouro", "max_model_len": state.max_model_len}]}
+
+    add_trace_routes(app, state)
 
     @app.post("/v1/completions", response_model=None)
     async def completions(request: Request, body: CompletionRequest):

@@ -33,6 +33,7 @@ class EngineClient:
         self.proc: mp.Process | None = None
         self._dir = tempfile.mkdtemp(prefix="ouro-ipc-")
         self._tasks: list[asyncio.Task] = []
+        self._trace_wait: asyncio.Future | None = None   # a stop_trace waiting for the engine's events
 
     # ---- life cycle ----
     async def start(self, timeout: float = 600.0) -> None:
@@ -105,6 +106,27 @@ class EngineClient:
         """Forget a finished request's queue."""
         self.queues.pop(rid, None)
 
+    # ---- tracing on demand ----
+    async def start_trace(self, heartbeat: bool = False) -> None:
+        """The engine clears its spans and records from its next message on (messages on one
+        socket arrive in order, so every request sent after this is traced)."""
+        if not self.healthy:
+            raise EngineUnavailable(self.dead_reason or "the engine is not ready")
+        await self.push.send(encode({"type": "start_trace", "heartbeat": bool(heartbeat)}))
+
+    async def stop_trace(self, timeout: float = 30.0) -> list[dict]:
+        """Stop the engine's recording; returns its Chrome trace events."""
+        if not self.healthy:
+            raise EngineUnavailable(self.dead_reason or "the engine is not ready")
+        self._trace_wait = asyncio.get_running_loop().create_future()
+        try:
+            await self.push.send(encode({"type": "stop_trace"}))
+            return await asyncio.wait_for(asyncio.shield(self._trace_wait), timeout)
+        except asyncio.TimeoutError:
+            raise EngineUnavailable(f"the engine sent no trace within {timeout:.0f} s") from None
+        finally:
+            self._trace_wait = None
+
     # ---- background ----
     async def _reader(self) -> None:
         while True:
@@ -122,6 +144,9 @@ class EngineClient:
             elif kind == "stats":
                 self.stats, self.last_beat = msg["stats"], time.monotonic()
                 self.on_stats(self.stats)
+            elif kind == "trace":
+                if self._trace_wait is not None and not self._trace_wait.done():
+                    self._trace_wait.set_result(msg["events"])
 
     async def _watchdog(self) -> None:
         while True:
@@ -136,6 +161,8 @@ class EngineClient:
         for rid, q in self.queues.items():
             q.put_nowait({"rid": rid, "error": reason, "status": 503})
         self.queues.clear()
+        if self._trace_wait is not None and not self._trace_wait.done():
+            self._trace_wait.set_exception(EngineUnavailable(reason))
 
     def cleanup(self) -> None:
         for name in ("in", "out"):

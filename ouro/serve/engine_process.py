@@ -112,6 +112,24 @@ def run_engine(model_dir: str, engine_kwargs: dict, in_addr: str, out_addr: str,
             spans.save_once(trace_path, "ouro engine")
 
 
+def on_trace_message(msg: dict, sender) -> None:
+    """Tracing on demand (the frontend's /start_trace and /stop_trace): between two steps, so
+    requests in flight carry on; the events go back as one message, encoded on the sender thread."""
+    from ..lab import heartbeat
+    if msg["type"] == "start_trace":
+        spans.clear()
+        heartbeat.clear()
+        spans.enable()
+        if msg.get("heartbeat"):
+            heartbeat.start()
+        return
+    heartbeat.stop()
+    spans.disable()
+    sender.send({"type": "trace", "events": spans.chrome_events(process_name="ouro engine")})
+    spans.clear()
+    heartbeat.clear()
+
+
 def _loop(engine, inbox, sender, decode, params_from_wire) -> None:
     last_beat, failures, parent = 0.0, 0, os.getppid()
     busy_since = None                 # the trace's "pending" spans: when the engine has work
@@ -136,6 +154,11 @@ def _loop(engine, inbox, sender, decode, params_from_wire) -> None:
             elif kind == "shutdown":
                 sender.send({"type": "bye"})
                 return
+            elif kind in ("start_trace", "stop_trace"):
+                if busy_since is not None:    # the busy period so far belongs to the trace that ends
+                    spans.record("pending", "pending", busy_since, spans.now_ns())
+                    busy_since = spans.now_ns()
+                on_trace_message(msg, sender)
             spans.record("recv", "io", t_recv, spans.now_ns())
         if busy_since is None and engine.has_unfinished():
             busy_since = spans.now_ns()

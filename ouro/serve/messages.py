@@ -7,6 +7,8 @@ frontend -> engine (PUSH/PULL):
   {"type": "add", "rid", "prompt_token_ids": [int], "params": {SamplingParams fields}}
   {"type": "abort", "rid"}
   {"type": "shutdown"}
+  {"type": "start_trace", "heartbeat": bool}   (clear and record spans; heartbeat thread optional)
+  {"type": "stop_trace"}                       (stop recording; the engine answers with "trace")
 engine -> frontend (PUSH/PULL):
   {"type": "ready", "pid", "plan": str, "max_model_len", "max_tokens", "max_num_seqs"}
   {"type": "outputs", "items": [{"rid", "new_token_ids", "finished", "finish_reason",
@@ -14,6 +16,7 @@ engine -> frontend (PUSH/PULL):
                                  "logprobs": [float], "top_logprobs": [[[id, lp], ...] | null]}]}
   {"type": "error", "rid", "message", "status"}   (a request the engine refused or dropped)
   {"type": "stats", "stats": {...LLMEngine.stats()}, "time"}   (heartbeat, a few per second)
+  {"type": "trace", "events": [Chrome trace events]}          (the answer to stop_trace)
 """
 
 from __future__ import annotations
