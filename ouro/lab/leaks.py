@@ -15,6 +15,7 @@ import torch
 
 from .call_trace import CallRecorder, ouro_stack
 from .findings import Finding
+from .leak_paths import PATHS, make_engine
 
 PROBE = "leaks"
 RESOURCES = {   # resource -> the function that gives it back (file suffix, name)
@@ -27,103 +28,6 @@ RESOURCES = {   # resource -> the function that gives it back (file suffix, name
 def add_arguments(p) -> None:
     p.add_argument("--model", default="tiny", help="preset name or checkpoint directory (default: tiny)")
     p.add_argument("--seed", type=int, default=0)
-
-
-def _engine(model_dir: str, prefix: bool):
-    from ..config import EngineConfig
-    from ..engine.llm_engine import LLMEngine
-    from ..models.loader import load_model
-    model = load_model(model_dir, dtype=torch.float32)
-    cfg = EngineConfig(page_size=16, max_num_seqs=4, max_num_batched_tokens=24, max_memory=8 << 20)
-    return LLMEngine(model, None, cfg, enable_prefix_caching=prefix, verbose=False)
-
-
-def _params(max_tokens=6, **kw):
-    from ..engine.sampling import SamplingParams
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
-
-
-def _run_until(engine, rid, cond, limit=200):
-    for _ in range(limit):
-        req = engine.requests.get(rid)
-        if req is None or cond(req):
-            return
-        engine.step()
-
-
-def _drain(engine, limit=400):
-    for _ in range(limit):
-        if not engine.has_unfinished():
-            return
-        engine.step()
-
-
-# each path: (name, needs prefix cache, fn(engine, prompt) ) -- fn leaves the engine idle
-def _finish(e, p):
-    e.add_request({"prompt_token_ids": p}, _params(), "r")
-    _drain(e)
-
-
-def _abort_waiting(e, p):
-    e.add_request({"prompt_token_ids": p}, _params(), "r")
-    e.abort("r")
-
-
-def _abort_prefill(e, p):
-    e.add_request({"prompt_token_ids": p}, _params(), "r")
-    e.step()                                            # one chunk of a longer prompt
-    e.abort("r")
-
-
-def _abort_decode(e, p):
-    e.add_request({"prompt_token_ids": p}, _params(max_tokens=20), "r")
-    _run_until(e, "r", lambda r: len(r.output_ids) >= 3)
-    e.abort("r")
-
-
-def _stop_token(e, p):
-    e.add_request({"prompt_token_ids": p}, _params(max_tokens=20), "r")
-    _run_until(e, "r", lambda r: len(r.output_ids) >= 1)
-    tok = e.requests["r"].output_ids[-1] if "r" in e.requests else None
-    _drain(e)
-    if tok is not None:   # a second request that stops on its own first token
-        e.add_request({"prompt_token_ids": p}, _params(max_tokens=20, stop_token_ids=[tok]), "s")
-        _drain(e)
-
-
-def _preempt(e, p):
-    e.add_request({"prompt_token_ids": p}, _params(max_tokens=8), "r")
-    e.add_request({"prompt_token_ids": p[::-1]}, _params(max_tokens=8), "s")
-    _run_until(e, "s", lambda r: r.num_computed > 0)
-    if "s" in e.requests and e.requests["s"] in e.scheduler.running:
-        e.scheduler.preempt(e.requests["s"])
-    _drain(e)
-
-
-def _prefix_hit_abort(e, p):
-    e.add_request({"prompt_token_ids": p}, _params(max_tokens=2), "warm")
-    _drain(e)
-    e.add_request({"prompt_token_ids": p + [1, 2, 3]}, _params(max_tokens=20), "r")
-    _run_until(e, "r", lambda r: len(r.output_ids) >= 2)
-    e.abort("r")
-
-
-def _prompt_logprobs(e, p):
-    e.add_request({"prompt_token_ids": p}, _params(max_tokens=2, prompt_logprobs=1), "r")
-    _drain(e)
-
-
-PATHS = [
-    ("finish at max_tokens", False, _finish),
-    ("finish on a stop token", False, _stop_token),
-    ("abort while waiting", False, _abort_waiting),
-    ("abort during chunked prefill", False, _abort_prefill),
-    ("abort during decode", False, _abort_decode),
-    ("preempted, then finished", False, _preempt),
-    ("prompt logprobs", False, _prompt_logprobs),
-    ("prefix-cache hit, then abort", True, _prefix_hit_abort),
-    ("prefix-cache hit, finished", True, lambda e, p: (_finish(e, p), _finish(e, p + [7]))),
-]
 
 
 def _holdings(e) -> dict:
@@ -184,7 +88,7 @@ def check_paths(model_dir: str, seed: int = 0) -> list[dict]:
     engines = {}
     for name, prefix, fn in PATHS:
         if prefix not in engines:
-            engines[prefix] = _engine(model_dir, prefix)
+            engines[prefix] = make_engine(model_dir, prefix)
         e = engines[prefix]
         vocab = e.model.config.vocab_size
         prompt = torch.randint(20, vocab, (40,), generator=g).tolist()

@@ -12,7 +12,8 @@ from dataclasses import dataclass, replace
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .taps import OuroTaps, Recording, TransformersTaps
+from .hf_taps import TransformersTaps
+from .taps import OuroTaps, Recording
 
 KEYS = {
     "impl": ("ouro", "transformers"),
