@@ -95,11 +95,16 @@ def patch_source(source: str, fault: Fault) -> str:
     return patched
 
 
+SKIP_ANYWHERE = {".git", "__pycache__", ".pytest_cache", ".hypothesis", ".venv", "venv", "node_modules"}
+SKIP_AT_TOP = {"runs", "build", "dist", "models"}      # training runs, build outputs, local checkpoints
+
+
 def copy_tree(repo: str, dest: str) -> str:
-    """The checkout without .git and caches; the shipped weights are linked, not copied."""
+    """The checkout without .git, virtual environments, caches and local checkpoints; the shipped
+    weights are linked, not copied."""
     def ignore(d, names):
-        return [n for n in names if n in (".git", "__pycache__", ".pytest_cache", "runs", ".hypothesis")
-                or n.endswith(".egg-info")]
+        top = os.path.abspath(d) == os.path.abspath(repo)
+        return [n for n in names if n in SKIP_ANYWHERE or n.endswith(".egg-info") or (top and n in SKIP_AT_TOP)]
     shutil.copytree(repo, dest, ignore=ignore, symlinks=True,
                     copy_function=lambda s, d: os.symlink(s, d) if s.endswith(".safetensors") else shutil.copy2(s, d))
     return dest
