@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -47,13 +48,19 @@ def run_probe(root: str, args: list[str], timeout: float, baseline: str | None =
         return [Finding(**d) for d in json.load(f)["findings"]], seconds, None
 
 
+def lab_tests(root: str) -> list[str]:
+    tests = os.path.join(root, "tests")
+    return sorted(f"tests/{n}" for n in os.listdir(tests) if n.startswith("test_lab_")) if os.path.isdir(tests) else []
+
+
 def run_tests(root: str, timeout: float = 1800.0) -> dict:
-    """The default test suite on the copy, stopping at the first failure. The fault suite's own
-    tests are left out: on a patched copy they fail by construction (the fault is already in)."""
+    """The sparse baseline: the default test suite on the copy, stopping at the first failure,
+    without the lab's own tests (they are dense feedback: each probe checks clean ouro, and the
+    fault suite's tests fail on a patched copy by construction)."""
     t0 = time.perf_counter()
     try:
         p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                            "--ignore=tests/test_lab_faults.py"], cwd=root,
+                            *[f"--ignore={t}" for t in lab_tests(root)]], cwd=root,
                            env=_env(root), capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"tests": "timeout", "seconds": timeout}
@@ -77,7 +84,7 @@ def _dsa_layers() -> set[int]:
     return {i for i, t in enumerate(PRESETS["tiny"].layer_types) if t != "linear_attention"}
 
 
-def run_fault(fault: Fault, workdir: str, timeout: float, sparse: bool = False, clean_tok_s=None,
+def run_fault(fault: Fault, workdir: str, timeout: float, sparse: bool = False, clean_root: str | None = None,
               baselines: dict | None = None) -> dict:
     root = copy_tree(REPO_DIR, os.path.join(workdir, fault.name))
     apply_fault(root, fault)
@@ -95,9 +102,15 @@ def run_fault(fault: Fault, workdir: str, timeout: float, sparse: bool = False, 
            "seconds": first_detect if first_detect is not None else seconds, "errors": errors}
     if sparse:
         row.update(run_tests(root))
-        tok_s = output_tok_s(root)
-        row["output_tok_s"] = tok_s
-        row["throughput_change"] = None if tok_s is None or not clean_tok_s else tok_s / clean_tok_s - 1
+        # clean, faulted, clean, faulted: the change is the ratio of the medians of each side
+        runs = {"clean": [], "fault": []}
+        for _ in range(2):
+            for side, r in (("clean", clean_root), ("fault", root)):
+                runs[side].append(output_tok_s(r))
+        ok = {k: [x for x in v if x] for k, v in runs.items()}
+        row["output_tok_s"] = {k: v for k, v in ok.items()}
+        row["throughput_change"] = (statistics.median(ok["fault"]) / statistics.median(ok["clean"]) - 1
+                                    if ok["fault"] and ok["clean"] else None)
     return row
 
 
@@ -132,6 +145,8 @@ def format_rows(rows: list[dict], sparse: bool) -> str:
         if sparse:
             ch = r.get("throughput_change")
             line += f"  {r.get('tests', '-'):<6} {('%+.0f%%' % (100 * ch)) if ch is not None else '-':>10}"
+            if r.get("first_failure"):
+                line += f"  {r['first_failure']}"
         lines.append(line)
         if r["top"]:
             lines.append(f"    top: [{r['top']['severity']}] {r['top']['summary'][:110]}")
@@ -148,6 +163,11 @@ def format_rows(rows: list[dict], sparse: bool) -> str:
     return "\n".join(lines)
 
 
+def _write(path: str, rows: list[dict], baseline: list[dict]) -> None:
+    with open(path, "w") as f:
+        json.dump({"faults": rows, "clean": baseline}, f, indent=1)
+
+
 def run_suite(args) -> int:
     faults = all_faults()
     if args.list:
@@ -155,28 +175,27 @@ def run_suite(args) -> int:
             print(f"{f.name:<30} {f.file}:{f.function}\n    {f.description}")
         return 0
     if args.only:
-        names = set(args.only.split(","))
-        unknown = names - {f.name for f in faults}
+        names = args.only.split(",")
+        unknown = set(names) - {f.name for f in faults}
         if unknown:
             raise ValueError(f"unknown fault(s) {sorted(unknown)}; `ouro lab faults --list` names them")
-        faults = [f for f in faults if f.name in names]
+        by_name = {f.name: f for f in faults}
+        faults = [by_name[n] for n in dict.fromkeys(names)]      # in the order given
     rows = []
     with tempfile.TemporaryDirectory(prefix="ouro-faults-") as work:
-        clean_tok_s = None
-        if args.sparse:
-            clean = copy_tree(REPO_DIR, os.path.join(work, "_bench_clean"))
-            clean_tok_s = output_tok_s(clean)
+        clean = copy_tree(REPO_DIR, os.path.join(work, "_bench_clean")) if args.sparse else None
         baseline, paths = ([], {}) if args.no_clean else clean_baseline(faults, work, args.timeout)
         for fault in faults:
-            rows.append(run_fault(fault, work, args.timeout, args.sparse, clean_tok_s, paths))
+            rows.append(run_fault(fault, work, args.timeout, args.sparse, clean, paths))
             print(format_rows(rows[-1:], args.sparse).split("\n\n")[0], flush=True)
+            if args.json:      # after every fault: a long --sparse run leaves usable partial results
+                _write(args.json, rows, baseline)
     print("\n" + format_rows(rows, args.sparse))
     for b in baseline:   # what clean ouro itself is told: real findings, or false alarms to fix
         print(f"clean  {b['probe']} ({b['seconds']:.1f} s): "
               + ("; ".join(b["standing"]) if b["standing"] else "no warning")
               + (f"; error: {b['error']}" if b["error"] else ""))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"faults": rows, "clean": baseline, "clean_output_tok_s": clean_tok_s}, f, indent=1)
+        _write(args.json, rows, baseline)
     ok = all(r["detected"] and r["localised"] for r in rows) and not any(b["error"] for b in baseline)
     return 0 if ok else 1
