@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -29,6 +30,20 @@ def _env(root: str) -> dict:
     return env
 
 
+def _run(cmd: list[str], root: str, timeout: float) -> subprocess.CompletedProcess:
+    """Run in its own process group, so a timeout also stops what the run started (a probe's
+    server, a test's engine process) instead of leaving it to spin."""
+    p = subprocess.Popen(cmd, cwd=root, env=_env(root), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.communicate()
+        raise
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
 def run_probe(root: str, args: list[str], timeout: float, baseline: str | None = None,
               out: str | None = None) -> tuple[list[Finding], float, str | None]:
     """One `ouro probe` process against the copy at root: (findings, seconds, error or None).
@@ -37,8 +52,7 @@ def run_probe(root: str, args: list[str], timeout: float, baseline: str | None =
     extra = ["--baseline", baseline] if baseline else []
     t0 = time.perf_counter()
     try:
-        p = subprocess.run([sys.executable, "-m", "ouro.cli", "probe", *args, "--json", out, *extra], cwd=root,
-                           env=_env(root), capture_output=True, text=True, timeout=timeout)
+        p = _run([sys.executable, "-m", "ouro.cli", "probe", *args, "--json", out, *extra], root, timeout)
     except subprocess.TimeoutExpired:
         return [], time.perf_counter() - t0, f"timed out after {timeout:.0f} s"
     seconds = time.perf_counter() - t0
@@ -59,9 +73,8 @@ def run_tests(root: str, timeout: float = 1800.0) -> dict:
     fault suite's tests fail on a patched copy by construction)."""
     t0 = time.perf_counter()
     try:
-        p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                            *[f"--ignore={t}" for t in lab_tests(root)]], cwd=root,
-                           env=_env(root), capture_output=True, text=True, timeout=timeout)
+        p = _run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                  *[f"--ignore={t}" for t in lab_tests(root)]], root, timeout)
     except subprocess.TimeoutExpired:
         return {"tests": "timeout", "seconds": timeout}
     failed = [l.split(" ")[1] for l in p.stdout.splitlines() if l.startswith(("FAILED ", "ERROR "))]
@@ -71,8 +84,10 @@ def run_tests(root: str, timeout: float = 1800.0) -> dict:
 
 def output_tok_s(root: str, timeout: float = 600.0) -> float | None:
     out = os.path.join(root, ".bench.json")
-    p = subprocess.run([sys.executable, "-m", "ouro.cli", *BENCH, "--output-json", out], cwd=root, env=_env(root),
-                       capture_output=True, text=True, timeout=timeout)
+    try:
+        p = _run([sys.executable, "-m", "ouro.cli", *BENCH, "--output-json", out], root, timeout)
+    except subprocess.TimeoutExpired:
+        return None
     if p.returncode != 0:
         return None
     with open(out) as f:
