@@ -76,10 +76,10 @@ def run_tests(root: str, timeout: float = 1800.0) -> dict:
         p = _run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
                   *[f"--ignore={t}" for t in lab_tests(root)]], root, timeout)
     except subprocess.TimeoutExpired:
-        return {"tests": "timeout", "seconds": timeout}
+        return {"tests": "timeout", "tests_seconds": timeout}
     failed = [l.split(" ")[1] for l in p.stdout.splitlines() if l.startswith(("FAILED ", "ERROR "))]
     return {"tests": "pass" if p.returncode == 0 else "fail", "first_failure": failed[0] if failed else None,
-            "seconds": time.perf_counter() - t0}
+            "tests_seconds": time.perf_counter() - t0}
 
 
 def output_tok_s(root: str, timeout: float = 600.0) -> float | None:
