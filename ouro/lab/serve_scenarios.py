@@ -31,12 +31,12 @@ def serve(model_dir, requests: int = 4, max_tokens: int = 8, trace_out: str | No
     try:
         base = f"http://127.0.0.1:{port}"
         wait_ready(proc, base, timeout, log)
-        stream_completions(base, prompts(1, seed=5), 2, LOAD_SECONDS)          # warm-up
+        stream_completions(base, prompts(1, seed=5), 2, LOAD_SECONDS / 4)      # warm-up
         records = stream_completions(base, prompts(requests, seed=6), max_tokens, LOAD_SECONDS)
     finally:
         proc.terminate()
         try:
-            proc.wait(30)
+            proc.wait(60)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()

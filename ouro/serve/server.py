@@ -101,7 +101,7 @@ def serve(args) -> int:
             await server.serve()
         finally:
             starting.cancel()
-            await client.shutdown(timeout=5)
+            await client.shutdown(timeout=30 if trace else 5)   # the engine writes its trace on the way out
             client.cleanup()
             if trace:
                 _merge_trace(trace)
