@@ -67,6 +67,26 @@ def test_analysis_finds_idle_gap_and_overlap():
     assert overlap(trace, "transfer", "compute") == pytest.approx(0.5)
 
 
+def test_a_poller_spinning_all_along_is_not_taken_for_the_baseline():
+    """A hog that spins while the engine is idle too makes idle wakes late as well: those wakes
+    must not become the 'normal' delay that the starved spans are compared with."""
+    hog = {"thread": "poller", "tid": 9, "where": {"file": "x.py", "function": "poll", "line": 3}}
+    samples, late = [], []
+    for i in range(200):
+        t, d = float(i * 6), (10.0 if 100 <= i < 160 else 5.0)     # late everywhere, worse in forward
+        samples.append((t, d))
+        late.append({"at_ms": t, "delay_ms": d, "interval_ms": 6.0, "threads": [dict(hog, cpu_ms=5.5)]})
+    span = {"name": "forward", "cat": "compute", "start_ms": 600.0, "end_ms": 959.0, "dur_ms": 359.0,
+            "pid": 1, "tid": 1, "thread": "MainThread", "process": "p"}
+    findings = sort_findings(analyse([span], {1: {"samples": samples, "late": late}}))
+    top = findings[0]
+    assert top.severity == "warning" and top.where["function"] == "poll", [f.summary for f in findings]
+    # the same delays with nobody else running are the OS's noise: no culprit, no warning
+    for s in late:
+        s["threads"] = []
+    assert all(f.severity == "info" for f in analyse([span], {1: {"samples": samples, "late": late}}))
+
+
 def _sender_with(monkeypatch, wait=None):
     """The engine process's real output sender on a real (in-process) ZeroMQ pair."""
     if wait is not None:

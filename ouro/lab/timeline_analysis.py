@@ -56,6 +56,13 @@ def _culprit(late: list[dict], own_thread: str) -> dict | None:
             "others": {k: round(v / interval, 3) for k, v in cpu.most_common(4)}}
 
 
+def _contended(sample: dict) -> bool:
+    """A late wake during which some other Python thread ran for a fair share of the interval."""
+    interval = sample.get("interval_ms") or 0.0
+    return interval > 0 and any((t.get("cpu_ms") or 0.0) >= CULPRIT_MIN_CPU_SHARE * interval
+                                for t in sample.get("threads", []))
+
+
 def _busy_share(spans: list[dict], thread: str, late: list[dict]) -> float:
     """Share of the late wakes at which `thread` was inside one of its own work spans."""
     own = sorted(((x["start_ms"], x["end_ms"]) for x in spans if x["thread"] == thread and x["cat"] != "pending"))
@@ -78,8 +85,13 @@ def gil_findings(spans: list[dict], heartbeats: dict, t0: float) -> list[Finding
         times, delays = [s[0] for s in samples], [s[1] for s in samples]
         mine = [s for s in spans if s["pid"] == pid]
         inside = set(_in_spans(times, mine))
-        idle = [delays[i] for i in range(len(delays)) if i not in inside]
-        baseline = statistics.median(idle) if len(idle) >= 20 else pct(delays, 0.1)
+        # the baseline is the OS's scheduling noise: an idle wake that another Python thread made
+        # late is the fault itself (a poller that spins all the time), not noise to forgive
+        contended = {s["at_ms"] for s in hb["late"] if _contended(s)}
+        quiet = [i for i in range(len(delays)) if times[i] not in contended]
+        idle = [delays[i] for i in quiet if i not in inside]
+        baseline = (statistics.median(idle) if len(idle) >= 20
+                    else pct([delays[i] for i in quiet], 0.1) if quiet else 0.0)
         expected = max(GIL_FLOOR_MS, GIL_BASELINE_FACTOR * baseline)
         late = sorted(hb["late"], key=lambda s: s["at_ms"])
         late_t = [s["at_ms"] for s in late]
