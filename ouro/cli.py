@@ -198,7 +198,7 @@ def build_parser(argv=None) -> argparse.ArgumentParser:
     gen.add_argument("--prompt-token-ids", default=None, help="comma-separated token ids instead of --prompt")
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--device", default="cpu")
-    gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16")
+    gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="auto (the fastest native GEMM dtype of this machine, timed once and cached), float32, bfloat16")
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-p", type=float, default=1.0)
@@ -221,7 +221,7 @@ def build_parser(argv=None) -> argparse.ArgumentParser:
                        default="none", help="also run transformers on the same work (--compare transformers)")
     bench.add_argument("--output-json", default=None)
     bench.add_argument("--device", default="cpu", help="offline: cpu or cuda (both systems run there)")
-    bench.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="offline: auto (float32 on CPU, bfloat16 on CUDA)")
+    bench.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="offline: auto (the fastest native GEMM dtype of this machine, timed once and cached)")
     from .lab.spans import TraceToFile
     bench.add_argument("--trace", default=None, metavar="FILE", action=TraceToFile,
                        help="record the run's spans into FILE (Chrome trace, written at exit)")

@@ -4,6 +4,8 @@ import sys
 # idle OpenMP threads sleep instead of spinning: tests run servers and engine processes beside
 # the test process on 2 cores, and spinning threads starve them (a 0.06 s prefill took 8 s)
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# exactness checks run in float32 on every machine: `--dtype auto` would pick bf16 where it is fast
+os.environ["OURO_DTYPE_AUTO"] = "float32"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

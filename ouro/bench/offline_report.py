@@ -14,6 +14,9 @@ def format_offline(r: dict) -> str:
     lines = [f"offline: {r['num_prompts']} prompts x ({r['input_len']} in / {r['output_len']} out), "
              f"concurrency {r['concurrency']}, {r['device']} {r['dtype']}, load average "
              f"{r['load_average'][0]:.1f} at start, {r['load_average'][1]:.1f} at end",
+             *([f"  dtype auto -> {r['dtype']}: GEMM GFLOP/s measured "
+                + ", ".join(f"{k} {v:.1f}" for k, v in r["dtype_auto"]["gflop_s"].items())]
+               if r.get("dtype_auto") else []),
              f"  ouro          {o['seconds']:8.2f} s  input {o['input_tok_s']:8.1f} tok/s  "
              f"output {o['output_tok_s']:7.1f} tok/s"]
     if "transformers" in r:
