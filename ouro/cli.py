@@ -39,7 +39,15 @@ def _cmd_bench(args) -> int:
         print(format_serve(r))
     if args.kind in ("offline", "prefill"):
         args.model = args.model or BENCH_MODEL
-    if args.kind == "offline":
+    if args.kind == "offline" and args.baseline:
+        from .bench.baseline import bench_baseline, format_baseline
+        dtype = str(EngineConfig(device=args.device, dtype=args.dtype).torch_dtype()).replace("torch.", "")
+        flags = ["--num-prompts", str(args.num_prompts), "--input-len", str(args.input_len),
+                 "--output-len", str(args.output_len), "--max-concurrency", str(args.max_concurrency),
+                 "--device", args.device, "--dtype", dtype]
+        r = bench_baseline(args.baseline, str(resolve_model(args.model)), flags, args.repeats)
+        print(format_baseline(r))
+    elif args.kind == "offline":
         from .bench.offline import bench_offline, format_offline
         r = bench_offline(resolve_model(args.model), args.num_prompts, args.input_len, args.output_len,
                           args.max_concurrency, args.compare == "transformers", device=args.device, dtype=args.dtype)
@@ -217,6 +225,10 @@ def build_parser(argv=None) -> argparse.ArgumentParser:
     bench.add_argument("--num-prompts", type=int, default=64)
     bench.add_argument("--max-concurrency", type=int, default=32)
     bench.add_argument("--repeats", type=int, default=3)
+    bench.add_argument("--baseline", default=None, metavar="REF",
+                       help="offline: also run the same workload on git ref REF of this repository (a temporary "
+                            "worktree, its own process, same dtype), interleaved with the current tree, "
+                            "--repeats times each, and print the speed-up")
     bench.add_argument("--compare", nargs="?", const="transformers", choices=["transformers", "none"],
                        default="none", help="also run transformers on the same work (--compare transformers)")
     bench.add_argument("--output-json", default=None)

@@ -1,0 +1,38 @@
+"""`ouro bench offline --baseline REF`: a git ref of this repository runs the same workload in its
+own worktree and process, interleaved with the current tree; the worktree is removed afterwards."""
+
+import subprocess
+import sys
+
+import pytest
+
+from ouro.bench.baseline import SOURCE_ROOT, BaselineError, bench_baseline, format_baseline, resolve_ref
+from ouro.models.resolve import resolve_model
+
+pytestmark = pytest.mark.skipif(not (SOURCE_ROOT / ".git").exists(), reason="needs a git checkout")
+
+
+def worktrees():
+    return subprocess.run(["git", "worktree", "list"], cwd=SOURCE_ROOT, capture_output=True, text=True).stdout
+
+
+def test_baseline_head_runs_both_sides_and_cleans_up():
+    before = worktrees()
+    flags = ["--num-prompts", "2", "--input-len", "16", "--output-len", "4", "--max-concurrency", "2",
+             "--device", "cpu", "--dtype", "float32"]
+    r = bench_baseline("HEAD", str(resolve_model("tiny")), flags, repeats=1, progress=False)
+    assert r["commit"] == resolve_ref("HEAD") and r["dtype"] == "float32"
+    assert len(r["runs"]["baseline"]) == len(r["runs"]["current"]) == 1
+    assert all(x["seconds"] > 0 for v in r["runs"].values() for x in v)
+    assert r["speedup"] == pytest.approx(r["median_s"]["baseline"] / r["median_s"]["current"])
+    assert "not judged" in r["verdict"]["verdict"]          # one run a side: no verdict claimed
+    assert "speed-up" in format_baseline(r)
+    assert worktrees() == before                            # the temporary worktree is gone
+
+
+def test_bad_ref_is_one_clear_line():
+    with pytest.raises(BaselineError, match="not a commit"):
+        resolve_ref("no-such-ref-anywhere")
+    done = subprocess.run([sys.executable, "-m", "ouro.cli", "bench", "offline", "--baseline", "no-such-ref"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "not a commit" in done.stderr and "Traceback" not in done.stderr
