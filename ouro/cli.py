@@ -45,12 +45,14 @@ def _cmd_bench(args) -> int:
         flags = ["--num-prompts", str(args.num_prompts), "--input-len", str(args.input_len),
                  "--output-len", str(args.output_len), "--max-concurrency", str(args.max_concurrency),
                  "--device", args.device, "--dtype", dtype]
-        r = bench_baseline(args.baseline, str(resolve_model(args.model)), flags, args.repeats)
+        r = bench_baseline(args.baseline, str(resolve_model(args.model)), flags, args.repeats,
+                           current_extra=["--compile"] if args.compile else [])
         print(format_baseline(r))
     elif args.kind == "offline":
         from .bench.offline import bench_offline, format_offline
         r = bench_offline(resolve_model(args.model), args.num_prompts, args.input_len, args.output_len,
-                          args.max_concurrency, args.compare == "transformers", device=args.device, dtype=args.dtype)
+                          args.max_concurrency, args.compare == "transformers", device=args.device, dtype=args.dtype,
+                          compile=args.compile)
         print(format_offline(r))
     if args.kind == "prefill":
         from .bench.prefill import bench_prefill, format_prefill
@@ -134,6 +136,13 @@ def _cmd_serve(args) -> int:
     return serve(args)
 
 
+def add_compile_flag(p) -> None:
+    import argparse
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
+                   help="compile the decode step's chains of tiny ops (mHC + Sinkhorn) with torch.compile at "
+                        "start-up (about a minute the first time, seconds once inductor's cache holds it)")
+
+
 def add_serve_parser(sub) -> None:
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default: the trained tiny-py model on 127.0.0.1:8000)")
     sv.add_argument("--model", default=DEFAULT_MODEL,
@@ -154,6 +163,7 @@ def add_serve_parser(sub) -> None:
                     help="fraction of free memory for the cache when --max-memory is not given")
     sv.add_argument("--page-size", type=int, default=64)
     sv.add_argument("--enable-prefix-caching", action="store_true")
+    add_compile_flag(sv)
     sv.add_argument("--prefix-checkpoint-interval", type=int, default=1, help="pages between KDA checkpoints")
     sv.add_argument("--shutdown-timeout", type=float, default=30.0,
                     help="seconds in-flight requests get to finish after SIGTERM")
@@ -225,6 +235,7 @@ def build_parser(argv=None) -> argparse.ArgumentParser:
     bench.add_argument("--num-prompts", type=int, default=64)
     bench.add_argument("--max-concurrency", type=int, default=32)
     bench.add_argument("--repeats", type=int, default=3)
+    add_compile_flag(bench)
     bench.add_argument("--baseline", default=None, metavar="REF",
                        help="offline: also run the same workload on git ref REF of this repository (a temporary "
                             "worktree, its own process, same dtype), interleaved with the current tree, "

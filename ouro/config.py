@@ -198,6 +198,7 @@ class EngineConfig:
     memory_fraction: float = 0.5
     kda_chunk_size: int = 16
     seed: int = 0
+    compile: bool = False              # compile the decode step's tiny-op chains (ouro.engine.compile)
 
     DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -216,6 +217,8 @@ class EngineConfig:
             count(name)
         count("max_model_len", optional=True)
         count("max_memory", optional=True)
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"compile must be True or False, got {self.compile!r}")
         if not _is_int(self.seed):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         f = self.memory_fraction

@@ -192,10 +192,11 @@ def test_route_never_leaves_the_kept_groups():
     assert torch.allclose(weights, raw / raw.sum(-1, keepdim=True), atol=1e-6)
 
 
-@pytest.mark.parametrize("T,E,k,padded", [(6, 8, 2, True), (1, 8, 2, True), (24, 8, 2, False), (4, 16, 2, False)])
+@pytest.mark.parametrize("T,E,k,padded", [(6, 8, 2, True), (1, 8, 2, True), (24, 8, 2, False), (4, 16, 2, True),
+                                             (16, 64, 2, True), (17, 64, 2, False), (40, 64, 2, False)])
 @pytest.mark.parametrize("skew", [False, True])
 def test_grouped_experts_both_paths_match_naive(T, E, k, padded, skew, monkeypatch):
-    """Few tokens with E <= 4k take the padded batched-matmul path (padded to T rows, no device
+    """Decode-sized batches (T <= PAD_ROWS, or E <= 4k) take the padded batched-matmul path (padded to T rows, no device
     read), the others the per-expert loop; both equal the naive loop, skewed routing too."""
     from ouro.ops.moe import experts as experts_mod
     from ouro.ops.moe.experts import experts_grouped, experts_naive

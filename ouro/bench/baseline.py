@@ -66,8 +66,9 @@ def run_side(tree: Path, model_dir: str, flags: list[str], out_json: Path, timeo
 
 
 def bench_baseline(ref: str, model_dir: str, flags: list[str], repeats: int = 3, timeout_s: float = 1800,
-                   progress: bool = True) -> dict:
-    """flags: the offline workload's flags (--num-prompts ... --dtype D), the same for both sides."""
+                   progress: bool = True, current_extra: list[str] = ()) -> dict:
+    """flags: the offline workload's flags (--num-prompts ... --dtype D), the same for both sides;
+    current_extra: flags only the current tree knows (--compile)."""
     from tqdm import tqdm
     commit = resolve_ref(ref)
     work = Path(tempfile.mkdtemp(prefix="ouro-baseline-"))
@@ -75,11 +76,11 @@ def bench_baseline(ref: str, model_dir: str, flags: list[str], repeats: int = 3,
     _git("worktree", "add", "--detach", str(tree), commit)
     sides = {"baseline": [], "current": []}
     try:
-        order = [("baseline", tree), ("current", SOURCE_ROOT)]
+        order = [("baseline", tree, []), ("current", SOURCE_ROOT, list(current_extra))]
         bar = tqdm(total=2 * repeats, desc=f"baseline {commit[:7]} vs current", disable=not progress)
         for i in range(repeats):
-            for name, root in (order if i % 2 == 0 else order[::-1]):
-                sides[name].append(run_side(root, model_dir, flags, work / f"{name}-{i}.json", timeout_s))
+            for name, root, extra in (order if i % 2 == 0 else order[::-1]):
+                sides[name].append(run_side(root, model_dir, flags + extra, work / f"{name}-{i}.json", timeout_s))
                 bar.update(1)
         bar.close()
     finally:
@@ -100,7 +101,7 @@ def bench_baseline(ref: str, model_dir: str, flags: list[str], repeats: int = 3,
     med = {k: statistics.median(r["seconds"] for r in v) for k, v in sides.items()}
     step = {k: statistics.median([r["decode_step_s"] for r in v if r["decode_step_s"]] or [float("nan")])
             for k, v in sides.items()}
-    return {"ref": ref, "commit": commit, "repeats": repeats, "runs": sides, "median_s": med,
+    return {"ref": ref, "commit": commit, "repeats": repeats, "current_flags": list(current_extra), "runs": sides, "median_s": med,
             "decode_step_s": step, "speedup": med["baseline"] / med["current"], "verdict": verdict.to_dict(),
             "dtype": sides["current"][0]["dtype"]}
 

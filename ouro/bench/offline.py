@@ -26,12 +26,12 @@ def make_prompts(n, length, vocab, seed):
     return [torch.randint(0, vocab, (length,), generator=g).tolist() for _ in range(n)]
 
 
-def make_engine(model, tokenizer, input_len, output_len, concurrency, device="cpu"):
+def make_engine(model, tokenizer, input_len, output_len, concurrency, device="cpu", compile=False):
     from ..config import EngineConfig
     from ..engine.llm_engine import LLMEngine
     cfg = EngineConfig(device=device, max_num_seqs=concurrency, max_num_batched_tokens=max(2048, input_len),
-                       page_size=64, max_model_len=input_len + output_len)
-    return LLMEngine(model, tokenizer, cfg, verbose=False)
+                       page_size=64, max_model_len=input_len + output_len, compile=compile)
+    return LLMEngine(model, tokenizer, cfg, verbose=compile)
 
 
 def run_ouro(engine, prompts, output_len):
@@ -82,7 +82,7 @@ def decode_floor(model, roof: Roofline, context: int, batch: int) -> dict:
 
 
 def bench_offline(model_dir, num_prompts=64, input_len=256, output_len=64, concurrency=32, compare=False,
-                  seed=0, progress=True, device="cpu", dtype="auto") -> dict:
+                  seed=0, progress=True, device="cpu", dtype="auto", compile=False) -> dict:
     from tqdm import tqdm
 
     from ..config import EngineConfig
@@ -92,7 +92,7 @@ def bench_offline(model_dir, num_prompts=64, input_len=256, output_len=64, concu
     model = load_model(model_dir, dtype=EngineConfig(device=device, dtype=dtype).torch_dtype(), device=device)
     roof = Roofline.measure(device, model.embed_tokens.weight.dtype)
     prompts = make_prompts(num_prompts, input_len, model.config.vocab_size, seed)
-    engine = make_engine(model, load_tokenizer(model_dir), input_len, output_len, concurrency, device)
+    engine = make_engine(model, load_tokenizer(model_dir), input_len, output_len, concurrency, device, compile)
     hf = load_transformers(model_dir, device, model.embed_tokens.weight.dtype) if compare else None
     waves, log, outs, hf_outs = [], [], [], []
     for i in tqdm(range(0, num_prompts, concurrency), desc="waves (ouro, transformers)", disable=not progress):
@@ -106,7 +106,7 @@ def bench_offline(model_dir, num_prompts=64, input_len=256, output_len=64, concu
                 waves[-1]["transformers_s"], o = run_transformers(hf, wave, output_len, device)
             hf_outs += o
     r = {"seed": seed, "num_prompts": num_prompts, "input_len": input_len, "output_len": output_len,
-         "concurrency": concurrency, "device": device,
+         "concurrency": concurrency, "device": device, "compile": compile,
          "dtype": str(model.embed_tokens.weight.dtype).replace("torch.", ""), "waves": waves,
          "ouro": _throughput(sum(w["ouro_s"] for w in waves), num_prompts * input_len, outs),
          "matmul_flops_per_s": roof.flops_per_s, "copy_bytes_per_s": roof.bytes_per_s}

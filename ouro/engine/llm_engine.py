@@ -53,6 +53,11 @@ class LLMEngine:
             print(f"ouro: {self.plan.describe(min(self.max_model_len, 4096))}", file=sys.stderr, flush=True)
         self.pages, self.slots = PagePool(self.plan.n_pages), SlotPool(self.plan.n_slots)
         self.runner = ModelRunner(model, self.plan, config.device)
+        if config.compile:
+            from .compile import compile_model
+            done = compile_model(model, progress=verbose)
+            if verbose:
+                print(f"ouro: compiled {done['compiled']} mHC functions in {done['seconds']:.1f} s", file=sys.stderr)
         self.prefix_cache = None
         self.prefix_caching_off_reason = None
         if enable_prefix_caching and self.runner.checkpoints is None:

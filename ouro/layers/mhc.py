@@ -8,6 +8,12 @@ from ..ops.mhc import hc_weights
 from .precision import KeepFloat32
 
 
+def hc_pre(streams, fn, base, scale, norm_eps: float, hc_eps: float, iters: int):
+    """The block's input (pre-weighted sum of the streams) and the post / comb mixing weights."""
+    pre, post, comb = hc_weights(streams, fn, base, scale, norm_eps, hc_eps, iters)
+    return (pre.unsqueeze(-1) * streams).sum(1).to(streams.dtype), post, comb
+
+
 class HyperConnection(KeepFloat32):
     FLOAT32 = ("base", "scale")
 
@@ -20,11 +26,13 @@ class HyperConnection(KeepFloat32):
         self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32))
         self.norm_eps, self.hc_eps, self.iters = config.rms_norm_eps, config.hc_eps, config.hc_sinkhorn_iters
 
+    # the pure tensor function behind forward; `ouro.engine.compile.compile_model` swaps in a
+    # compiled form per instance (the module itself, and its hooks, stay as they are)
+    pre_fn = None
+
     def forward(self, streams):
         """streams [T, n, D] -> (block input [T, D], post [T, n], comb [T, n, n])."""
-        pre, post, comb = hc_weights(streams, self.fn, self.base, self.scale, self.norm_eps, self.hc_eps, self.iters)
-        block_in = (pre.unsqueeze(-1) * streams).sum(1).to(streams.dtype)
-        return block_in, post, comb
+        return (self.pre_fn or hc_pre)(streams, self.fn, self.base, self.scale, self.norm_eps, self.hc_eps, self.iters)
 
     @staticmethod
     def merge(block_out, streams, post, comb):

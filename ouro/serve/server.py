@@ -15,6 +15,7 @@ def engine_kwargs(args) -> dict:
     return {"device": args.device, "dtype": args.dtype, "page_size": args.page_size, "max_model_len": args.max_model_len,
             "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
             "max_memory": args.max_memory, "memory_fraction": args.mem_fraction_static,
+            "compile": bool(getattr(args, "compile", False)),
             "enable_prefix_caching": args.enable_prefix_caching,
             "prefix_checkpoint_interval": args.prefix_checkpoint_interval}
 
