@@ -6,6 +6,8 @@ import sys
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # exactness checks run in float32 on every machine: `--dtype auto` would pick bf16 where it is fast
 os.environ["OURO_DTYPE_AUTO"] = "float32"
+# and every engine computes its output head the same way round (tests/test_gemm_pick.py tests both)
+os.environ["OURO_GEMM_PICK"] = "linear"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

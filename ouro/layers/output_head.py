@@ -1,0 +1,18 @@
+"""The output projection (hidden -> vocabulary logits): an `nn.Linear` that can run its product
+the other way round, `(W @ x.T).T`, where this machine's BLAS runs that faster for a few rows
+against a large weight (see `ouro.gemm_pick`; the engine sets `forms` by measurement).
+Same parameters, same state dict, same hooks as `nn.Linear`."""
+
+import torch.nn.functional as F
+from torch import nn
+
+
+class OutputHead(nn.Linear):
+    forms = None          # per row count in ouro.gemm_pick.ROWS; None: always F.linear
+
+    def forward(self, x):
+        if self.forms is not None and self.bias is None and x.dim() == 2:
+            from ..gemm_pick import form_for
+            if form_for(self.forms, x.shape[0]) == "transposed":
+                return (self.weight @ x.T).T.contiguous()   # callers may .view() the logits
+        return F.linear(x, self.weight, self.bias)
