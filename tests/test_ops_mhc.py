@@ -30,6 +30,21 @@ def test_sinkhorn_doubly_stochastic_and_matches_naive(n, eps):
         assert_close(out[i], sinkhorn_naive(comb[i], 20, eps))
 
 
+@pytest.mark.parametrize("rows", [1, 16, 256, 257, 600])
+def test_sinkhorn_both_forms_match_naive(rows):
+    """The framed in-place form (few matrices) and the plain form (many) both equal the loop."""
+    import importlib
+    mod = importlib.import_module("ouro.ops.mhc.sinkhorn")
+    assert (rows <= mod.FRAMED_MAX_ROWS) == (rows < 257)
+    gen = torch.Generator().manual_seed(rows)
+    comb = torch.softmax(torch.randn(rows, 4, 4, generator=gen) * 2, -1) + 1e-6
+    out = sinkhorn(comb, 20, 1e-6)
+    assert out.shape == comb.shape and out.is_contiguous()
+    for i in range(0, rows, max(1, rows // 7)):
+        assert_close(out[i], sinkhorn_naive(comb[i], 20, 1e-6))
+    assert_close(sinkhorn(comb.double(), 20, 1e-6).float(), out)
+
+
 def test_sinkhorn_badly_scaled_matches_naive():
     """Near-permutation matrices (entries over ~3 decades) converge slowly: 20 iterations leave the
     rows a few 1e-3 off, which is the trained behaviour. Only the last (column) pass is exact, and the

@@ -3,14 +3,37 @@
 import torch
 
 
+FRAMED_MAX_ROWS = 256
+
+
 def sinkhorn(comb, iters: int, eps: float):
     """Alternately normalise columns and rows of comb [..., n, n] towards a doubly-stochastic matrix
-    (columns first, `iters` column passes and `iters - 1` row passes, as the checkpoint was trained)."""
-    comb = comb / (comb.sum(-2, keepdim=True) + eps)
-    for _ in range(iters - 1):
-        comb = comb / (comb.sum(-1, keepdim=True) + eps)
+    (columns first, `iters` column passes and `iters - 1` row passes, as the checkpoint was trained):
+    each pass divides by (sum + eps).
+
+    Two ops a pass instead of three (the decode step runs 39 passes per hyper-connection, twice
+    per layer, on tiny matrices: dispatch, not arithmetic, is the cost). The matrix sits in an
+    (n+1) x (n+1) frame whose extra row and column hold eps, so a column sum over the frame's
+    n+1 rows is already `sum + eps` (and likewise for rows), and the division runs in place.
+    Past FRAMED_MAX_ROWS matrices (prefill) the arithmetic dominates, and the plain form's
+    contiguous sums win (A/B on one CPU, 1 thread: T=16 0.62x, T=64 0.73x, T=256 0.98x, T=512
+    1.10x, T=2048 1.27x the plain form's time)."""
+    n = comb.shape[-1]
+    if comb[..., 0, 0].numel() > FRAMED_MAX_ROWS:
         comb = comb / (comb.sum(-2, keepdim=True) + eps)
-    return comb
+        for _ in range(iters - 1):
+            comb = comb / (comb.sum(-1, keepdim=True) + eps)
+            comb = comb / (comb.sum(-2, keepdim=True) + eps)
+        return comb
+    frame = comb.new_full((*comb.shape[:-2], n + 1, n + 1), eps)
+    m = frame[..., :n, :n]
+    m.copy_(comb)
+    down, across = frame[..., :n], frame[..., :n, :]     # n+1 rows / n+1 columns (eps last)
+    m.div_(down.sum(-2, keepdim=True))
+    for _ in range(iters - 1):
+        m.div_(across.sum(-1, keepdim=True))
+        m.div_(down.sum(-2, keepdim=True))
+    return m.contiguous()
 
 
 def hc_weights(streams, fn, base, scale, norm_eps: float, hc_eps: float, iters: int):
