@@ -192,17 +192,22 @@ def test_route_never_leaves_the_kept_groups():
     assert torch.allclose(weights, raw / raw.sum(-1, keepdim=True), atol=1e-6)
 
 
-@pytest.mark.parametrize("T,E,k,padded", [(6, 8, 2, True), (1, 8, 2, True), (24, 8, 2, False), (4, 16, 2, True),
-                                             (16, 64, 2, True), (17, 64, 2, False), (40, 64, 2, False)])
+@pytest.mark.parametrize("T,E,k,path", [(6, 8, 2, "padded"), (1, 8, 2, "gathered"), (2, 8, 2, "padded"),
+                                           (24, 8, 2, "loop"), (4, 16, 2, "padded"), (16, 64, 2, "padded"),
+                                           (17, 64, 2, "loop"), (40, 64, 2, "loop"), (1, 32, 4, "gathered"),
+                                           (2, 32, 4, "gathered"), (3, 32, 4, "padded")])
 @pytest.mark.parametrize("skew", [False, True])
-def test_grouped_experts_both_paths_match_naive(T, E, k, padded, skew, monkeypatch):
-    """Decode-sized batches (T <= PAD_ROWS, or E <= 4k) take the padded batched-matmul path (padded to T rows, no device
-    read), the others the per-expert loop; both equal the naive loop, skewed routing too."""
+def test_grouped_experts_every_path_matches_naive(T, E, k, path, skew, monkeypatch):
+    """A handful of tokens (T*k <= E/4) gather their experts' weights; decode-sized batches
+    (T <= PAD_ROWS, or E <= 4k) take the padded batched matmul (padded to T rows); the others the
+    per-expert loop. None reads a value back to the host but the loop; all equal the naive loop,
+    skewed routing too."""
     from ouro.ops.moe import experts as experts_mod
     from ouro.ops.moe.experts import experts_grouped, experts_naive
     calls = []
-    original = experts_mod._experts_padded
-    monkeypatch.setattr(experts_mod, "_experts_padded", lambda *a: calls.append(a[3]) or original(*a))
+    original, gathered = experts_mod._experts_padded, experts_mod._experts_gathered
+    monkeypatch.setattr(experts_mod, "_experts_padded", lambda *a: calls.append("padded") or original(*a))
+    monkeypatch.setattr(experts_mod, "_experts_gathered", lambda *a: calls.append("gathered") or gathered(*a))
     g = torch.Generator().manual_seed(3 + T + E)
     D, I = 16, 12
     x = torch.randn(T, D, generator=g)
@@ -214,4 +219,4 @@ def test_grouped_experts_both_paths_match_naive(T, E, k, padded, skew, monkeypat
     weights = torch.rand(T, k, generator=g)
     assert_close(experts_grouped(x, weights, experts, gate_up, down, 7.0),
                  experts_naive(x, weights, experts, gate_up, down, 7.0))
-    assert calls == ([T] if padded else [])      # the intended path is taken
+    assert calls == ([] if path == "loop" else [path])      # the intended path is taken

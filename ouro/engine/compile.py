@@ -42,7 +42,9 @@ def compile_model(model, backend: str = "inductor", progress: bool = True) -> di
     p = next(model.parameters())
     first = hcs[0]
     D = first.fn.shape[1] // first.n
-    with torch.no_grad():
+    # the engine's forward runs under inference_mode (no autograd keys on any tensor): warming up
+    # in another mode would leave the engine's first step to compile a second graph
+    with torch.inference_mode():
         for rows in tqdm((3, 1), desc="compiling the decode step (mHC)", disable=not progress):
             streams = torch.zeros(rows, first.n, D, dtype=p.dtype, device=p.device)
             fn(streams, first.fn, first.base, first.scale, first.norm_eps, first.hc_eps, first.iters)

@@ -18,13 +18,17 @@ PAD_ROWS = 16
 def experts_grouped(x, weights, experts, gate_up, down, limit: float):
     """x: [T, D]; weights, experts: [T, k]; gate_up: [E, 2I, D]; down: [E, D, I]. Returns [T, D].
 
-    Decode-sized batches: every expert's tokens are padded to T rows (a bound known on the host:
+    A handful of tokens (T*k <= E/4: batch-1 decode): each (token, choice) gathers its expert's
+    weights and runs one batched matrix-vector product: only the chosen experts are read, with no
+    device-to-host read. Decode-sized batches: every expert's tokens are padded to T rows (a bound known on the host:
     a token picks an expert at most once) and all experts run as one batched matmul: one pass
     over the weights, no per-expert Python, no device-to-host read. Worth it while the padded
     matmul stays memory-bound (T <= PAD_ROWS) or the padding is at most 4x (T*k <= 4E, E <= 4k).
     Otherwise (prefill): one matmul per active expert, no padding waste."""
     T, k = experts.shape
     E = gate_up.shape[0]
+    if 4 * T * k <= E:     # a few tokens, most experts idle: read only the chosen ones
+        return _experts_gathered(x, weights, experts, gate_up, down, limit)
     flat = experts.flatten()
     order = flat.argsort(stable=True)
     counts = torch.zeros(E, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
@@ -55,6 +59,15 @@ def _experts_padded(x_sorted, expert_of, counts, busiest, gate_up, down, limit):
     gate, up = torch.bmm(padded, gate_up.transpose(1, 2)).chunk(2, dim=-1)
     out = torch.bmm(clamped_swiglu(gate, up, limit), down.transpose(1, 2))
     return out[expert_of, slot]
+
+
+def _experts_gathered(x, weights, experts, gate_up, down, limit):
+    T, k = experts.shape
+    flat = experts.flatten()
+    xs = x.repeat_interleave(k, dim=0).unsqueeze(-1)               # [T*k, D, 1], (token, choice) order
+    gate, up = torch.bmm(gate_up[flat], xs).squeeze(-1).chunk(2, dim=-1)
+    y = torch.bmm(down[flat], clamped_swiglu(gate, up, limit).unsqueeze(-1)).squeeze(-1)
+    return torch.einsum("tkd,tk->td", y.view(T, k, -1), weights.to(x.dtype))
 
 
 def experts_naive(x, weights, experts, gate_up, down, limit: float):
