@@ -193,8 +193,8 @@ def test_route_never_leaves_the_kept_groups():
 
 
 @pytest.mark.parametrize("T,E,k,path", [(6, 8, 2, "padded"), (1, 8, 2, "gathered"), (2, 8, 2, "padded"),
-                                           (24, 8, 2, "loop"), (4, 16, 2, "padded"), (16, 64, 2, "padded"),
-                                           (17, 64, 2, "loop"), (40, 64, 2, "loop"), (1, 32, 4, "gathered"),
+                                           (24, 8, 2, "padded"), (40, 8, 2, "loop"), (4, 16, 2, "padded"), (16, 64, 2, "padded"),
+                                           (32, 64, 2, "padded"), (33, 64, 2, "loop"), (40, 64, 2, "loop"), (1, 32, 4, "gathered"),
                                            (2, 32, 4, "gathered"), (3, 32, 4, "padded")])
 @pytest.mark.parametrize("skew", [False, True])
 def test_grouped_experts_every_path_matches_naive(T, E, k, path, skew, monkeypatch):
