@@ -10,41 +10,16 @@ checks run in float32 everywhere). Imports only torch and the standard library."
 
 from __future__ import annotations
 
-import json
 import os
-import platform
 import time
-from pathlib import Path
+
+from . import machine_cache
+from .machine_cache import machine_key
 
 CANDIDATES = ("bfloat16", "float32")
 NATIVE_GAIN = 1.3
 # (rows, in, out): a decode batch and a prefill chunk through a projection of serving width
 SHAPES = ((32, 1024, 1024), (256, 1024, 1024))
-
-
-def _cache_file() -> Path:
-    return Path(os.environ.get("OURO_CACHE", Path.home() / ".cache" / "ouro")) / "dtype_auto.json"
-
-
-def machine_key(device: str) -> str:
-    import torch
-    if device.startswith("cuda"):
-        name = torch.cuda.get_device_name(torch.device(device))
-    else:
-        name = _cpu_model()
-        name += f" threads={torch.get_num_threads()}"
-    return f"{device}|{name}|torch {torch.__version__}"
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def gemm_rate(dtype_name: str, device: str, budget_s: float = 0.15) -> float:
@@ -82,39 +57,26 @@ def choose(rates: dict[str, float]) -> str:
     return "float32"
 
 
-def pick_dtype(device: str = "cpu", refresh: bool = False) -> str:
+FILE = "dtype_auto.json"
+
+
+def pick_dtype(device: str = "cpu") -> str:
     """The dtype `auto` means on this machine (measured once, then read from the cache)."""
     pinned = os.environ.get("OURO_DTYPE_AUTO")
     if pinned:
         if pinned not in CANDIDATES + ("float16",):
             raise ValueError(f"OURO_DTYPE_AUTO must be one of float32, bfloat16, float16, got {pinned!r}")
         return pinned
-    path, key = _cache_file(), machine_key(device)
-    cache = _read(path)
-    if not refresh and key in cache and cache[key].get("dtype") in CANDIDATES:
+    key, cache = machine_key(device), machine_cache.read(FILE)
+    if cache.get(key, {}).get("dtype") in CANDIDATES:
         return cache[key]["dtype"]
     rates = {name: gemm_rate(name, device) for name in CANDIDATES}
-    entry = {"dtype": choose(rates), "gflop_s": {k: round(v / 1e9, 2) for k, v in rates.items()},
-             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    cache[key] = entry
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(cache, indent=1))
-        tmp.replace(path)            # atomic: two servers starting at once never read half a file
-    except OSError:
-        pass                         # a read-only home: measure again next time
-    return entry["dtype"]
+    cache[key] = {"dtype": choose(rates), "gflop_s": {k: round(v / 1e9, 2) for k, v in rates.items()},
+                  "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    machine_cache.write(FILE, cache)
+    return cache[key]["dtype"]
 
 
 def cached_entry(device: str = "cpu") -> dict | None:
     """What the cache holds for this machine (for `ouro bench` to print), or None."""
-    return _read(_cache_file()).get(machine_key(device))
-
-
-def _read(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}
+    return machine_cache.read(FILE).get(machine_key(device))

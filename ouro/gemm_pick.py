@@ -11,26 +11,33 @@ rounds alike; tests/test_gemm_pick.py checks both forms and the measurement)."""
 
 from __future__ import annotations
 
-import json
 import os
 import time
 
-from .dtype_pick import _cache_file, _read, machine_key
+import torch.nn.functional as F
+
+from . import machine_cache
+from .machine_cache import machine_key
 
 FORMS = ("linear", "transposed")
 GAIN = 1.15
 ROWS = (1, 4, 16)
 
 
-def _file():
-    return _cache_file().with_name("gemm_pick.json")
+FILE = "gemm_pick.json"
+
+
+def product(x, weight, form: str):
+    """x @ weight.T, computed as `form` says (contiguous either way: callers may .view() it)."""
+    return F.linear(x, weight) if form == "linear" else (weight @ x.T).T.contiguous()
 
 
 def time_form(form: str, weight, rows: int, budget_s: float = 0.05) -> float:
     import torch
-    import torch.nn.functional as F
     x = torch.randn(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
-    run = (lambda: F.linear(x, weight)) if form == "linear" else (lambda: (weight @ x.T).T.contiguous())
+
+    def run():
+        product(x, weight, form)
     run()
     best, spent, reps = float("inf"), 0.0, 0
     while spent < budget_s and reps < 50:
@@ -59,21 +66,13 @@ def pick_forms(weight) -> list[str]:
         if pinned not in FORMS:
             raise ValueError(f"OURO_GEMM_PICK must be linear or transposed, got {pinned!r}")
         return [pinned] * len(ROWS)
-    device = str(weight.device)
-    key = f"{machine_key(device)}|{tuple(weight.shape)}|{weight.dtype}"
-    path = _file()
-    cache = _read(path)
+    key = f"{machine_key(str(weight.device))}|{tuple(weight.shape)}|{weight.dtype}"
+    cache = machine_cache.read(FILE)
     hit = cache.get(key, {})
     if hit.get("rows") == list(ROWS) and len(hit.get("forms", [])) == len(ROWS) and set(hit["forms"]) <= set(FORMS):
         return hit["forms"]
     times = {f: [time_form(f, weight, r) for r in ROWS] for f in FORMS}
     cache[key] = {"forms": choose(times), "ms": {f: [round(1e3 * t, 3) for t in v] for f, v in times.items()},
                   "rows": list(ROWS)}
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(cache, indent=1))
-        tmp.replace(path)
-    except OSError:
-        pass
+    machine_cache.write(FILE, cache)
     return cache[key]["forms"]

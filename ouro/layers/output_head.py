@@ -6,13 +6,13 @@ Same parameters, same state dict, same hooks as `nn.Linear`."""
 import torch.nn.functional as F
 from torch import nn
 
+from ..gemm_pick import form_for, product
+
 
 class OutputHead(nn.Linear):
     forms = None          # per row count in ouro.gemm_pick.ROWS; None: always F.linear
 
     def forward(self, x):
         if self.forms is not None and self.bias is None and x.dim() == 2:
-            from ..gemm_pick import form_for
-            if form_for(self.forms, x.shape[0]) == "transposed":
-                return (self.weight @ x.T).T.contiguous()   # callers may .view() the logits
+            return product(x, self.weight, form_for(self.forms, x.shape[0]))
         return F.linear(x, self.weight, self.bias)

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from ..config import CheckpointError
+from ..machine_cache import cache_root
 from .presets import BUILTIN_DIR, CONFIG_ONLY, PRESETS, TRAINED
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("OURO_CACHE", Path.home() / ".cache" / "ouro"))
 
 
 def resolve_model(name_or_dir: str, progress: bool = True) -> Path:

@@ -1,0 +1,57 @@
+"""Where ouro keeps what it wrote or measured once (`$OURO_CACHE`, default `~/.cache/ouro`), and
+the per-machine JSON files that hold measured choices (`dtype_pick`, `gemm_pick`): read whole,
+written atomically, keyed by `machine_key`. Imports only torch and the standard library."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from pathlib import Path
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("OURO_CACHE", Path.home() / ".cache" / "ouro"))
+
+
+def machine_key(device: str) -> str:
+    """Device name (CPU model and thread count on a CPU) and torch version."""
+    import torch
+    if device.startswith("cuda"):
+        name = torch.cuda.get_device_name(torch.device(device))
+    else:
+        name = f"{_cpu_model()} threads={torch.get_num_threads()}"
+    return f"{device}|{name}|torch {torch.__version__}"
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def read(name: str) -> dict:
+    """The JSON object in `$OURO_CACHE/name`, or {} (missing or corrupt: measured again)."""
+    try:
+        data = json.loads((cache_root() / name).read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def write(name: str, data: dict) -> None:
+    """Atomically (two servers starting at once never read half a file); a read-only home is
+    skipped: the choice is measured again next time."""
+    path = cache_root() / name
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        tmp.replace(path)
+    except OSError:
+        pass
