@@ -195,19 +195,22 @@ def test_route_never_leaves_the_kept_groups():
 @pytest.mark.parametrize("T,E,k,path", [(6, 8, 2, "padded"), (1, 8, 2, "gathered"), (2, 8, 2, "padded"),
                                            (24, 8, 2, "padded"), (40, 8, 2, "loop"), (4, 16, 2, "padded"), (16, 64, 2, "padded"),
                                            (32, 64, 2, "padded"), (33, 64, 2, "loop"), (40, 64, 2, "loop"), (1, 32, 4, "gathered"),
-                                           (2, 32, 4, "gathered"), (3, 32, 4, "padded")])
+                                           (2, 32, 4, "gathered"), (3, 32, 4, "padded"), (200, 8, 2, "loop")])
 @pytest.mark.parametrize("skew", [False, True])
-def test_grouped_experts_every_path_matches_naive(T, E, k, path, skew, monkeypatch):
-    """A handful of tokens (T*k <= E/4) gather their experts' weights; decode-sized batches
-    (T <= PAD_ROWS, or E <= 4k) take the padded batched matmul (padded to T rows); the others the
-    per-expert loop. None reads a value back to the host but the loop; all equal the naive loop,
-    skewed routing too."""
+@pytest.mark.parametrize("host", [False, True], ids=["capturable", "host-reads"])
+def test_grouped_experts_every_path_matches_naive(T, E, k, path, skew, host, monkeypatch):
+    """A handful of tokens (T*k <= E/4) gather their experts' weights. Capturable (an accelerator,
+    a compiled graph): decode-sized batches (T <= PAD_ROWS, or E <= 4k) take the padded batched
+    matmul padded to T rows, the others the per-expert loop, and none but the loop reads a value
+    back to the host. Where host reads are free (CPU eager): padded to the busiest expert's count
+    while that at most doubles the work, else the loop. All equal the naive loop, skewed routing too."""
     from ouro.ops.moe import experts as experts_mod
     from ouro.ops.moe.experts import experts_grouped, experts_naive
     calls = []
     original, gathered = experts_mod._experts_padded, experts_mod._experts_gathered
-    monkeypatch.setattr(experts_mod, "_experts_padded", lambda *a: calls.append("padded") or original(*a))
-    monkeypatch.setattr(experts_mod, "_experts_gathered", lambda *a: calls.append("gathered") or gathered(*a))
+    monkeypatch.setattr(experts_mod, "_experts_padded", lambda *a: calls.append(("padded", a[3])) or original(*a))
+    monkeypatch.setattr(experts_mod, "_experts_gathered", lambda *a: calls.append(("gathered", T)) or gathered(*a))
+    monkeypatch.setattr(experts_mod, "reads_host", lambda t: host)
     g = torch.Generator().manual_seed(3 + T + E)
     D, I = 16, 12
     x = torch.randn(T, D, generator=g)
@@ -219,4 +222,9 @@ def test_grouped_experts_every_path_matches_naive(T, E, k, path, skew, monkeypat
     weights = torch.rand(T, k, generator=g)
     assert_close(experts_grouped(x, weights, experts, gate_up, down, 7.0),
                  experts_naive(x, weights, experts, gate_up, down, 7.0))
-    assert calls == ([] if path == "loop" else [path])      # the intended path is taken
+    busiest = int(torch.bincount(experts.flatten(), minlength=E).max())
+    if host and path != "gathered":    # the busiest count decides, not T
+        path, rows = ("padded", busiest) if E * busiest <= experts_mod.PAD_WASTE * T * k else ("loop", None)
+    else:
+        rows = T
+    assert calls == ([] if path == "loop" else [(path, rows)])      # the intended path is taken
