@@ -1,43 +1,75 @@
-"""Which way round a few-row product with a large weight runs faster on this machine.
+"""Which way an `x @ W.T` product runs fastest on this machine, per weight shape and row count.
 
-`x @ W.T` (what `nn.Linear` does) and `(W @ x.T).T` compute the same products; BLAS libraries
-pick different kernels for them. On one development CPU (AMD EPYC, MKL, 2 threads) the output
-head's [16, 512] x [32000, 512]^T took 26 ms as `F.linear` and 15 ms the other way round (and 11
-vs 6 ms at 4 rows); on another it may be the reverse. So it is measured: both forms timed at a
-few decode-sized row counts, the transposed one kept for the row counts where it wins by `GAIN`,
-cached per machine and shape next to the dtype choice (`$OURO_CACHE/gemm_pick.json`).
-`OURO_GEMM_PICK=linear|transposed` pins it (the test suite pins `linear`, so every engine in a test
-rounds alike; tests/test_gemm_pick.py checks both forms and the measurement)."""
+The same products, three ways: `F.linear` (BLAS, MKL on x86 builds of torch), `(W @ x.T).T` (the
+same BLAS, another kernel), and `packed`: oneDNN's matmul on a weight reordered once into its
+blocked layout (`torch.ops.mkldnn`, what inductor uses for frozen weights on a CPU). On one
+development CPU (AMD EPYC, MKL 2024, 2 threads) `packed` ran a [16, 512] x [512, 16384] product
+at 139 GFLOP/s against F.linear's 38, and [2048, 512] x [512, 512] at 180 against 102; on another
+machine the order may be the reverse. So it is measured: every form timed at a few row counts, the
+fastest kept where it beats `F.linear` by `GAIN`, cached per machine and weight shape next to the
+dtype choice (`$OURO_CACHE/gemm_pick.json`). `OURO_GEMM_PICK=linear|transposed|packed` pins it
+(the test suite pins `packed` where oneDNN is there; tests/test_gemm_pick.py checks every form)."""
 
 from __future__ import annotations
 
 import os
 import time
+import weakref
 
+import torch
 import torch.nn.functional as F
 
 from . import machine_cache
 from .machine_cache import machine_key
 
-FORMS = ("linear", "transposed")
+FORMS = ("linear", "transposed", "packed")
 GAIN = 1.15
-ROWS = (1, 4, 16)
-
-
+ROWS = (1, 4, 16, 64, 512)
 FILE = "gemm_pick.json"
+FORMAT = 2          # bumped when the forms or rows change: older cache entries are measured again
 
 
-def product(x, weight, form: str):
-    """x @ weight.T, computed as `form` says (contiguous either way: callers may .view() it)."""
+def packable(weight) -> bool:
+    """oneDNN runs this weight: a 2-D float32/bfloat16 CPU tensor, in a torch built with it."""
+    return (weight.device.type == "cpu" and weight.dim() == 2 and weight.dtype in (torch.float32, torch.bfloat16)
+            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+def pack(weight):
+    """The weight reordered into oneDNN's blocked layout (an opaque tensor the same size)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+
+
+# owner module -> (key of the weights packed, packs): kept outside the module, so deepcopy and
+# pickling of a model never meet oneDNN's opaque tensors, and a module's packs go with it
+_PACKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def packed_for(owner, weights) -> list:
+    """`pack(w)` of each 2-D weight in `weights` (a stacked [E, ...] tensor counts as E), made on
+    first use and again whenever a weight changes in place (its version counter moves)."""
+    key = tuple((w.data_ptr(), w._version, w.dtype, tuple(w.shape)) for w in weights)
+    hit = _PACKS.get(owner)
+    if hit is None or hit[0] != key:
+        packs = [pack(m) for w in weights for m in (w if w.dim() == 3 else [w])]
+        _PACKS[owner] = hit = (key, packs)
+    return hit[1]
+
+
+def product(x, weight, form: str, packed=None):
+    """x [M, K] @ weight.T, computed as `form` says (contiguous either way: callers may .view() it).
+    `packed`: `pack(weight)`, needed by the packed form."""
+    if form == "packed":
+        return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
     return F.linear(x, weight) if form == "linear" else (weight @ x.T).T.contiguous()
 
 
-def time_form(form: str, weight, rows: int, budget_s: float = 0.05) -> float:
-    import torch
+def time_form(form: str, weight, rows: int, budget_s: float = 0.03) -> float:
     x = torch.randn(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
+    packed = pack(weight) if form == "packed" else None
 
     def run():
-        product(x, weight, form)
+        product(x, weight, form, packed)
     run()
     best, spent, reps = float("inf"), 0.0, 0
     while spent < budget_s and reps < 50:
@@ -49,8 +81,12 @@ def time_form(form: str, weight, rows: int, budget_s: float = 0.05) -> float:
 
 
 def choose(times: dict[str, list[float]]) -> list[str]:
-    """Per measured row count: transposed where it beats linear by GAIN, else linear."""
-    return ["transposed" if lin >= GAIN * tr else "linear" for lin, tr in zip(times["linear"], times["transposed"])]
+    """Per measured row count: the fastest form where it beats linear by GAIN, else linear."""
+    out = []
+    for i, lin in enumerate(times["linear"]):
+        best = min((f for f in times if f != "linear"), key=lambda f: times[f][i], default=None)
+        out.append(best if best is not None and lin >= GAIN * times[best][i] else "linear")
+    return out
 
 
 def form_for(forms: list[str], rows: int) -> str:
@@ -59,20 +95,41 @@ def form_for(forms: list[str], rows: int) -> str:
     return forms[i]
 
 
+def available_forms(weight) -> tuple[str, ...]:
+    return FORMS if packable(weight) else tuple(f for f in FORMS if f != "packed")
+
+
 def pick_forms(weight) -> list[str]:
     """One form per row count in ROWS, measured once per machine and weight shape."""
     pinned = os.environ.get("OURO_GEMM_PICK")
     if pinned:
         if pinned not in FORMS:
-            raise ValueError(f"OURO_GEMM_PICK must be linear or transposed, got {pinned!r}")
-        return [pinned] * len(ROWS)
+            raise ValueError(f"OURO_GEMM_PICK must be one of {', '.join(FORMS)}, got {pinned!r}")
+        return [pinned if pinned in available_forms(weight) else "linear"] * len(ROWS)
     key = f"{machine_key(str(weight.device))}|{tuple(weight.shape)}|{weight.dtype}"
     cache = machine_cache.read(FILE)
     hit = cache.get(key, {})
-    if hit.get("rows") == list(ROWS) and len(hit.get("forms", [])) == len(ROWS) and set(hit["forms"]) <= set(FORMS):
+    if hit.get("format") == FORMAT and hit.get("rows") == list(ROWS) and len(hit.get("forms", [])) == len(ROWS) \
+            and set(hit["forms"]) <= set(available_forms(weight)):
         return hit["forms"]
-    times = {f: [time_form(f, weight, r) for r in ROWS] for f in FORMS}
+    times = {f: [time_form(f, weight, r) for r in ROWS] for f in available_forms(weight)}
     cache[key] = {"forms": choose(times), "ms": {f: [round(1e3 * t, 3) for t in v] for f, v in times.items()},
-                  "rows": list(ROWS)}
+                  "rows": list(ROWS), "format": FORMAT}
     machine_cache.write(FILE, cache)
     return cache[key]["forms"]
+
+
+def apply_to(model) -> dict:
+    """Set the measured forms on every module of `model` that takes them (a `forms` attribute:
+    `ouro.layers.linear.Linear`, and the routed experts, measured on the weight their
+    `pick_weight()` names): one measurement per weight shape. Returns {shape: forms}."""
+    chosen = {}
+    for m in model.modules():
+        if not hasattr(m, "forms") or getattr(m, "bias", None) is not None:
+            continue
+        weight = m.pick_weight() if hasattr(m, "pick_weight") else m.weight
+        key = (tuple(weight.shape), weight.dtype, str(weight.device))
+        if key not in chosen:
+            chosen[key] = pick_forms(weight)
+        m.forms = chosen[key]
+    return {k[0]: v for k, v in chosen.items()}

@@ -6,8 +6,9 @@ import sys
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # exactness checks run in float32 on every machine: `--dtype auto` would pick bf16 where it is fast
 os.environ["OURO_DTYPE_AUTO"] = "float32"
-# and every engine computes its output head the same way round (tests/test_gemm_pick.py tests both)
-os.environ["OURO_GEMM_PICK"] = "linear"
+# and every engine computes its projections the same way (the fast oneDNN-packed form where torch
+# has oneDNN, else F.linear), so engines in a test round alike; tests/test_gemm_pick.py tests every form
+os.environ["OURO_GEMM_PICK"] = "packed"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -26,6 +27,7 @@ def hf_pair(tmp_path_factory):
     from hf_reference import make_hf_checkpoint
     from transformers import Glm5NextForConditionalGeneration
 
+    from ouro import gemm_pick
     from ouro.models.loader import load_model
     made = {}
 
@@ -34,7 +36,9 @@ def hf_pair(tmp_path_factory):
             d = tmp_path_factory.mktemp(f"hf_{shape}")
             make_hf_checkpoint(shape, d)
             hf = Glm5NextForConditionalGeneration.from_pretrained(d, dtype=torch.float32).eval()
-            made[shape] = (d, hf, load_model(d))
+            model = load_model(d)
+            gemm_pick.apply_to(model)     # the matrix against transformers runs the engine's fast products
+            made[shape] = (d, hf, model)
         return made[shape]
     return get
 

@@ -1,5 +1,6 @@
-"""The output head's product either way round: the same logits; the choice per row count by
-measurement, cached per machine and shape; the pin; an engine built here uses the measured forms."""
+"""A projection's product three ways (F.linear, transposed, oneDNN-packed): the same outputs; the
+choice per row count by measurement, cached per machine and shape; the pin; the packed copy
+follows in-place weight changes; an engine built here uses the measured forms on every projection."""
 
 import json
 
@@ -7,66 +8,106 @@ import pytest
 import torch
 
 from ouro import gemm_pick
-from ouro.layers.output_head import OutputHead
+from ouro.layers.linear import Linear
+
+FORMS = [f for f in gemm_pick.FORMS if f != "packed" or gemm_pick.packable(torch.zeros(2, 2))]
 
 
-def test_both_forms_give_the_same_logits_at_every_row_count():
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("shape", [(48, 300), (512, 64), (7, 5)])
+def test_every_form_gives_the_linear_result_at_every_row_count(form, shape):
     torch.manual_seed(0)
-    head = OutputHead(48, 300, bias=False)
-    torch.nn.init.normal_(head.weight)
-    for rows in (1, 2, 4, 7, 16, 33):
-        x = torch.randn(rows, 48)
-        ref = x @ head.weight.T
-        for forms in (["linear"] * 3, ["transposed"] * 3, ["linear", "transposed", "transposed"]):
-            head.forms = forms
-            out = head(x)
-            assert out.shape == (rows, 300) and out.is_contiguous()
+    layer = Linear(*shape, bias=False)
+    torch.nn.init.normal_(layer.weight)
+    layer.forms = [form] * len(gemm_pick.ROWS)
+    with torch.no_grad():
+        for lead in ((1,), (2,), (4,), (7,), (16,), (33,), (600,), (3, 5)):
+            x = torch.randn(*lead, shape[0])
+            ref = x @ layer.weight.T
+            out = layer(x)
+            assert out.shape == (*lead, shape[1]) and out.is_contiguous()
             err = ((out - ref).norm() / ref.norm()).item()
-            assert err < 1e-6, (rows, forms, err)
-    head.forms = None
-    assert torch.equal(head(x), torch.nn.functional.linear(x, head.weight))
+            assert err < 1e-6, (lead, form, err)
+        assert layer(torch.randn(0, shape[0])).shape == (0, shape[1])
+
+
+def test_packed_copy_follows_in_place_weight_changes():
+    if "packed" not in FORMS:
+        pytest.skip("this torch has no oneDNN")
+    layer = Linear(16, 8, bias=False)
+    layer.forms = ["packed"] * len(gemm_pick.ROWS)
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        first = layer(x)
+        layer.weight.mul_(2.0)                 # a reload or an edit in place: the packed copy is stale
+        assert torch.allclose(layer(x), 2 * first, rtol=1e-5, atol=1e-6)
+        layer.weight.copy_(torch.randn(8, 16))
+        assert torch.allclose(layer(x), x @ layer.weight.T, rtol=1e-5, atol=1e-5)
+
+
+def test_autograd_and_bias_take_plain_linear():
+    layer = Linear(6, 3, bias=True)
+    layer.forms = ["transposed"] * len(gemm_pick.ROWS)
+    x = torch.randn(2, 6)
+    assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+    layer = Linear(6, 3, bias=False)
+    layer.forms = ["transposed"] * len(gemm_pick.ROWS)
+    layer(x).sum().backward()                   # grad enabled: nn.Linear's own product, differentiable
+    assert layer.weight.grad is not None
 
 
 @pytest.mark.parametrize("rows, want", [(1, "linear"), (3, "linear"), (4, "transposed"), (15, "transposed"),
-                                        (16, "linear"), (500, "linear")])
+                                        (16, "packed"), (63, "packed"), (64, "linear"), (500, "linear"),
+                                        (512, "packed"), (9000, "packed")])
 def test_form_follows_the_largest_measured_row_count_below(rows, want):
-    assert gemm_pick.form_for(["linear", "transposed", "linear"], rows) == want
+    assert gemm_pick.form_for(["linear", "transposed", "packed", "linear", "packed"], rows) == want
 
 
-def test_rule_needs_a_clear_win():
-    times = {"linear": [1.0, 2.0, 3.0], "transposed": [0.5, 1.9, 3.5]}
-    assert gemm_pick.choose(times) == ["transposed", "linear", "linear"]
+def test_rule_takes_the_fastest_that_clearly_beats_linear():
+    times = {"linear": [1.0, 2.0, 3.0], "transposed": [0.5, 1.9, 3.5], "packed": [0.6, 1.0, 2.9]}
+    assert gemm_pick.choose(times) == ["transposed", "packed", "linear"]
 
 
 def test_measured_once_per_shape_and_pinned(monkeypatch, tmp_path):
     monkeypatch.delenv("OURO_GEMM_PICK", raising=False)
     monkeypatch.setenv("OURO_CACHE", str(tmp_path))
+    monkeypatch.setattr(gemm_pick, "packable", lambda w: True)
     calls = []
 
-    def fake(form, weight, rows, budget_s=0.05):
+    def fake(form, weight, rows, budget_s=0.03):
         calls.append((form, rows))
-        return {"linear": 2.0, "transposed": 1.0}[form] if rows > 1 else 1.0
+        return {"linear": 2.0, "transposed": 1.0, "packed": 1.5}[form] if rows > 1 else 1.0
     monkeypatch.setattr(gemm_pick, "time_form", fake)
     w = torch.zeros(64, 8)
-    assert gemm_pick.pick_forms(w) == ["linear", "transposed", "transposed"]
-    assert len(calls) == 2 * len(gemm_pick.ROWS)
-    assert gemm_pick.pick_forms(w) == ["linear", "transposed", "transposed"] and len(calls) == 6   # cached
-    gemm_pick.pick_forms(torch.zeros(65, 8))                   # another shape: measured
-    assert len(calls) == 12
+    n = len(gemm_pick.ROWS)
+    want = ["linear"] + ["transposed"] * (n - 1)
+    assert gemm_pick.pick_forms(w) == want
+    assert len(calls) == 3 * n
+    assert gemm_pick.pick_forms(w) == want and len(calls) == 3 * n   # cached
+    gemm_pick.pick_forms(torch.zeros(65, 8))                           # another shape: measured
+    assert len(calls) == 6 * n
     saved = json.loads((tmp_path / "gemm_pick.json").read_text())
-    assert len(saved) == 2 and all(len(v["forms"]) == len(gemm_pick.ROWS) for v in saved.values())
+    assert len(saved) == 2 and all(len(v["forms"]) == n and v["format"] == gemm_pick.FORMAT for v in saved.values())
     monkeypatch.setenv("OURO_GEMM_PICK", "transposed")
-    assert gemm_pick.pick_forms(w) == ["transposed"] * len(gemm_pick.ROWS)
+    assert gemm_pick.pick_forms(w) == ["transposed"] * n
     monkeypatch.setenv("OURO_GEMM_PICK", "sideways")
     with pytest.raises(ValueError, match="OURO_GEMM_PICK"):
         gemm_pick.pick_forms(w)
 
 
-def test_engine_takes_the_measured_forms(monkeypatch, tmp_path):
+def test_pinned_packed_falls_back_where_onednn_cannot_run(monkeypatch):
+    monkeypatch.setenv("OURO_GEMM_PICK", "packed")
+    monkeypatch.setattr(gemm_pick, "packable", lambda w: False)
+    assert gemm_pick.pick_forms(torch.zeros(4, 4)) == ["linear"] * len(gemm_pick.ROWS)
+
+
+def test_engine_takes_the_measured_forms_on_every_projection(monkeypatch, tmp_path):
     monkeypatch.delenv("OURO_GEMM_PICK", raising=False)
     monkeypatch.setenv("OURO_CACHE", str(tmp_path))
     from ouro.engine.llm import LLM
     from ouro.models.resolve import resolve_model
     llm = LLM(str(resolve_model("tiny")), max_memory=8 << 20)
-    head = llm.engine.model.lm_head
-    assert head.forms == gemm_pick.pick_forms(head.weight) and set(head.forms) <= set(gemm_pick.FORMS)
+    layers = [m for m in llm.engine.model.modules() if isinstance(m, Linear)]
+    assert len(layers) > 20 and llm.engine.model.lm_head in layers
+    for m in layers:
+        assert m.forms == gemm_pick.pick_forms(m.weight) and set(m.forms) <= set(gemm_pick.FORMS)

@@ -228,3 +228,39 @@ def test_grouped_experts_every_path_matches_naive(T, E, k, path, skew, host, mon
     else:
         rows = T
     assert calls == ([] if path == "loop" else [(path, rows)])      # the intended path is taken
+
+
+@pytest.mark.parametrize("T", [1, 3, 16, 70])
+def test_experts_layer_packed_per_expert_path_matches_naive(T, monkeypatch):
+    """The routed experts with measured `forms`: 'packed' runs each expert's exact rows through
+    its oneDNN-packed weights (and re-packs after an in-place weight change); 'linear' keeps
+    experts_grouped. Both equal the naive loop."""
+    from ouro import gemm_pick
+    from ouro.config import ModelConfig
+    from ouro.layers import moe as moe_layer
+    from ouro.ops.moe.experts import experts_naive
+    if not gemm_pick.packable(torch.zeros(2, 2)):
+        pytest.skip("this torch has no oneDNN")
+    cfg = ModelConfig(hidden_size=16, moe_intermediate_size=12, n_routed_experts=8, num_experts_per_tok=2)
+    layer = moe_layer.Experts(cfg)
+    g = torch.Generator().manual_seed(T)
+    with torch.no_grad():
+        layer.gate_up_proj.copy_(torch.randn(layer.gate_up_proj.shape, generator=g))
+        layer.down_proj.copy_(torch.randn(layer.down_proj.shape, generator=g))
+    x = torch.randn(T, 16, generator=g)
+    experts = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(T)])
+    weights = torch.rand(T, 2, generator=g)
+    taken = []
+    looped, grouped = moe_layer.experts_looped, moe_layer.experts_grouped
+    monkeypatch.setattr(moe_layer, "experts_looped", lambda *a: taken.append("packed") or looped(*a))
+    monkeypatch.setattr(moe_layer, "experts_grouped", lambda *a: taken.append("grouped") or grouped(*a))
+    with torch.no_grad():
+        for forms, path in ((["packed"] * len(gemm_pick.ROWS), "packed"), (["linear"] * len(gemm_pick.ROWS), "grouped")):
+            layer.forms = forms
+            assert_close(layer(x, weights, experts), experts_naive(x, weights, experts, layer.gate_up_proj,
+                                                                   layer.down_proj, layer.limit))
+            assert taken[-1] == path
+        layer.forms = ["packed"] * len(gemm_pick.ROWS)
+        layer.down_proj.mul_(0.5)          # in place: the packed copies must follow
+        assert_close(layer(x, weights, experts), experts_naive(x, weights, experts, layer.gate_up_proj,
+                                                               layer.down_proj, layer.limit))

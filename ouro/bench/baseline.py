@@ -48,9 +48,15 @@ def resolve_ref(ref: str) -> str:
                             "(try a hash from `git log --oneline`)") from None
 
 
-def run_side(tree: Path, model_dir: str, flags: list[str], out_json: Path, timeout_s: float) -> dict:
-    """One `ouro bench offline` in its own process, importing ouro from `tree`."""
+def run_side(tree: Path, model_dir: str, flags: list[str], out_json: Path, timeout_s: float,
+             own_cache: str | None = None) -> dict:
+    """One `ouro bench offline` in its own process, importing ouro from `tree`. `own_cache`: the
+    baseline's machine-choice cache, apart from this tree's (another version of ouro may store
+    other choices under the same names), and without this tree's pins, which it may not know."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    if own_cache is not None:
+        env["OURO_CACHE"] = own_cache
+        env.pop("OURO_GEMM_PICK", None)
     cmd = [sys.executable, "-m", "ouro.cli", "bench", "offline", "--model", model_dir, *flags,
            "--compare", "none", "--output-json", str(out_json)]
     try:
@@ -76,11 +82,13 @@ def bench_baseline(ref: str, model_dir: str, flags: list[str], repeats: int = 3,
     _git("worktree", "add", "--detach", str(tree), commit)
     sides = {"baseline": [], "current": []}
     try:
-        order = [("baseline", tree, []), ("current", SOURCE_ROOT, list(current_extra))]
+        from ..machine_cache import cache_root
+        own = str(cache_root() / f"baseline-{commit[:12]}")
+        order = [("baseline", tree, [], own), ("current", SOURCE_ROOT, list(current_extra), None)]
         bar = tqdm(total=2 * repeats, desc=f"baseline {commit[:7]} vs current", disable=not progress)
         for i in range(repeats):
-            for name, root, extra in (order if i % 2 == 0 else order[::-1]):
-                sides[name].append(run_side(root, model_dir, flags + extra, work / f"{name}-{i}.json", timeout_s))
+            for name, root, extra, cache in (order if i % 2 == 0 else order[::-1]):
+                sides[name].append(run_side(root, model_dir, flags + extra, work / f"{name}-{i}.json", timeout_s, cache))
                 bar.update(1)
         bar.close()
     finally:

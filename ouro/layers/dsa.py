@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from ..ops.dsa import absorb_weights, index_select, pool_keys, sparse_mla
+from .linear import Linear
 from .norm import RMSNorm
 
 
@@ -29,10 +30,10 @@ class Indexer(nn.Module):
         self.cache_index = config.indexer_layers.index(layer_idx)
         self.select_k = config.index_topk // config.index_kpool
         self.width = config.index_topk + config.index_kpool - 1
-        self.wq_b = nn.Linear(config.q_lora_rank, Hi * d, bias=False)
-        self.wk = nn.Linear(D, d, bias=False)
+        self.wq_b = Linear(config.q_lora_rank, Hi * d, bias=False)
+        self.wk = Linear(D, d, bias=False)
         self.k_norm = nn.LayerNorm(d, eps=1e-6)
-        self.weights_proj = nn.Linear(D, Hi, bias=False)
+        self.weights_proj = Linear(D, Hi, bias=False)
         self.index_kpool_compress_ape = nn.Parameter(torch.zeros(config.index_kpool, d))
         self.index_kpool_compress_gate = nn.Parameter(torch.zeros(d, D))
 
@@ -90,13 +91,13 @@ class DSAttention(nn.Module):
         self.kpool, self.topk = config.index_kpool, config.index_topk
         self.cache_index = config.dsa_layers.index(layer_idx)
         self.scale = self.qk ** -0.5
-        self.q_a_proj = nn.Linear(D, config.q_lora_rank, bias=False)
+        self.q_a_proj = Linear(D, config.q_lora_rank, bias=False)
         self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
-        self.q_b_proj = nn.Linear(config.q_lora_rank, H * self.qk, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(D, self.r, bias=False)
+        self.q_b_proj = Linear(config.q_lora_rank, H * self.qk, bias=False)
+        self.kv_a_proj_with_mqa = Linear(D, self.r, bias=False)
         self.kv_a_layernorm = RMSNorm(self.r, config.rms_norm_eps)
-        self.kv_b_proj = nn.Linear(self.r, H * (self.qk + self.v), bias=False)
-        self.o_proj = nn.Linear(H * self.v, D, bias=False)
+        self.kv_b_proj = Linear(self.r, H * (self.qk + self.v), bias=False)
+        self.o_proj = Linear(H * self.v, D, bias=False)
         self.indexer = Indexer(config, layer_idx) if config.indexer_types[layer_idx] == "full" else None
 
     def forward(self, x, ctx, prev_selection=None):

@@ -8,6 +8,7 @@ from torch import nn
 from ..ops.conv1d import causal_conv1d
 from ..ops.kda import kda_chunk, kda_recurrent_step
 from .norm import GatedRMSNorm
+from .linear import Linear
 from .precision import KeepFloat32
 
 
@@ -35,18 +36,18 @@ class KDAttention(KeepFloat32):
         self.state_index = config.kda_layers.index(layer_idx)
         self.chunk_size = chunk_size
         self.lower_bound = config.linear_lower_bound
-        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(D, C, bias=False) for _ in range(3))
+        self.q_proj, self.k_proj, self.v_proj = (Linear(D, C, bias=False) for _ in range(3))
         K = config.linear_conv_kernel_dim
         self.q_conv1d, self.k_conv1d, self.v_conv1d = (ShortConv(C, K) for _ in range(3))
-        self.f_a_proj = nn.Linear(D, dk, bias=False)
-        self.f_b_proj = nn.Linear(dk, C, bias=False)
+        self.f_a_proj = Linear(D, dk, bias=False)
+        self.f_b_proj = Linear(dk, C, bias=False)
         self.dt_bias = nn.Parameter(torch.zeros(C, dtype=torch.float32))
         self.A_log = nn.Parameter(torch.zeros(H, dtype=torch.float32))
-        self.b_proj = nn.Linear(D, H, bias=False)
-        self.g_a_proj = nn.Linear(D, dk, bias=False)
-        self.g_b_proj = nn.Linear(dk, C, bias=False)
+        self.b_proj = Linear(D, H, bias=False)
+        self.g_a_proj = Linear(D, dk, bias=False)
+        self.g_b_proj = Linear(dk, C, bias=False)
         self.o_norm = GatedRMSNorm(dk, config.rms_norm_eps)
-        self.o_proj = nn.Linear(C, D, bias=False)
+        self.o_proj = Linear(C, D, bias=False)
 
     def forget_gate(self, x):
         """Per-channel log-decay g <= 0, [T, H, dk]."""

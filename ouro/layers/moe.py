@@ -3,7 +3,9 @@
 import torch
 from torch import nn
 
-from ..ops.moe import clamped_swiglu, experts_grouped, route
+from ..gemm_pick import form_for, packed_for, product
+from ..ops.moe import clamped_swiglu, experts_grouped, experts_looped, reads_host, route
+from .linear import Linear
 from .precision import KeepFloat32
 
 
@@ -11,9 +13,9 @@ class MLP(nn.Module):
     def __init__(self, config, intermediate_size: int):
         super().__init__()
         D = config.hidden_size
-        self.gate_proj = nn.Linear(D, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(D, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, D, bias=False)
+        self.gate_proj = Linear(D, intermediate_size, bias=False)
+        self.up_proj = Linear(D, intermediate_size, bias=False)
+        self.down_proj = Linear(intermediate_size, D, bias=False)
         self.limit = config.swiglu_limit
 
     def forward(self, x):
@@ -36,7 +38,13 @@ class Router(KeepFloat32):
 
 
 class Experts(nn.Module):
-    """All routed experts' weights stacked: gate_up_proj [E, 2I, D], down_proj [E, D, I]."""
+    """All routed experts' weights stacked: gate_up_proj [E, 2I, D], down_proj [E, D, I].
+
+    `forms` (set by the engine from `gemm_pick`, measured on one expert's gate_up weight): where
+    the measurement picked oneDNN's packed product for the rows an expert gets on average
+    (T*k/E) and host reads are free (a CPU), each expert runs its exact rows through its own packed
+    weights (`gemm_pick.packed_for`); otherwise `experts_grouped`."""
+    forms = None
 
     def __init__(self, config):
         super().__init__()
@@ -45,7 +53,17 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.zeros(E, D, I))
         self.limit = config.swiglu_limit
 
+    def pick_weight(self):
+        return self.gate_up_proj[0]
+
     def forward(self, x, weights, experts):
+        E = self.gate_up_proj.shape[0]
+        if self.forms is not None and not torch.is_grad_enabled() and reads_host(x) and \
+                form_for(self.forms, max(1, experts.numel() // E)) == "packed":
+            packs = packed_for(self, [self.gate_up_proj, self.down_proj])
+            ups, downs = packs[:E], packs[E:]
+            return experts_looped(x, weights, experts, lambda h, e: product(h, None, "packed", ups[e]),
+                                  lambda h, e: product(h, None, "packed", downs[e]), self.limit)
         return experts_grouped(x, weights, experts, self.gate_up_proj, self.down_proj, self.limit)
 
 

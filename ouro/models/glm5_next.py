@@ -10,7 +10,7 @@ from ..layers.kda import KDAttention
 from ..layers.mhc import HyperConnection
 from ..layers.moe import MLP, MoE
 from ..layers.norm import RMSNorm
-from ..layers.output_head import OutputHead
+from ..layers.linear import Linear
 
 
 class DecoderLayer(nn.Module):
@@ -47,7 +47,7 @@ class Glm5NextModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i, kda_chunk_size) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = OutputHead(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:

@@ -58,18 +58,39 @@ def experts_grouped(x, weights, experts, gate_up, down, limit: float):
     if rows is not None:
         y_sorted = _experts_padded(x_sorted, flat[order], counts, rows, gate_up, down, limit)
     else:
-        y_sorted = torch.full_like(x_sorted, float("nan"))
-        start = 0
-        for e, c in enumerate(counts.tolist()):
-            if c == 0:
-                continue
-            gate, up = (x_sorted[start:start + c] @ gate_up[e].T).chunk(2, dim=-1)
-            y_sorted[start:start + c] = clamped_swiglu(gate, up, limit) @ down[e].T
-            start += c
-    # back to (token, choice) order, then a weighted sum over the k choices (no scatter-add)
+        y_sorted = _per_expert(x_sorted, counts, lambda h, e: h @ gate_up[e].T, lambda h, e: h @ down[e].T, limit)
+    return _combine(y_sorted, order, weights, T, k, x.dtype)
+
+
+def experts_looped(x, weights, experts, up, down, limit: float):
+    """The per-expert loop with the products supplied: up(rows, e) = rows @ gate_up[e].T and
+    down(h, e) = h @ down[e].T (a caller with pre-packed weights runs its own kernel). Exact rows,
+    no padding; reads the per-expert counts on the host."""
+    T, k = experts.shape
+    flat = experts.flatten()
+    order = flat.argsort(stable=True)
+    counts = torch.bincount(flat)
+    y_sorted = _per_expert(x[order // k], counts, up, down, limit)
+    return _combine(y_sorted, order, weights, T, k, x.dtype)
+
+
+def _per_expert(x_sorted, counts, up, down, limit):
+    y_sorted = torch.full_like(x_sorted, float("nan"))
+    start = 0
+    for e, c in enumerate(counts.tolist()):
+        if c == 0:
+            continue
+        gate, up_part = up(x_sorted[start:start + c], e).chunk(2, dim=-1)
+        y_sorted[start:start + c] = down(clamped_swiglu(gate, up_part, limit), e)
+        start += c
+    return y_sorted
+
+
+def _combine(y_sorted, order, weights, T, k, dtype):
+    """Back to (token, choice) order, then a weighted sum over the k choices (no scatter-add)."""
     y = torch.empty_like(y_sorted)
     y[order] = y_sorted
-    return torch.einsum("tkd,tk->td", y.view(T, k, -1), weights.to(x.dtype))
+    return torch.einsum("tkd,tk->td", y.view(T, k, -1), weights.to(dtype))
 
 
 def _experts_padded(x_sorted, expert_of, counts, busiest, gate_up, down, limit):

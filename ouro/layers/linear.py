@@ -1,0 +1,25 @@
+"""`Linear`: an `nn.Linear` whose product runs the way this machine runs it fastest for the row
+count at hand (`forms`, one per row count in `ouro.gemm_pick.ROWS`, set by the engine from a
+measurement; None: always `F.linear`). Same parameters, same state dict, same hooks as
+`nn.Linear`. The packed form uses a oneDNN copy of the weight (`gemm_pick.packed_for`)."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..gemm_pick import form_for, packed_for, product
+
+
+class Linear(nn.Linear):
+    forms = None
+
+    def forward(self, x):
+        if self.forms is None or self.bias is not None or torch.is_grad_enabled():
+            return F.linear(x, self.weight, self.bias)
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        form = form_for(self.forms, rows)
+        if form == "linear" or rows == 0:
+            return F.linear(x, self.weight)
+        flat = x.reshape(rows, x.shape[-1])
+        packed = packed_for(self, [self.weight])[0] if form == "packed" else None
+        return product(flat, self.weight, form, packed).view(*x.shape[:-1], self.out_features)
