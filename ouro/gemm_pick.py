@@ -29,6 +29,22 @@ FILE = "gemm_pick.json"
 FORMAT = 2          # bumped when the forms or rows change: older cache entries are measured again
 
 
+def _count_packed_flops():
+    """FLOPs of the packed product for torch's FlopCounterMode (the bench's FLOP counts and the
+    lab's op recorder read its registry): 2 * rows * K * N, as for a matmul."""
+    from torch.utils.flop_counter import flop_registry, register_flop_formula
+    op = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
+    if op is None or op in flop_registry:
+        return
+
+    @register_flop_formula(op)
+    def _(x_shape, w_shape, *args, out_shape=None, **kwargs):
+        rows = 1
+        for n in x_shape[:-1]:
+            rows *= n
+        return 2 * rows * x_shape[-1] * w_shape[0]
+
+
 def packable(weight) -> bool:
     """oneDNN runs this weight: a 2-D float32/bfloat16 CPU tensor, in a torch built with it."""
     return (weight.device.type == "cpu" and weight.dim() == 2 and weight.dtype in (torch.float32, torch.bfloat16)
@@ -37,6 +53,7 @@ def packable(weight) -> bool:
 
 def pack(weight):
     """The weight reordered into oneDNN's blocked layout (an opaque tensor the same size)."""
+    _count_packed_flops()
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
 
 

@@ -27,7 +27,6 @@ def hf_pair(tmp_path_factory):
     from hf_reference import make_hf_checkpoint
     from transformers import Glm5NextForConditionalGeneration
 
-    from ouro import gemm_pick
     from ouro.models.loader import load_model
     made = {}
 
@@ -36,9 +35,7 @@ def hf_pair(tmp_path_factory):
             d = tmp_path_factory.mktemp(f"hf_{shape}")
             make_hf_checkpoint(shape, d)
             hf = Glm5NextForConditionalGeneration.from_pretrained(d, dtype=torch.float32).eval()
-            model = load_model(d)
-            gemm_pick.apply_to(model)     # the matrix against transformers runs the engine's fast products
-            made[shape] = (d, hf, model)
+            made[shape] = (d, hf, load_model(d))   # SimpleRunner sets the engine's products on it
         return made[shape]
     return get
 

@@ -11,8 +11,10 @@ from ..layers.context import ForwardContext, ModelCache
 
 class SimpleRunner:
     def __init__(self, model, n_seqs: int, max_len: int, page_size: int | None = None, poison: bool = False):
+        from ..gemm_pick import apply_to
         cfg = model.config
         self.model = model
+        apply_to(model)      # the products the engine runs (tests and probes see the same paths)
         self.page_size = page_size or 4 * cfg.index_kpool
         pages_per_seq = -(-max_len // self.page_size)
         dev = model.embed_tokens.weight.device

@@ -105,6 +105,12 @@ class ModuleStack:
 _TO_CPU, _TO_NUMPY = torch.Tensor.cpu, torch.Tensor.numpy
 
 
+def _storage(t: torch.Tensor) -> int:
+    """A key for the memory `t` lives in. oneDNN's packed weights (`gemm_pick.pack`, opaque
+    tensors with no storage to ask) are keyed by the tensor object itself."""
+    return t.untyped_storage().data_ptr() if t.layout == torch.strided else id(t)
+
+
 def _digest(t: torch.Tensor) -> str:
     flat = t.detach().reshape(-1).contiguous()
     raw = flat.view(torch.uint8) if flat.numel() else flat
@@ -135,6 +141,8 @@ class OpRecorder(TorchDispatchMode):
     # --- identity of an argument ---
     def _arg_key(self, a):
         if isinstance(a, torch.Tensor):
+            if a.layout != torch.strided:       # a packed copy of a weight: as constant as one
+                return ("param", id(a), tuple(a.shape), str(a.dtype))
             base = (tuple(a.shape), str(a.dtype), tuple(a.stride()))
             ptr = a.untyped_storage().data_ptr()
             if ptr in self.param_storages:
@@ -162,14 +170,14 @@ class OpRecorder(TorchDispatchMode):
             compute, key = False, None
         flops, mm_flops = _flops(func, name, args, kwargs, out) if compute else (0.0, 0.0)
         index = len(self.ops)
-        sources = {self._writer.get(t.untyped_storage().data_ptr()) for t in _tensors(args)}
+        sources = {self._writer.get(_storage(t)) for t in _tensors(args)}
         sources.discard(None)
         rec = OpRecord(index, name, self.modules.current, ouro_stack(), key,
                        flops, mm_flops, _bytes(name, args, kwargs, out) if compute else 0.0, compute,
                        tuple(sorted(sources)))
         if compute:   # views keep their storage's writer; computing ops (in-place ones too) become it
             for t in _tensors(out):
-                self._writer[t.untyped_storage().data_ptr()] = index
+                self._writer[_storage(t)] = index
         self.ops.append(rec)
         for listen in self.listeners:
             listen(name, args, kwargs, out, rec)
@@ -191,9 +199,9 @@ def _aliases_input(out, args) -> bool:
     outs = list(_tensors(out))
     if not outs or not all(isinstance(o, torch.Tensor) for o in outs):
         return False
-    ptrs = {t.untyped_storage().data_ptr() for t in _tensors(args) if t.numel()}
+    ptrs = {_storage(t) for t in _tensors(args) if t.numel()}
     o = outs[0]
-    return o.numel() > 0 and o.untyped_storage().data_ptr() in ptrs and o.data_ptr() != 0 and \
+    return o.numel() > 0 and _storage(o) in ptrs and o.data_ptr() != 0 and \
         not _is_inplace_target(out, args)
 
 

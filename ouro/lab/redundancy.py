@@ -62,8 +62,12 @@ def record_step(model, runner, tokens, label: str, context: int) -> StepRecord:
 
 def record_steps(model, prompt_len: int, contexts: tuple[int, ...], batch: int, seed: int = 0) -> list[StepRecord]:
     """A recorded prefill of `prompt_len` tokens per sequence, then decode steps recorded at each of
-    `contexts` (the decode token is token number `context`; the tokens between are fed unrecorded)."""
+    `contexts` (the decode token is token number `context`; the tokens between are fed unrecorded).
+    The decode steps are recorded on their capturable path (`ops.capture.capture_path`): what a
+    compiled or CUDA-graph step runs, where a host sync is a fault; on a CPU, eager ops may also
+    read counts on the host, which waits for nothing."""
     from ..engine.simple_runner import SimpleRunner
+    from ..ops.capture import capture_path
     gen = torch.Generator().manual_seed(seed)
     V = model.config.vocab_size
     draw = lambda n: [torch.randint(1, V, (n,), generator=gen).tolist() for _ in range(batch)]
@@ -73,7 +77,8 @@ def record_steps(model, prompt_len: int, contexts: tuple[int, ...], batch: int, 
     for c in sorted(contexts):
         if c - 1 > have:
             runner.step(draw(c - 1 - have))
-        steps.append(record_step(model, runner, draw(1), f"decode@{c}", c))
+        with capture_path():
+            steps.append(record_step(model, runner, draw(1), f"decode@{c}", c))
         have = c
     return steps
 

@@ -4,7 +4,8 @@ import torch
 from torch import nn
 
 from ..gemm_pick import form_for, packed_for, product
-from ..ops.moe import clamped_swiglu, experts_grouped, experts_looped, reads_host, route
+from ..ops.capture import reads_host
+from ..ops.moe import clamped_swiglu, experts_grouped, experts_looped, route
 from .linear import Linear
 from .precision import KeepFloat32
 

@@ -4,6 +4,8 @@ one matmul over its tokens."""
 import torch
 import torch.nn.functional as F
 
+from ..capture import reads_host
+
 
 def clamped_swiglu(gate, up, limit: float):
     return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
@@ -20,12 +22,6 @@ PAD_ROWS = 32
 # 41 / 54 / 87 / 527 ms against 53 / 94 / 148 / 552 ms for the previous choice at T = 16 / 64 /
 # 256 / 2048 (pad to T for T <= 32, else one matmul per expert).
 PAD_WASTE = 2.0
-
-
-def reads_host(t: torch.Tensor) -> bool:
-    """Whether reading a value of `t` on the host costs nothing: a CPU tensor (no device to wait
-    for) outside a graph being compiled or captured. Everything else stays sync-free."""
-    return t.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
 def experts_grouped(x, weights, experts, gate_up, down, limit: float):
