@@ -111,3 +111,13 @@ def test_engine_takes_the_measured_forms_on_every_projection(monkeypatch, tmp_pa
     assert len(layers) > 20 and llm.engine.model.lm_head in layers
     for m in layers:
         assert m.forms == gemm_pick.pick_forms(m.weight) and set(m.forms) <= set(gemm_pick.FORMS)
+
+
+def test_timing_streams_more_than_a_cache_of_weights():
+    # one hot copy would time a cache read, not the stream from memory a model step does
+    assert gemm_pick.stream_copies(torch.zeros(512, 512)) == gemm_pick.MAX_COPIES
+    assert gemm_pick.stream_copies(torch.zeros(32000, 512)) == 1
+    mid = torch.zeros(2048, 2048)                      # 16 MiB: four copies make 64 MiB
+    assert gemm_pick.stream_copies(mid) * mid.numel() * 4 >= gemm_pick.STREAM_BYTES
+    for form in FORMS:
+        assert 0 < gemm_pick.time_form(form, torch.randn(16, 8), 4, budget_s=0.001, copies=3) < 1

@@ -203,7 +203,7 @@ def test_grouped_experts_every_path_matches_naive(T, E, k, path, skew, host, mon
     a compiled graph): decode-sized batches (T <= PAD_ROWS, or E <= 4k) take the padded batched
     matmul padded to T rows, the others the per-expert loop, and none but the loop reads a value
     back to the host. Where host reads are free (CPU eager): padded to the busiest expert's count
-    while that at most doubles the work, else the loop. All equal the naive loop, skewed routing too."""
+    up to PAD_ROWS tokens, beyond while that at most doubles the work, else the loop. All equal the naive loop, skewed routing too."""
     from ouro.ops.moe import experts as experts_mod
     from ouro.ops.moe.experts import experts_grouped, experts_naive
     calls = []
@@ -224,7 +224,8 @@ def test_grouped_experts_every_path_matches_naive(T, E, k, path, skew, host, mon
                  experts_naive(x, weights, experts, gate_up, down, 7.0))
     busiest = int(torch.bincount(experts.flatten(), minlength=E).max())
     if host and path != "gathered":    # the busiest count decides, not T
-        path, rows = ("padded", busiest) if E * busiest <= experts_mod.PAD_WASTE * T * k else ("loop", None)
+        padded = T <= experts_mod.PAD_ROWS or E * busiest <= experts_mod.PAD_WASTE * T * k
+        path, rows = ("padded", busiest) if padded else ("loop", None)
     else:
         rows = T
     assert calls == ([] if path == "loop" else [(path, rows)])      # the intended path is taken

@@ -17,8 +17,8 @@ def clamped_swiglu(gate, up, limit: float):
 # per-expert time 0.88 at T=8, 0.82 at T=16, 0.80 at T=32 (all faster beyond noise).
 PAD_ROWS = 32
 # Where the busiest expert's row count can be read for free (a CPU tensor, no graph being
-# captured), every expert is padded to that count instead of to T, while the padding at most
-# doubles the work (E * busiest <= PAD_WASTE * T * k). Measured on `small`, 7 layers, 2 threads:
+# captured), every expert is padded to that count instead of to T: always up to PAD_ROWS tokens,
+# beyond that while the padding at most doubles the work (E * busiest <= PAD_WASTE * T * k). Measured on `small`, 7 layers, 2 threads:
 # 41 / 54 / 87 / 527 ms against 53 / 94 / 148 / 552 ms for the previous choice at T = 16 / 64 /
 # 256 / 2048 (pad to T for T <= 32, else one matmul per expert).
 PAD_WASTE = 2.0
@@ -31,8 +31,9 @@ def experts_grouped(x, weights, experts, gate_up, down, limit: float):
     weights and runs one batched matrix-vector product: only the chosen experts are read, with no
     device-to-host read. Otherwise every expert's tokens are padded to a common row count and all
     experts run as one batched matmul (one pass over the weights, no per-expert Python):
-    - on a CPU (`reads_host`) the count is the busiest expert's, while that at most doubles the
-      work; past that (routing piled onto a few experts) one matmul per active expert;
+    - on a CPU (`reads_host`) the count is the busiest expert's, up to PAD_ROWS tokens always and
+      beyond while that at most doubles the work; past that (prefill with routing piled onto a
+      few experts) one matmul per active expert;
     - where the step must stay capturable (an accelerator, a compiled graph) the count is T, a
       bound known on the host (a token picks an expert at most once), while the padded matmul
       stays memory-bound (T <= PAD_ROWS) or the padding is at most 4x (T*k <= 4E, E <= 4k);
@@ -48,7 +49,7 @@ def experts_grouped(x, weights, experts, gate_up, down, limit: float):
     rows = None
     if reads_host(counts):
         busiest = int(counts.max())
-        rows = busiest if E * busiest <= PAD_WASTE * T * k else None
+        rows = busiest if T <= PAD_ROWS or E * busiest <= PAD_WASTE * T * k else None
     elif T <= PAD_ROWS or (T * k <= 4 * E and E <= 4 * k):   # an expert holds at most T rows: pad to T
         rows = T
     if rows is not None:
