@@ -8,8 +8,13 @@ import sys
 
 # idle OpenMP threads sleep instead of spinning: on a machine shared with other work (or with
 # the server's own processes) spinning threads took the cores the busy ones needed (a tiny
-# `ouro eval ppl` ran 6.9 s instead of 0.1 s). Set before torch is imported.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# `ouro eval ppl` ran 6.9 s instead of 0.1 s). It reaches the processes ouro starts (`python -m
+# ouro.cli` has imported torch, through the ouro package, before this line runs). Where ouro set it
+# rather than the user, OURO_SET_OMP_WAIT_POLICY says so: `bench --baseline` runs both sides as a
+# user's own `ouro bench` would run (PASSIVE made both 1.6-1.8x slower there).
+if "OMP_WAIT_POLICY" not in os.environ:
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    os.environ["OURO_SET_OMP_WAIT_POLICY"] = "1"
 
 # the model `serve`, `bench` and `eval` use when none is named (a preset name or a directory)
 DEFAULT_MODEL = "tiny-py"   # the trained built-in model: serve, generate and eval use it

@@ -156,7 +156,9 @@ def pick_forms(weight) -> list[str]:
 def apply_to(model) -> dict:
     """Set the measured forms on every module of `model` that takes them (a `forms` attribute:
     `ouro.layers.linear.Linear`, and the routed experts, measured on the weight their
-    `pick_weight()` names): one measurement per weight shape. Returns {shape: forms}."""
+    `pick_weight()` names): one measurement per weight shape. Modules that will run the packed
+    form get their packed copies now (`packed_weights()`), not inside the first request. Returns
+    {shape: forms}."""
     chosen = {}
     for m in model.modules():
         if not hasattr(m, "forms") or getattr(m, "bias", None) is not None:
@@ -166,4 +168,6 @@ def apply_to(model) -> dict:
         if key not in chosen:
             chosen[key] = pick_forms(weight)
         m.forms = chosen[key]
+        if "packed" in m.forms and hasattr(m, "packed_weights"):
+            packed_for(m, m.packed_weights())
     return {k[0]: v for k, v in chosen.items()}

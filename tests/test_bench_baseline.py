@@ -1,6 +1,7 @@
 """`ouro bench offline --baseline REF`: a git ref of this repository runs the same workload in its
 own worktree and process, interleaved with the current tree; the worktree is removed afterwards."""
 
+import os
 import subprocess
 import sys
 
@@ -36,3 +37,19 @@ def test_bad_ref_is_one_clear_line():
     done = subprocess.run([sys.executable, "-m", "ouro.cli", "bench", "offline", "--baseline", "no-such-ref"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "not a commit" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_sides_run_as_a_users_own_bench(monkeypatch, tmp_path):
+    """The CLI's PASSIVE OpenMP default (made both sides 1.6-1.8x slower) does not reach the sides;
+    a user's own setting does; the baseline gets its own choice cache and none of this tree's pins."""
+    from ouro.bench.baseline import side_env
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    monkeypatch.setenv("OURO_SET_OMP_WAIT_POLICY", "1")
+    monkeypatch.setenv("OURO_GEMM_PICK", "packed")
+    env = side_env(tmp_path)
+    assert "OMP_WAIT_POLICY" not in env and "OURO_SET_OMP_WAIT_POLICY" not in env
+    assert env["OURO_GEMM_PICK"] == "packed" and env["PYTHONPATH"].split(os.pathsep)[0] == str(tmp_path)
+    base = side_env(tmp_path, own_cache=str(tmp_path / "own"))
+    assert base["OURO_CACHE"] == str(tmp_path / "own") and "OURO_GEMM_PICK" not in base
+    monkeypatch.delenv("OURO_SET_OMP_WAIT_POLICY")           # the user chose PASSIVE: kept
+    assert side_env(tmp_path)["OMP_WAIT_POLICY"] == "PASSIVE"

@@ -48,15 +48,25 @@ def resolve_ref(ref: str) -> str:
                             "(try a hash from `git log --oneline`)") from None
 
 
+def side_env(tree: Path, own_cache: str | None = None) -> dict:
+    """The environment of one side's process: ouro imported from `tree`; OpenMP's wait policy as
+    the user had it (not the PASSIVE the CLI sets for the processes it starts); for the baseline,
+    its own choice cache and none of this tree's pins."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    if env.pop("OURO_SET_OMP_WAIT_POLICY", None):
+        env.pop("OMP_WAIT_POLICY", None)
+    if own_cache is not None:
+        env["OURO_CACHE"] = own_cache
+        env.pop("OURO_GEMM_PICK", None)
+    return env
+
+
 def run_side(tree: Path, model_dir: str, flags: list[str], out_json: Path, timeout_s: float,
              own_cache: str | None = None) -> dict:
     """One `ouro bench offline` in its own process, importing ouro from `tree`. `own_cache`: the
     baseline's machine-choice cache, apart from this tree's (another version of ouro may store
     other choices under the same names), and without this tree's pins, which it may not know."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
-    if own_cache is not None:
-        env["OURO_CACHE"] = own_cache
-        env.pop("OURO_GEMM_PICK", None)
+    env = side_env(tree, own_cache)
     cmd = [sys.executable, "-m", "ouro.cli", "bench", "offline", "--model", model_dir, *flags,
            "--compare", "none", "--output-json", str(out_json)]
     try:

@@ -57,11 +57,14 @@ class Experts(nn.Module):
     def pick_weight(self):
         return self.gate_up_proj[0]
 
+    def packed_weights(self):
+        return [self.gate_up_proj, self.down_proj]
+
     def forward(self, x, weights, experts):
         E = self.gate_up_proj.shape[0]
         if self.forms is not None and not torch.is_grad_enabled() and reads_host(x) and \
                 form_for(self.forms, max(1, experts.numel() // E)) == "packed":
-            packs = packed_for(self, [self.gate_up_proj, self.down_proj])
+            packs = packed_for(self, self.packed_weights())
             ups, downs = packs[:E], packs[E:]
             return experts_looped(x, weights, experts, lambda h, e: product(h, None, "packed", ups[e]),
                                   lambda h, e: product(h, None, "packed", downs[e]), self.limit)
