@@ -121,3 +121,12 @@ def test_timing_streams_more_than_a_cache_of_weights():
     assert gemm_pick.stream_copies(mid) * mid.numel() * 4 >= gemm_pick.STREAM_BYTES
     for form in FORMS:
         assert 0 < gemm_pick.time_form(form, torch.randn(16, 8), 4, budget_s=0.001, copies=3) < 1
+
+
+def test_packed_rows_run_at_few_distinct_bucketed_counts():
+    # each new row count makes oneDNN build a kernel (1-1.5 ms): varying counts share buckets
+    buckets = [gemm_pick.row_bucket(m) for m in range(1, 4097)]
+    assert buckets[:gemm_pick.EXACT_ROWS] == list(range(1, gemm_pick.EXACT_ROWS + 1))
+    assert all(b >= m and b <= max(m, 1.125 * m + 1) for m, b in zip(range(1, 4097), buckets))
+    assert all(a <= b for a, b in zip(buckets, buckets[1:]))
+    assert len(set(buckets)) <= gemm_pick.EXACT_ROWS + 8 * 9
