@@ -152,20 +152,25 @@ def available_forms(weight) -> tuple[str, ...]:
     return FORMS if packable(weight) else tuple(f for f in FORMS if f != "packed")
 
 
-def pick_forms(weight) -> list[str]:
-    """One form per row count in ROWS, measured once per machine and weight shape."""
+def pick_forms(weight, timer=None, label: str = "") -> list[str]:
+    """One form per row count in ROWS, measured once per machine and weight shape. `timer(form,
+    rows)`: seconds of a whole module's forward in that form, for modules whose choice is more
+    than one product (`label` keeps their cache entries apart); default: `time_form`."""
     pinned = os.environ.get("OURO_GEMM_PICK")
+    forms = available_forms(weight) if timer is None else tuple(f for f in ("linear", "packed")
+                                                               if f in available_forms(weight))
     if pinned:
         if pinned not in FORMS:
             raise ValueError(f"OURO_GEMM_PICK must be one of {', '.join(FORMS)}, got {pinned!r}")
-        return [pinned if pinned in available_forms(weight) else "linear"] * len(ROWS)
-    key = f"{machine_key(str(weight.device))}|{tuple(weight.shape)}|{weight.dtype}"
+        return [pinned if pinned in forms else "linear"] * len(ROWS)
+    key = f"{machine_key(str(weight.device))}|{label}{tuple(weight.shape)}|{weight.dtype}"
     cache = machine_cache.read(FILE)
     hit = cache.get(key, {})
     if hit.get("format") == FORMAT and hit.get("rows") == list(ROWS) and len(hit.get("forms", [])) == len(ROWS) \
-            and set(hit["forms"]) <= set(available_forms(weight)):
+            and set(hit["forms"]) <= set(forms):
         return hit["forms"]
-    times = {f: [time_form(f, weight, r) for r in ROWS] for f in available_forms(weight)}
+    timer = timer or (lambda f, r: time_form(f, weight, r))
+    times = {f: [timer(f, r) for r in ROWS] for f in forms}
     cache[key] = {"forms": choose(times), "ms": {f: [round(1e3 * t, 3) for t in v] for f, v in times.items()},
                   "rows": list(ROWS), "format": FORMAT}
     machine_cache.write(FILE, cache)
@@ -174,8 +179,9 @@ def pick_forms(weight) -> list[str]:
 
 def apply_to(model) -> dict:
     """Set the measured forms on every module of `model` that takes them (a `forms` attribute:
-    `ouro.layers.linear.Linear`, and the routed experts, measured on the weight their
-    `pick_weight()` names): one measurement per weight shape. Modules that will run the packed
+    `ouro.layers.linear.Linear`, and the routed experts, which time their own forward in each form
+    (`time_form(form, rows)`) and key the result by the weight `pick_weight()` names): one
+    measurement per module kind and weight shape. Modules that will run the packed
     form get their packed copies now (`packed_weights()`), not inside the first request. Returns
     {shape: forms}."""
     chosen = {}
@@ -183,10 +189,12 @@ def apply_to(model) -> dict:
         if not hasattr(m, "forms") or getattr(m, "bias", None) is not None:
             continue
         weight = m.pick_weight() if hasattr(m, "pick_weight") else m.weight
-        key = (tuple(weight.shape), weight.dtype, str(weight.device))
+        timer = getattr(m, "time_form", None)
+        label = type(m).__name__ if timer else ""
+        key = (label, tuple(weight.shape), weight.dtype, str(weight.device))
         if key not in chosen:
-            chosen[key] = pick_forms(weight)
+            chosen[key] = pick_forms(weight, timer, label)
         m.forms = chosen[key]
         if "packed" in m.forms and hasattr(m, "packed_weights"):
             packed_for(m, m.packed_weights())
-    return {k[0]: v for k, v in chosen.items()}
+    return {k[1]: v for k, v in chosen.items()}

@@ -1,6 +1,8 @@
 """MoE kernels: group-limited sigmoid routing against a brute-force recomputation, and the
 expert-batched clamped-SwiGLU experts against the token-by-token loop."""
 
+import json
+
 import pytest
 import torch
 
@@ -265,3 +267,25 @@ def test_experts_layer_packed_per_expert_path_matches_naive(T, monkeypatch):
         layer.down_proj.mul_(0.5)          # in place: the packed copies must follow
         assert_close(layer(x, weights, experts), experts_naive(x, weights, experts, layer.gate_up_proj,
                                                                layer.down_proj, layer.limit))
+
+
+def test_experts_choose_their_path_by_timing_their_own_forward(monkeypatch, tmp_path):
+    """apply_to asks the experts layer to time its whole forward in each form (not one product),
+    caches that apart from a plain weight of the same shape, and leaves the layer's forms as set."""
+    from ouro import gemm_pick
+    from ouro.config import ModelConfig
+    from ouro.layers.moe import Experts
+    if not gemm_pick.packable(torch.zeros(2, 2)):
+        pytest.skip("this torch has no oneDNN")
+    monkeypatch.delenv("OURO_GEMM_PICK", raising=False)
+    monkeypatch.setenv("OURO_CACHE", str(tmp_path))
+    layer = Experts(ModelConfig(hidden_size=16, moe_intermediate_size=12, n_routed_experts=8, num_experts_per_tok=2))
+    assert 0 < layer.time_form("packed", 4) < 5 and 0 < layer.time_form("linear", 4) < 5 and layer.forms is None
+    asked = []
+    monkeypatch.setattr(Experts, "time_form", lambda self, form, rows: asked.append((form, rows)) or
+                        {"linear": 1.0, "packed": 0.1 if rows < 16 else 2.0}[form])
+    gemm_pick.apply_to(torch.nn.ModuleList([layer]))
+    assert sorted(set(asked)) == sorted((f, r) for f in ("linear", "packed") for r in gemm_pick.ROWS)
+    assert layer.forms == ["packed" if r < 16 else "linear" for r in gemm_pick.ROWS]
+    saved = json.loads((tmp_path / "gemm_pick.json").read_text())
+    assert len(saved) == 1 and "Experts" in next(iter(saved))
