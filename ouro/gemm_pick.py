@@ -123,14 +123,19 @@ def time_form(form: str, weight, rows: int, budget_s: float = 0.05, copies: int 
     def run():
         for w, p in zip(weights, packs):
             product(x, w, form, p)
+    return best_time(run, budget_s) / copies
+
+
+def best_time(run, budget_s: float = 0.05, min_reps: int = 3, max_reps: int = 50) -> float:
+    """Seconds of `run()`: the best over at least `min_reps` calls and about `budget_s`, after a warm-up."""
     run()
     best, spent, reps = float("inf"), 0.0, 0
-    while (spent < budget_s or reps < 3) and reps < 50:
+    while (spent < budget_s or reps < min_reps) and reps < max_reps:
         t = time.perf_counter()
         run()
         dt = time.perf_counter() - t
         best, spent, reps = min(best, dt), spent + dt, reps + 1
-    return best / copies
+    return best
 
 
 def choose(times: dict[str, list[float]]) -> list[str]:
@@ -177,13 +182,12 @@ def pick_forms(weight, timer=None, label: str = "") -> list[str]:
     return cache[key]["forms"]
 
 
-def apply_to(model) -> dict:
+def apply_to(model) -> None:
     """Set the measured forms on every module of `model` that takes them (a `forms` attribute:
     `ouro.layers.linear.Linear`, and the routed experts, which time their own forward in each form
     (`time_form(form, rows)`) and key the result by the weight `pick_weight()` names): one
     measurement per module kind and weight shape. Modules that will run the packed
-    form get their packed copies now (`packed_weights()`), not inside the first request. Returns
-    {shape: forms}."""
+    form get their packed copies now (`packed_weights()`), not inside the first request."""
     chosen = {}
     for m in model.modules():
         if not hasattr(m, "forms") or getattr(m, "bias", None) is not None:
@@ -197,4 +201,3 @@ def apply_to(model) -> dict:
         m.forms = chosen[key]
         if "packed" in m.forms and hasattr(m, "packed_weights"):
             packed_for(m, m.packed_weights())
-    return {k[1]: v for k, v in chosen.items()}

@@ -53,8 +53,6 @@ class LLMEngine:
             print(f"ouro: {self.plan.describe(min(self.max_model_len, 4096))}", file=sys.stderr, flush=True)
         self.pages, self.slots = PagePool(self.plan.n_pages), SlotPool(self.plan.n_slots)
         self.runner = ModelRunner(model, self.plan, config.device)
-        from ..gemm_pick import apply_to         # each projection's product, by measurement
-        apply_to(model)
         if config.compile:
             from .compile import compile_model
             done = compile_model(model, progress=verbose)

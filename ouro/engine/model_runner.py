@@ -41,8 +41,10 @@ class CheckpointStore:
 
 class ModelRunner:
     def __init__(self, model, plan: MemoryPlan, device="cpu"):
+        from ..gemm_pick import apply_to
         self.model = model
         self.device = device
+        apply_to(model)          # each projection's product, by measurement on this machine
         dtype = model.embed_tokens.weight.dtype
         self.cache = ModelCache(model.config, plan.n_slots, plan.n_pages, plan.page_size, dtype=dtype, device=device)
         self.checkpoints = CheckpointStore(self.cache, plan.n_checkpoints) if plan.n_checkpoints else None

@@ -3,7 +3,7 @@
 import torch
 from torch import nn
 
-from ..gemm_pick import ROWS, form_for, packed_for, product
+from ..gemm_pick import ROWS, best_time, form_for, packed_for, product
 from ..ops.capture import reads_host
 from ..ops.moe import clamped_swiglu, experts_grouped, experts_looped, route
 from .linear import Linear
@@ -67,7 +67,6 @@ class Experts(nn.Module):
         'linear': experts_grouped) when the experts get `rows` tokens each on average (random
         routing). The whole path is timed, not one product: in bf16 the loop's per-expert ops
         made it 1.23x slower than the padded matmul at 16-64 tokens."""
-        import time
         E, D = self.gate_up_proj.shape[0], self.gate_up_proj.shape[2]
         k = min(E, self.top_k)
         T = max(1, rows * E // k)
@@ -78,15 +77,9 @@ class Experts(nn.Module):
         saved = self.forms
         self.forms = [form] * len(ROWS)
         try:
-            self(x, weights, experts)
-            best = float("inf")
-            for _ in range(repeats):
-                t = time.perf_counter()
-                self(x, weights, experts)
-                best = min(best, time.perf_counter() - t)
+            return best_time(lambda: self(x, weights, experts), budget_s=0.0, min_reps=repeats)
         finally:
             self.forms = saved
-        return best
 
     def forward(self, x, weights, experts):
         E = self.gate_up_proj.shape[0]
@@ -95,7 +88,7 @@ class Experts(nn.Module):
             packs = packed_for(self, self.packed_weights())
             ups, downs = packs[:E], packs[E:]
             return experts_looped(x, weights, experts, lambda h, e: product(h, None, "packed", ups[e]),
-                                  lambda h, e: product(h, None, "packed", downs[e]), self.limit)
+                                  lambda h, e: product(h, None, "packed", downs[e]), self.limit, E)
         return experts_grouped(x, weights, experts, self.gate_up_proj, self.down_proj, self.limit)
 
 

@@ -42,10 +42,7 @@ def experts_grouped(x, weights, experts, gate_up, down, limit: float):
     E = gate_up.shape[0]
     if 4 * T * k <= E:     # a few tokens, most experts idle: read only the chosen ones
         return _experts_gathered(x, weights, experts, gate_up, down, limit)
-    flat = experts.flatten()
-    order = flat.argsort(stable=True)
-    counts = torch.zeros(E, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
-    x_sorted = x[order // k]                       # token copies grouped by expert
+    flat, order, counts, x_sorted = _by_expert(x, experts, E)
     rows = None
     if reads_host(counts):
         busiest = int(counts.max())
@@ -59,16 +56,21 @@ def experts_grouped(x, weights, experts, gate_up, down, limit: float):
     return _combine(y_sorted, order, weights, T, k, x.dtype)
 
 
-def experts_looped(x, weights, experts, up, down, limit: float):
+def experts_looped(x, weights, experts, up, down, limit: float, num_experts: int):
     """The per-expert loop with the products supplied: up(rows, e) = rows @ gate_up[e].T and
     down(h, e) = h @ down[e].T (a caller with pre-packed weights runs its own kernel). Exact rows,
     no padding; reads the per-expert counts on the host."""
     T, k = experts.shape
+    _, order, counts, x_sorted = _by_expert(x, experts, num_experts)
+    return _combine(_per_expert(x_sorted, counts, up, down, limit), order, weights, T, k, x.dtype)
+
+
+def _by_expert(x, experts, E):
+    """(flat choices, their order grouped by expert, rows per expert [E], token copies in that order)."""
     flat = experts.flatten()
     order = flat.argsort(stable=True)
-    counts = torch.bincount(flat)
-    y_sorted = _per_expert(x[order // k], counts, up, down, limit)
-    return _combine(y_sorted, order, weights, T, k, x.dtype)
+    counts = torch.zeros(E, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+    return flat, order, counts, x[order // experts.shape[1]]
 
 
 def _per_expert(x_sorted, counts, up, down, limit):
@@ -87,6 +89,11 @@ def _combine(y_sorted, order, weights, T, k, dtype):
     """Back to (token, choice) order, then a weighted sum over the k choices (no scatter-add)."""
     y = torch.empty_like(y_sorted)
     y[order] = y_sorted
+    return _weighted_sum(y, weights, T, k, dtype)
+
+
+def _weighted_sum(y, weights, T, k, dtype):
+    """y: [T*k, D] in (token, choice) order -> [T, D], each token's k outputs weighted."""
     return torch.einsum("tkd,tk->td", y.view(T, k, -1), weights.to(dtype))
 
 
@@ -107,7 +114,7 @@ def _experts_gathered(x, weights, experts, gate_up, down, limit):
     xs = x.repeat_interleave(k, dim=0).unsqueeze(-1)               # [T*k, D, 1], (token, choice) order
     gate, up = torch.bmm(gate_up[flat], xs).squeeze(-1).chunk(2, dim=-1)
     y = torch.bmm(down[flat], clamped_swiglu(gate, up, limit).unsqueeze(-1)).squeeze(-1)
-    return torch.einsum("tkd,tk->td", y.view(T, k, -1), weights.to(x.dtype))
+    return _weighted_sum(y, weights, T, k, x.dtype)
 
 
 def experts_naive(x, weights, experts, gate_up, down, limit: float):
