@@ -11,7 +11,8 @@ from .precision import KeepFloat32
 def hc_pre(streams, fn, base, scale, norm_eps: float, hc_eps: float, iters: int):
     """The block's input (pre-weighted sum of the streams) and the post / comb mixing weights."""
     pre, post, comb = hc_weights(streams, fn, base, scale, norm_eps, hc_eps, iters)
-    return (pre.unsqueeze(-1) * streams).sum(1).to(streams.dtype), post, comb
+    # a [1, n] x [n, D] product per token, in float32 as the reference computes it
+    return (pre.unsqueeze(1) @ streams.float()).squeeze(1).to(streams.dtype), post, comb
 
 
 class HyperConnection(KeepFloat32):
