@@ -198,7 +198,8 @@ class EngineConfig:
     memory_fraction: float = 0.5
     kda_chunk_size: int = 16
     seed: int = 0
-    compile: bool = False              # compile the decode step's tiny-op chains (ouro.engine.compile)
+    compile: bool = False              # run decode steps as a compiled graph (ouro.engine.decode_graph)
+    torch_compile_max_bs: int = 32     # the largest decode batch the graph runs (larger ones run eagerly)
 
     DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -213,7 +214,7 @@ class EngineConfig:
                 return
             if not _is_int(v) or v < minimum:
                 raise ValueError(f"{name} must be an integer >= {minimum}{' or None' if optional else ''}, got {v!r}")
-        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "kda_chunk_size"):
+        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "kda_chunk_size", "torch_compile_max_bs"):
             count(name)
         count("max_model_len", optional=True)
         count("max_memory", optional=True)

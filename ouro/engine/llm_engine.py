@@ -52,12 +52,13 @@ class LLMEngine:
         if verbose:
             print(f"ouro: {self.plan.describe(min(self.max_model_len, 4096))}", file=sys.stderr, flush=True)
         self.pages, self.slots = PagePool(self.plan.n_pages), SlotPool(self.plan.n_slots)
-        self.runner = ModelRunner(model, self.plan, config.device)
+        self.runner = ModelRunner(model, self.plan, config.device,
+                                  min(config.torch_compile_max_bs, config.max_num_seqs) if config.compile else 0)
         if config.compile:
-            from .compile import compile_model
-            done = compile_model(model, progress=verbose)
+            done = self.runner.graph.warm_up(progress=verbose)
             if verbose:
-                print(f"ouro: compiled {done['compiled']} mHC functions in {done['seconds']:.1f} s", file=sys.stderr)
+                print(f"ouro: compiled the decode step for batch sizes {done['buckets']} in {done['seconds']:.1f} s",
+                      file=sys.stderr)
         self.prefix_cache = None
         self.prefix_caching_off_reason = None
         if enable_prefix_caching and self.runner.checkpoints is None:

@@ -40,14 +40,22 @@ class CheckpointStore:
 
 
 class ModelRunner:
-    def __init__(self, model, plan: MemoryPlan, device="cpu"):
+    def __init__(self, model, plan: MemoryPlan, device="cpu", compile_max_bs: int = 0):
+        """compile_max_bs > 0: decode batches up to that size run as a compiled graph
+        (`ouro.engine.decode_graph`); it takes one more state slot and page, for padding rows."""
         from ..gemm_pick import apply_to
         self.model = model
         self.device = device
         apply_to(model)          # each projection's product, by measurement on this machine
         dtype = model.embed_tokens.weight.dtype
-        self.cache = ModelCache(model.config, plan.n_slots, plan.n_pages, plan.page_size, dtype=dtype, device=device)
+        extra = 1 if compile_max_bs else 0     # the scratch slot and page sit past the pools' ids
+        self.cache = ModelCache(model.config, plan.n_slots + extra, plan.n_pages + extra, plan.page_size,
+                                dtype=dtype, device=device)
         self.checkpoints = CheckpointStore(self.cache, plan.n_checkpoints) if plan.n_checkpoints else None
+        self.graph = None
+        if compile_max_bs:
+            from .decode_graph import DecodeGraph
+            self.graph = DecodeGraph(model, self.cache, plan.n_slots, plan.n_pages, compile_max_bs)
 
     @span("execute", cat="compute")
     @torch.inference_mode()  # no autograd bookkeeping at all: cheaper per op than no_grad
@@ -64,6 +72,14 @@ class ModelRunner:
             if r.restore_from is not None:
                 self.checkpoints.restore(r.restore_from, r.slot)
                 r.restore_from = None
+        starts = [r.num_computed for r in reqs]
+        if self.graph is not None and self.graph.accepts(counts, starts, any(r.prompt_logprobs is not None for r in reqs)):
+            ids = [r.all_ids[r.num_computed] for r in reqs]
+            with span("forward", cat="compute"):
+                logits = self.graph.run(ids, starts, [r.slot for r in reqs], [r.pages for r in reqs])
+            for r in reqs:
+                r.num_computed += 1
+            return logits.float().cpu()
         width = max(len(r.pages) for r in reqs)
         table = torch.tensor([r.pages + [0] * (width - len(r.pages)) for r in reqs], dtype=torch.long)
         prompt_rows = [self._prompt_rows(r, n) for r, n in zip(reqs, counts)]

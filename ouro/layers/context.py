@@ -154,6 +154,15 @@ class ForwardContext:
             cache[kpool] = torch.tensor(rows, dtype=torch.long, device=self.positions.device) if rows else None
         return cache[kpool]
 
+    def completed_pools(self, kpool: int):
+        """(flat rows whose token completes a pool of `kpool`, None): every row it names writes
+        its pool. (None, None) if there are none. `GraphContext` answers with every row and a mask."""
+        return self.pool_ends(kpool), None
+
+    def decode_pools(self, kpool: int) -> int:
+        """Pools a decode batch's indexer reads per row: the longest context's complete pools."""
+        return max(self.context_len(b) for b in range(len(self.query_lens))) // kpool
+
     def context_len(self, b: int) -> int:
         return self.start_pos[b] + self.query_lens[b]
 
@@ -172,3 +181,47 @@ class ForwardContext:
         if self.is_decode:
             return x.squeeze(1)
         return x[self.seq_index, self.local_index]
+
+
+class GraphContext:
+    """`ForwardContext`'s decode-only counterpart for a compiled decode step (`ouro.engine.
+    decode_graph`): tensors and constants only, no host-side lists, so a graph traced once holds
+    for every step of its shape. The batch is padded to a bucket: padding rows point at a scratch
+    state slot and a scratch page, where their writes land and no sequence reads. Every decision
+    ForwardContext takes from host-side lengths is made on tensors here:
+    - a fresh row's state is masked on every step (`any_fresh` is always True);
+    - states are gathered and scattered by slot (no in-place slot range);
+    - the indexer compresses every row's current pool and writes only completed ones to their
+      place, the rest to the scratch page (`completed_pools`);
+    - the indexer reads `page_table`'s whole width of pools, masked per row by position."""
+    is_decode = True
+    split_decode = None
+    slot_range = None
+    any_fresh = True
+    logits_index = None
+
+    def __init__(self, cache: ModelCache, positions, slot_mapping, state_slots, fresh, page_table, scratch_page: int):
+        self.cache, self.positions, self.slot_mapping = cache, positions, slot_mapping
+        self.state_slots, self.fresh, self.page_table = state_slots, fresh, page_table
+        self.scratch_page = scratch_page
+        self.seq_index = torch.arange(positions.shape[0], device=positions.device)
+        self.local_index = torch.zeros_like(self.seq_index)
+        self.query_lens_tensor = torch.ones_like(self.seq_index)
+
+    def completed_pools(self, kpool: int):
+        """(every row, which of them completes its pool now)."""
+        return self.seq_index, (self.positions + 1) % kpool == 0
+
+    def scratch_pool_row(self, kpool: int) -> int:
+        return self.scratch_page * (self.cache.page_size // kpool)
+
+    def decode_pools(self, kpool: int) -> int:
+        return self.page_table.shape[1] * self.cache.page_size // kpool
+
+    @staticmethod
+    def pad(x):
+        return x.unsqueeze(1)
+
+    @staticmethod
+    def unpad(x):
+        return x.squeeze(1)

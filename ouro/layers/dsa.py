@@ -43,7 +43,7 @@ class Indexer(nn.Module):
 
     def _write_completed_pools(self, ctx):
         """Compress every pool whose last token arrived in this batch and store its key."""
-        ends = ctx.pool_ends(self.kpool)
+        ends, complete = ctx.completed_pools(self.kpool)
         if ends is None:
             return
         ci, seqs = self.cache_index, ctx.seq_index[ends]
@@ -52,7 +52,10 @@ class Indexer(nn.Module):
         keys = ctx.cache.index_keys[ci].view(-1, self.d)[rows].reshape(-1, self.d)
         gates = ctx.cache.index_gates[ci].view(-1, self.d)[rows].reshape(-1, self.d)
         pooled = pool_keys(keys, gates, self.index_kpool_compress_ape)
-        ctx.cache.index_pooled[ci].view(-1, self.d)[self._pool_rows(ctx, seqs, tok[:, :1])[:, 0]] = pooled
+        dest = self._pool_rows(ctx, seqs, tok[:, :1])[:, 0]
+        if complete is not None:   # a graph compresses every row's pool: unfinished ones go to scratch
+            dest = torch.where(complete, dest, ctx.scratch_pool_row(self.kpool))
+        ctx.cache.index_pooled[ci].view(-1, self.d)[dest] = pooled
 
     def _pooled(self, ctx, seqs, n_pools: int):
         """Pool keys of the first `n_pools` pools of each sequence in `seqs`: [len(seqs), n_pools, d]."""
@@ -72,7 +75,7 @@ class Indexer(nn.Module):
         w = self.weights_proj(x).float() * self.Hi ** -0.5
         args = (self.select_k, self.kpool, self.d ** -0.5, self.width)
         if ctx.is_decode:  # one query per sequence: pools padded to the longest context
-            n_pools = max(ctx.context_len(b) for b in range(len(ctx.query_lens))) // self.kpool
+            n_pools = ctx.decode_pools(self.kpool)
             pooled = self._pooled(ctx, ctx.seq_index, n_pools)
             return index_select(q, w, pooled, ctx.positions, *args)
         out = []

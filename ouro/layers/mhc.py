@@ -27,13 +27,9 @@ class HyperConnection(KeepFloat32):
         self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32))
         self.norm_eps, self.hc_eps, self.iters = config.rms_norm_eps, config.hc_eps, config.hc_sinkhorn_iters
 
-    # the pure tensor function behind forward; `ouro.engine.compile.compile_model` swaps in a
-    # compiled form per instance (the module itself, and its hooks, stay as they are)
-    pre_fn = None
-
     def forward(self, streams):
         """streams [T, n, D] -> (block input [T, D], post [T, n], comb [T, n, n])."""
-        return (self.pre_fn or hc_pre)(streams, self.fn, self.base, self.scale, self.norm_eps, self.hc_eps, self.iters)
+        return hc_pre(streams, self.fn, self.base, self.scale, self.norm_eps, self.hc_eps, self.iters)
 
     @staticmethod
     def merge(block_out, streams, post, comb):

@@ -22,26 +22,33 @@ def sparse_mla(q_nope, latents, selected, w_uk, w_uv, scale: float, block: int =
     n = q_nope.shape[0]
     cdt = torch.promote_types(q_nope.dtype, torch.float32)
     w_uv = w_uv.to(cdt)  # latents are widened after the gather: `latents` may be the whole cache
-    q_lat = torch.einsum("nhd,hdr->nhr", q_nope.to(cdt), w_uk.to(cdt))
-    out = q_nope.new_full((n, w_uv.shape[0], w_uv.shape[1]), float("nan"))
+    q_lat = torch.einsum("nhd,hdr->nhr", q_nope.to(cdt), w_uk.to(cdt)) * scale   # scaled once, not per score
     L = latents.shape[0]
+    if n <= block:   # one block: no loop (a traced graph keeps the row count symbolic)
+        return _attend(q_lat, latents, selected, w_uv, 0, n, L, cdt).to(q_nope.dtype)
+    out = q_nope.new_full((n, w_uv.shape[0], w_uv.shape[1]), float("nan"))
     for s in range(0, n, block):  # bound the [block, H, W] score tensor
         e = min(n, s + block)
-        if selected is None:
-            dense = latents.to(cdt)
-            scores = torch.einsum("nhr,lr->nhl", q_lat[s:e], dense) * scale
-            pos = torch.arange(L - n + s, L - n + e, device=latents.device)
-            mask = torch.arange(L, device=latents.device)[None, :] <= pos[:, None]
-            probs = scores.masked_fill(~mask[:, None, :], float("-inf")).softmax(-1)
-            o_lat = torch.einsum("nhl,lr->nhr", probs, dense)
-        else:
-            sel = selected[s:e]
-            kv = latents[sel.clamp(min=0)].to(cdt)                           # [b, W, r]
-            scores = torch.einsum("nhr,nwr->nhw", q_lat[s:e], kv) * scale
-            probs = scores.masked_fill((sel < 0)[:, None, :], float("-inf")).softmax(-1)
-            o_lat = torch.einsum("nhw,nwr->nhr", probs, kv)
-        out[s:e] = torch.einsum("nhr,hvr->nhv", o_lat, w_uv)
+        out[s:e] = _attend(q_lat[s:e], latents, None if selected is None else selected[s:e], w_uv, s, n, L, cdt)
     return out
+
+
+def _attend(q_lat, latents, selected, w_uv, s, n, L, cdt):
+    """Rows s .. s + len(q_lat) of the n queries, against the dense causal prefix or their selection."""
+    e = s + q_lat.shape[0]
+    if selected is None:
+        dense = latents.to(cdt)
+        scores = torch.einsum("nhr,lr->nhl", q_lat, dense)
+        pos = torch.arange(L - n + s, L - n + e, device=latents.device)
+        mask = torch.arange(L, device=latents.device)[None, :] <= pos[:, None]
+        probs = scores.masked_fill(~mask[:, None, :], float("-inf")).softmax(-1)
+        o_lat = torch.einsum("nhl,lr->nhr", probs, dense)
+    else:
+        kv = latents[selected.clamp(min=0)].to(cdt)                          # [b, W, r]
+        scores = torch.einsum("nhr,nwr->nhw", q_lat, kv)
+        probs = scores.masked_fill((selected < 0)[:, None, :], float("-inf")).softmax(-1)
+        o_lat = torch.einsum("nhw,nwr->nhr", probs, kv)
+    return torch.einsum("nhr,hvr->nhv", o_lat, w_uv)
 
 
 def sparse_mla_naive(q_nope, latents, selected, kv_b_weight, scale: float):

@@ -1,14 +1,6 @@
 """Manifold-constrained hyper-connection weights: pre / post / comb from the flattened streams."""
 
-from functools import lru_cache
-
 import torch
-
-
-@lru_cache(maxsize=None)
-def _groups(n: int, device) -> torch.Tensor:
-    """Which of the three scales (pre, post, comb) each of the (2+n)*n projected columns takes."""
-    return torch.tensor([0] * n + [1] * n + [2] * n * n, device=device)
 
 
 def sinkhorn(comb, iters: int, eps: float):
@@ -45,7 +37,9 @@ def hc_weights(streams, fn, base, scale, norm_eps: float, hc_eps: float, iters: 
     T, n = streams.shape[0], streams.shape[1]
     flat = streams.reshape(T, -1).float()
     inv_rms = torch.rsqrt(torch.linalg.vector_norm(flat, dim=-1, keepdim=True).square_() / flat.shape[1] + norm_eps)
-    z = torch.addcmul(base.float(), flat @ fn.float().T, inv_rms * scale.float()[_groups(n, scale.device)])
+    scale = scale.float()
+    per_column = torch.cat([scale[:1].expand(n), scale[1:2].expand(n), scale[2:].expand(n * n)])
+    z = torch.addcmul(base.float(), flat @ fn.float().T, inv_rms * per_column)
     gates = torch.sigmoid(z[:, :2 * n])
     pre = gates[:, :n] + hc_eps
     post = 2 * gates[:, n:]

@@ -1,0 +1,108 @@
+"""`--compile`: the decode step as a compiled graph, at padded batch-size buckets.
+
+A decode batch (one new token per sequence) is padded to the next bucket (powers of two from 2 up
+to `max_bs`) and its page table to the next power of two in width, then runs one traced forward
+over a `GraphContext`: tensors only, no host reads, no data-dependent Python (see
+`ouro.layers.context.GraphContext` for how each host-side decision is made on tensors). Padding
+rows read and write only a scratch state slot and a scratch page, which the runner allocates
+beside the cache and no sequence owns, so padding never changes a real row's output.
+
+torch.compile traces it once with dynamic sizes (a few graphs in all: size thresholds inside the
+ops, such as the indexer's "fewer pools than it keeps", become guards), inductor builds it on a
+CPU, and on CUDA `mode="reduce-overhead"` records a CUDA graph per bucket: the same structure. The
+projections and routed experts stay the eager products the machine picked (`ouro.ops.opaque`).
+Everything is compiled at start-up, bucket by bucket with a progress bar; inductor keeps its
+kernels in its on-disk cache, so a later start is faster. Batches that are not pure decode (a
+prefill chunk, prompt logprobs) or larger than `max_bs` run eagerly."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..layers.context import GraphContext, ModelCache
+from ..ops.opaque import opaque_key
+
+
+BACKEND = "inductor"    # torch.compile's backend (tests use aot_eager: the same capture, no C++ build)
+
+
+def buckets(max_bs: int) -> list[int]:
+    """Batch sizes a graph runs at: 2, 4, 8, ... up to max_bs (included). Size 1 is padded to 2:
+    torch specialises sizes 0 and 1, which would trace another graph."""
+    out, b = [], 2
+    while b < max_bs:
+        out.append(b)
+        b *= 2
+    return out + [max(2, max_bs)]
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+class DecodeGraph:
+    def __init__(self, model, cache: ModelCache, scratch_slot: int, scratch_page: int, max_bs: int,
+                 backend=None, mode: str | None = None):
+        self.model, self.cache = model, cache
+        self.scratch_slot, self.scratch_page = scratch_slot, scratch_page
+        self.buckets = buckets(max_bs)
+        self.max_bs = self.buckets[-1]
+        c = model.config
+        # the indexer scores pools: a table at least this wide has more pools than it keeps, so
+        # every width takes the same branch (the selection is the same either way)
+        self.min_width = _next_pow2(c.index_topk // cache.page_size + 1) if c.indexer_layers else 1
+        for m in model.modules():
+            if hasattr(m, "eager_shape"):
+                opaque_key(m)
+        if mode is None and str(next(model.parameters()).device).startswith("cuda"):
+            mode = "reduce-overhead"
+        # fullgraph: a host sync or data-dependent Python in the decode path fails the trace
+        self._compiled = torch.compile(self._forward, backend=backend or BACKEND, mode=mode, fullgraph=True)
+        self.runs = 0
+
+    def _step(self, *inputs):
+        # only the batch and the page-table width vary: every other size and constant is traced as it is
+        for t in inputs:
+            torch._dynamo.mark_dynamic(t, 0)
+        torch._dynamo.mark_dynamic(inputs[-1], 1)
+        return self._compiled(*inputs)
+
+    def _forward(self, ids, positions, slot_mapping, state_slots, fresh, page_table):
+        ctx = GraphContext(self.cache, positions, slot_mapping, state_slots, fresh, page_table, self.scratch_page)
+        return self.model(ids, ctx)
+
+    def accepts(self, counts, start_pos, prompt_logprobs: bool) -> bool:
+        return not prompt_logprobs and len(counts) <= self.max_bs and all(n == 1 for n in counts)
+
+    def inputs(self, ids, start_pos, slots, pages):
+        """The padded step inputs for a decode batch (host lists; `pages` one page list per row)."""
+        B = len(ids)
+        bucket = next(b for b in self.buckets if b >= B)
+        ps = self.cache.page_size
+        width = max(self.min_width, _next_pow2(max(len(p) for p in pages)))
+        pad = bucket - B
+        table = [p + [self.scratch_page] * (width - len(p)) for p in pages] + [[self.scratch_page] * width] * pad
+        positions = list(start_pos) + [0] * pad
+        slot_mapping = [p[pos // ps] * ps + pos % ps for p, pos in zip(pages, start_pos)] + [self.scratch_page * ps] * pad
+        dev = self.cache.latent.device
+        as_t = lambda v, dt=torch.long: torch.tensor(v, dtype=dt, device=dev)
+        return (as_t(list(ids) + [0] * pad), as_t(positions), as_t(slot_mapping),
+                as_t(list(slots) + [self.scratch_slot] * pad), as_t([s == 0 for s in start_pos] + [True] * pad, torch.bool),
+                as_t(table))
+
+    def run(self, ids, start_pos, slots, pages) -> torch.Tensor:
+        """Logits [B, V] of a decode batch: token ids, their positions (tokens already cached),
+        state slots and page lists, one per sequence."""
+        self.runs += 1
+        return self._step(*self.inputs(ids, start_pos, slots, pages))[:len(ids)]
+
+    def warm_up(self, progress: bool = True) -> dict:
+        """Compile for every bucket now (all-padding batches: they touch only scratch state)."""
+        from tqdm import tqdm
+        start = time.perf_counter()
+        with torch.inference_mode():
+            for b in tqdm(self.buckets, desc="compiling the decode step", disable=not progress):
+                self._step(*self.inputs([0] * b, [0] * b, [self.scratch_slot] * b, [[self.scratch_page]] * b))
+        return {"buckets": list(self.buckets), "seconds": time.perf_counter() - start}
