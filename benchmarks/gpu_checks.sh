@@ -15,3 +15,7 @@ python -c "import transformers" 2>/dev/null && compare=transformers
 python -m ouro.cli bench offline --model /tmp/ouro_small --device cuda --num-prompts 64 --input-len 256 \
     --output-len 64 --max-concurrency 32 --compare "$compare" --output-json "$OUT/offline_cuda.json" 2>&1 \
     | grep -v "it/s" | tee "$OUT/bench.log"
+# the compiled decode step with CUDA graphs (torch.compile mode="reduce-overhead", one graph per bucket)
+timeout 420 python -m ouro.cli bench offline --model /tmp/ouro_small --device cuda --num-prompts 64 --input-len 256 \
+    --output-len 64 --max-concurrency 32 --compile --output-json "$OUT/offline_cuda_compiled.json" 2>&1 \
+    | grep -v "it/s" | tee "$OUT/bench_compiled.log"

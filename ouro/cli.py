@@ -51,13 +51,14 @@ def _cmd_bench(args) -> int:
                  "--output-len", str(args.output_len), "--max-concurrency", str(args.max_concurrency),
                  "--device", args.device, "--dtype", dtype]
         r = bench_baseline(args.baseline, str(resolve_model(args.model)), flags, args.repeats,
-                           current_extra=["--compile"] if args.compile else [])
+                           current_extra=["--compile", "--torch-compile-max-bs", str(args.torch_compile_max_bs)]
+                           if args.compile else [])
         print(format_baseline(r))
     elif args.kind == "offline":
         from .bench.offline import bench_offline, format_offline
         r = bench_offline(resolve_model(args.model), args.num_prompts, args.input_len, args.output_len,
                           args.max_concurrency, args.compare == "transformers", device=args.device, dtype=args.dtype,
-                          compile=args.compile)
+                          compile=args.compile, compile_max_bs=args.torch_compile_max_bs)
         print(format_offline(r))
     if args.kind == "prefill":
         from .bench.prefill import bench_prefill, format_prefill
@@ -144,8 +145,10 @@ def _cmd_serve(args) -> int:
 def add_compile_flag(p) -> None:
     import argparse
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
-                   help="compile the decode step's chains of tiny ops (mHC + Sinkhorn) with torch.compile at "
-                        "start-up (about a minute the first time, seconds once inductor's cache holds it)")
+                   help="run decode steps as one torch.compile'd graph at padded batch-size buckets (CUDA graphs on "
+                        "a GPU); compiled at start-up: minutes the first time, seconds once inductor's cache holds it")
+    p.add_argument("--torch-compile-max-bs", type=int, default=32, metavar="N",
+                   help="with --compile: the largest decode batch the graph runs (larger batches run eagerly)")
 
 
 def add_serve_parser(sub) -> None:

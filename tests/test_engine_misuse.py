@@ -151,7 +151,7 @@ def test_held_back_text_is_released_when_a_stop_token_ends(llm):
 
 @pytest.mark.parametrize("option,value", [
     ("max_num_batched_tokens", 0), ("max_num_batched_tokens", -3), ("page_size", 0), ("max_num_seqs", 0),
-    ("max_memory", 0), ("max_model_len", 0), ("kda_chunk_size", 0), ("memory_fraction", 0.0),
+    ("max_memory", 0), ("max_model_len", 0), ("kda_chunk_size", 0), ("torch_compile_max_bs", 0), ("memory_fraction", 0.0),
     ("memory_fraction", 1.5), ("dtype", "foo"), ("device", "tpu"), ("seed", "1"), ("page_size", 16.0),
     ("max_num_seqs", True)])
 def test_engine_options_are_validated(option, value):

@@ -26,11 +26,12 @@ def make_prompts(n, length, vocab, seed):
     return [torch.randint(0, vocab, (length,), generator=g).tolist() for _ in range(n)]
 
 
-def make_engine(model, tokenizer, input_len, output_len, concurrency, device="cpu", compile=False):
+def make_engine(model, tokenizer, input_len, output_len, concurrency, device="cpu", compile=False, compile_max_bs=32):
     from ..config import EngineConfig
     from ..engine.llm_engine import LLMEngine
     cfg = EngineConfig(device=device, max_num_seqs=concurrency, max_num_batched_tokens=max(2048, input_len),
-                       page_size=64, max_model_len=input_len + output_len, compile=compile)
+                       page_size=64, max_model_len=input_len + output_len, compile=compile,
+                       torch_compile_max_bs=compile_max_bs)
     return LLMEngine(model, tokenizer, cfg, verbose=compile)
 
 
@@ -82,7 +83,7 @@ def decode_floor(model, roof: Roofline, context: int, batch: int) -> dict:
 
 
 def bench_offline(model_dir, num_prompts=64, input_len=256, output_len=64, concurrency=32, compare=False,
-                  seed=0, progress=True, device="cpu", dtype="auto", compile=False) -> dict:
+                  seed=0, progress=True, device="cpu", dtype="auto", compile=False, compile_max_bs=32) -> dict:
     from tqdm import tqdm
 
     from ..config import EngineConfig
@@ -92,7 +93,8 @@ def bench_offline(model_dir, num_prompts=64, input_len=256, output_len=64, concu
     model = load_model(model_dir, dtype=EngineConfig(device=device, dtype=dtype).torch_dtype(), device=device)
     roof = Roofline.measure(device, model.embed_tokens.weight.dtype)
     prompts = make_prompts(num_prompts, input_len, model.config.vocab_size, seed)
-    engine = make_engine(model, load_tokenizer(model_dir), input_len, output_len, concurrency, device, compile)
+    engine = make_engine(model, load_tokenizer(model_dir), input_len, output_len, concurrency, device, compile,
+                         compile_max_bs)
     hf = load_transformers(model_dir, device, model.embed_tokens.weight.dtype) if compare else None
     waves, log, outs, hf_outs = [], [], [], []
     for i in tqdm(range(0, num_prompts, concurrency), desc="waves (ouro, transformers)", disable=not progress):

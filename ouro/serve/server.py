@@ -16,6 +16,7 @@ def engine_kwargs(args) -> dict:
             "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
             "max_memory": args.max_memory, "memory_fraction": args.mem_fraction_static,
             "compile": bool(getattr(args, "compile", False)),
+            "torch_compile_max_bs": getattr(args, "torch_compile_max_bs", 32),
             "enable_prefix_caching": args.enable_prefix_caching,
             "prefix_checkpoint_interval": args.prefix_checkpoint_interval}
 
