@@ -121,3 +121,24 @@ def test_engine_with_compile_generates_what_eager_does(monkeypatch):
     assert llm.engine.runner.graph.buckets == [2, 4]
     assert llm.engine.runner.graph.runs >= 6
     assert len(back.graphs) == 1
+
+
+def test_probe_reports_one_graph_and_names_a_planted_host_read(monkeypatch):
+    """`ouro probe redundancy --graph`: clean, one graph (info); with a host read planted in the
+    decode path, an error naming the planted line."""
+    from ouro.layers.context import GraphContext
+    from ouro.lab.graph_check import graph_finding
+    model = load_model(resolve_model("tiny"))
+    clean = graph_finding(model)
+    assert clean.severity == "info" and clean.measured["graphs"] == 1, clean
+
+    real = GraphContext.completed_pools
+
+    def planted(self, kpool):
+        if int(self.positions.max()) < 0:      # a host read: ends a fullgraph trace
+            raise AssertionError
+        return real(self, kpool)
+    monkeypatch.setattr(GraphContext, "completed_pools", planted)
+    broken = graph_finding(model)
+    assert broken.severity == "error", broken
+    assert broken.where["file"].endswith("test_decode_graph.py") and broken.where["function"] == "planted", broken.where

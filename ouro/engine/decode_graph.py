@@ -18,6 +18,7 @@ prefill chunk, prompt logprobs) or larger than `max_bs` run eagerly."""
 from __future__ import annotations
 
 import time
+import types
 
 import torch
 
@@ -59,7 +60,12 @@ class DecodeGraph:
         if mode is None and str(next(model.parameters()).device).startswith("cuda"):
             mode = "reduce-overhead"
         # fullgraph: a host sync or data-dependent Python in the decode path fails the trace
-        self._compiled = torch.compile(self._forward, backend=backend or BACKEND, mode=mode, fullgraph=True)
+        # dynamo keeps its graphs and its recompile budget per code object: a copy of `_forward`'s
+        # code for each instance keeps one model's (or cache's) graphs from counting against another's
+        fwd = DecodeGraph._forward
+        own = types.FunctionType(fwd.__code__.replace(), fwd.__globals__, fwd.__name__)
+        self._compiled = torch.compile(types.MethodType(own, self), backend=backend or BACKEND, mode=mode,
+                                       fullgraph=True)
         self.runs = 0
 
     def _step(self, *inputs):

@@ -106,12 +106,19 @@ def probe_model(model, prompt_len: int = 32, context: int = 64, batch: int = 1, 
 
 
 def probe_redundancy(model: str = "tiny", prompt_len: int = 32, context: int = 64, batch: int = 1,
-                     dtype: str = "float32", measure: bool = False) -> list[Finding]:
-    """Load a preset or checkpoint directory and run the probe; findings in order of importance."""
+                     dtype: str = "float32", measure: bool = False, graph: bool = False) -> list[Finding]:
+    """Load a preset or checkpoint directory and run the probe; findings in order of importance.
+    graph: also trace the compiled decode step (`graph_check`) and report whether it is one graph."""
     from ..models.loader import load_model
     from ..models.resolve import resolve_model
     m = load_model(resolve_model(model, progress=False), dtype=getattr(torch, dtype))
-    return probe_model(m, prompt_len, context, batch, CostModel.measure() if measure else CostModel())
+    findings = probe_model(m, prompt_len, context, batch, CostModel.measure() if measure else CostModel())
+    if graph:
+        from .graph_check import graph_finding
+        f = graph_finding(m)
+        f.probe = PROBE
+        findings.insert(0 if f.severity != "info" else len(findings), f)
+    return findings
 
 
 def add_arguments(p) -> None:
@@ -124,8 +131,11 @@ def add_arguments(p) -> None:
     p.add_argument("--measure", action="store_true",
                    help="time ops with this machine's measured roofline (default: a fixed cost model, so "
                         "findings do not depend on the machine)")
+    p.add_argument("--graph", action="store_true",
+                   help="also trace the compiled decode step (--compile's graph, aot_eager) at two batch sizes "
+                        "and report whether it is one graph with no break")
 
 
 def run(args) -> list[Finding]:
     return probe_redundancy(args.model, args.prompt_len, args.context, args.batch, args.dtype,
-                            measure=args.measure)
+                            measure=args.measure, graph=args.graph)
