@@ -57,15 +57,18 @@ def kda_chunk(q, k, v, g, beta, initial_state=None, chunk_size: int = 16):
     strict = lower.clone().fill_diagonal_(False)
     b = beta.unsqueeze(-1)
     if floor >= FACTORISE_ABOVE:
-        # exp(gc) stays a normal float: one exp and its reciprocal serve the scores, the decayed
-        # query and key and the state's decay (decays of exp(-80) or more need no flush)
+        # exp(gc) stays a normal float: exp(gc) and exp(-gc) serve the scores, the decayed query
+        # and key and the state's decay (decays of exp(-80) or more need no flush). Not 1/exp(gc):
+        # its gradient, -1/exp(gc)^2, overflows float32 (ouro train differentiates this)
         e = gc.exp()
-        k_in, k_out = k * e, k * torch.reciprocal(e)       # decayed from / undecayed to the chunk start
+        k_in, k_out = k * e, k * (-gc).exp()               # decayed from / undecayed to the chunk start
         q_dec = q * e                                       # query reads the decayed state
         a_kk, a_qk = k_in @ k_out.transpose(-1, -2), q_dec @ k_out.transpose(-1, -2)   # [B, H, N, C, C]
         k_egc = k_in
         s_last = e[..., -1:, :]                             # [B, H, N, 1, dk]
-        k_dec = (k_out * s_last).transpose(-1, -2)          # key decayed to the chunk end
+        # key decayed to the chunk end, from the difference: exp(last) * exp(-gc) would leave
+        # rounding noise where the gradient cancels exactly (a chunk's last token)
+        k_dec = (k * (gc[..., -1:, :] - gc).exp()).transpose(-1, -2)
     else:  # the pairwise form holds C*C*dk numbers per chunk: one chunk at a time
         a_kk = torch.stack([_pair_scores(k[:, :, n], k[:, :, n], gc[:, :, n]) for n in range(N)], 2)
         a_qk = torch.stack([_pair_scores(q[:, :, n], k[:, :, n], gc[:, :, n]) for n in range(N)], 2)
