@@ -68,6 +68,22 @@ def test_rule_takes_the_fastest_that_clearly_beats_linear():
     assert gemm_pick.choose(times) == ["transposed", "packed", "linear"]
 
 
+def test_a_slow_round_does_not_decide(monkeypatch, tmp_path):
+    """The best round counts: a form slowed in one round (a burst of load) still wins if it is faster."""
+    monkeypatch.delenv("OURO_GEMM_PICK", raising=False)
+    monkeypatch.setenv("OURO_CACHE", str(tmp_path))
+    monkeypatch.setattr(gemm_pick, "packable", lambda w: True)
+    seen = {}
+
+    def fake(form, weight, rows, budget_s=0.03):
+        seen[(form, rows)] = seen.get((form, rows), 0) + 1
+        if form == "packed":
+            return 5.0 if seen[(form, rows)] == 1 else 1.0     # slow in the first round only
+        return 2.0
+    monkeypatch.setattr(gemm_pick, "time_form", fake)
+    assert gemm_pick.pick_forms(torch.zeros(64, 8)) == ["packed"] * len(gemm_pick.ROWS)
+
+
 def test_measured_once_per_shape_and_pinned(monkeypatch, tmp_path):
     monkeypatch.delenv("OURO_GEMM_PICK", raising=False)
     monkeypatch.setenv("OURO_CACHE", str(tmp_path))
@@ -81,11 +97,15 @@ def test_measured_once_per_shape_and_pinned(monkeypatch, tmp_path):
     w = torch.zeros(64, 8)
     n = len(gemm_pick.ROWS)
     want = ["linear"] + ["transposed"] * (n - 1)
+    R = gemm_pick.ROUNDS
     assert gemm_pick.pick_forms(w) == want
-    assert len(calls) == 3 * n
-    assert gemm_pick.pick_forms(w) == want and len(calls) == 3 * n   # cached
+    assert len(calls) == 3 * n * R
+    # interleaved: every form at a row count before the next row count, and the rounds repeat
+    assert {f for f, _ in calls[:3]} == {"linear", "transposed", "packed"} and {r for _, r in calls[:3]} == {1}
+    assert calls[:3 * n] == calls[3 * n: 6 * n]
+    assert gemm_pick.pick_forms(w) == want and len(calls) == 3 * n * R   # cached
     gemm_pick.pick_forms(torch.zeros(65, 8))                           # another shape: measured
-    assert len(calls) == 6 * n
+    assert len(calls) == 6 * n * R
     saved = json.loads((tmp_path / "gemm_pick.json").read_text())
     assert len(saved) == 2 and all(len(v["forms"]) == n and v["format"] == gemm_pick.FORMAT for v in saved.values())
     monkeypatch.setenv("OURO_GEMM_PICK", "transposed")
