@@ -56,10 +56,11 @@ def test_autograd_and_bias_take_plain_linear():
     assert layer.weight.grad is not None
 
 
-@pytest.mark.parametrize("rows, want", [(1, "linear"), (3, "linear"), (4, "transposed"), (15, "transposed"),
-                                        (16, "packed"), (63, "packed"), (64, "linear"), (500, "linear"),
-                                        (512, "packed"), (9000, "packed")])
-def test_form_follows_the_largest_measured_row_count_below(rows, want):
+@pytest.mark.parametrize("rows, want", [(0, "linear"), (1, "linear"), (2, "linear"), (3, "transposed"),
+                                        (4, "transposed"), (8, "transposed"), (9, "packed"), (16, "packed"),
+                                        (32, "packed"), (33, "linear"), (64, "linear"), (181, "linear"),
+                                        (182, "packed"), (256, "packed"), (512, "packed"), (9000, "packed")])
+def test_form_follows_the_nearest_measured_row_count_in_log_scale(rows, want):
     assert gemm_pick.form_for(["linear", "transposed", "packed", "linear", "packed"], rows) == want
 
 
