@@ -27,7 +27,7 @@ class Reference:
 class Comparison:
     prefill: float             # rel RMS over all prompt logits
     decode: float              # worst rel RMS over the decode steps (0 if none)
-    tokens_match: bool         # ouro's greedy choice equals transformers' at every step
+    tokens_match: bool         # ouro's greedy choice equals transformers' at every step (or ties it)
 
     def passes(self, tol: float = TOL) -> bool:
         return self.prefill <= tol and self.decode <= tol and self.tokens_match
@@ -65,13 +65,22 @@ def ouro_run(model, ref: Reference):
     return prefill, torch.stack(decode) if decode else torch.empty(0, prefill.shape[-1])
 
 
+TIE = 1e-5   # a greedy choice within this fraction of the largest logit of transformers' own is a tie
+
+
+def same_choice(mine: torch.Tensor, theirs: torch.Tensor) -> bool:
+    """ouro's argmax equals transformers', or transformers itself scores ouro's pick within TIE of
+    its own (random tiny checkpoints have exact near-ties: a top-2 gap of 1.8e-7 was seen)."""
+    a, b = int(mine.argmax()), int(theirs.argmax())
+    return a == b or float(theirs[b] - theirs[a]) <= TIE * float(theirs.abs().max())
+
+
 def compare(model, ref: Reference) -> Comparison:
     prefill, decode = ouro_run(model, ref)
-    mine = [int(prefill[-1].argmax())] + [int(r.argmax()) for r in decode]
-    theirs = [int(ref.prefill[-1].argmax())] + [int(r.argmax()) for r in ref.decode]
+    pairs = [(prefill[-1], ref.prefill[-1])] + list(zip(decode, ref.decode))
     return Comparison(rel_rms(prefill, ref.prefill),
                       max((rel_rms(a, b) for a, b in zip(decode, ref.decode)), default=0.0),
-                      mine == theirs)
+                      all(same_choice(a, b) for a, b in pairs))
 
 
 def _capture(modules, store, key, pick):

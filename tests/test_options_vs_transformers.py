@@ -74,3 +74,11 @@ def test_tail_off_is_refused(tmp_path):
 def test_other_activation_is_refused():
     with pytest.raises(CheckpointError, match="hidden_act 'gelu'"):
         ModelConfig.from_dict({"hidden_act": "gelu", "num_hidden_layers": 4})
+
+
+def test_a_near_tie_counts_as_the_same_choice_and_a_real_miss_does_not():
+    from hf_compare import same_choice
+    theirs = torch.tensor([0.5, 2.0, 2.0 - 1.8e-7, -1.0])
+    assert same_choice(torch.tensor([0.0, 1.0, 0.9, 0.0]), theirs)
+    assert same_choice(torch.tensor([0.0, 0.9, 1.0, 0.0]), theirs)        # ouro picks the near-tied one
+    assert not same_choice(torch.tensor([1.0, 0.9, 0.0, 0.0]), theirs)    # 1.5 below: a real miss
