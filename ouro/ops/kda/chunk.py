@@ -32,12 +32,13 @@ def _pair_scores(a, b, gc):
     return torch.einsum("...ic,...jc,...ijc->...ij", a, b, _decay(diff))
 
 
-def kda_chunk(q, k, v, g, beta, initial_state=None, chunk_size: int = 16):
+def kda_chunk(q, k, v, g, beta, initial_state=None, chunk_size: int = 16, mm=None):
     """Same contract as `kda_naive`: q, k [B, T, H, dk]; v [B, T, H, dv]; g [B, T, H, dk];
     beta [B, T, H]; initial_state [B, H, dk, dv] or None. Sequences shorter than T must be
     right-padded with g = 0 and beta = 0 (a no-op step), so the final state is exact.
     Returns (o [B, T, H, dv], final_state [B, H, dk, dv]) in float32, or float64 for float64
-    inputs (an fp64 reference run stays fp64 here)."""
+    inputs (an fp64 reference run stays fp64 here). `mm(a, b)`: the product the carried state
+    goes through chunk to chunk (default a @ b; context parallelism passes a precision mode)."""
     B, T, H, dk = k.shape
     cdt = torch.promote_types(q.dtype, torch.float32)
     dv = v.shape[-1]
@@ -92,8 +93,8 @@ def kda_chunk(q, k, v, g, beta, initial_state=None, chunk_size: int = 16):
     # over the whole tensor, O(N^2) in the number of chunks; unbind/stack keep it O(N)
     outs = []
     for w_v_n, w_k_n, q_n, a_n, s_n, k_n in zip(*(t.unbind(2) for t in (w_v, w_k, q_dec, a_qk, s_dec, k_dec))):
-        u = w_v_n - w_k_n @ S
-        outs.append(q_n @ S + a_n @ u)
-        S = S * s_n + k_n @ u
+        u = w_v_n - (w_k_n @ S if mm is None else mm(w_k_n, S))
+        outs.append((q_n @ S if mm is None else mm(q_n, S)) + a_n @ u)
+        S = S * s_n + (k_n @ u if mm is None else mm(k_n, u))
     out = (torch.stack(outs, 2) if outs else q.new_zeros(B, H, 0, C, dv)).reshape(B, H, N * C, dv)
     return out[:, :, :T].transpose(1, 2), S
