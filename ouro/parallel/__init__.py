@@ -1,0 +1,1 @@
+"""Parallelism over torch.distributed: process groups (`groups`), context-parallel KDA (`cp_kda`)."""

@@ -1,0 +1,36 @@
+"""Context-parallel KDA prefill (KCP) across ranks.
+
+Each rank of the CP group holds a contiguous slice of the prompt, in rank order. It computes its
+slice's summary (`ouro.ops.kda.cp.slice_summary`: the state it reaches from zero, and the
+transition mapping any incoming state to its outgoing one). The ranks all-gather the summaries,
+each chains its predecessors' from the request's initial state, and runs its own slice from the
+true state it gets. The last rank's final state is the request's state for decode.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..ops.kda.chunk import kda_chunk
+from ..ops.kda.cp import _mm, chain_states, slice_summary
+
+
+def all_gather(t: torch.Tensor, group) -> list[torch.Tensor]:
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, t.contiguous(), group=group)
+    return out
+
+
+def kda_context_parallel(q, k, v, g, beta, initial_state, group, chunk_size: int = 16, precision: str = "fp32"):
+    """This rank's slice [B, T_r, H, ...] of the prompt (the same batch on every rank; every rank
+    passes the request's initial state, or None). Returns (o of this slice, the state after it):
+    the last rank's is the request's final state."""
+    rank = dist.get_rank(group)
+    B, _, H, dk = k.shape
+    cdt = torch.promote_types(q.dtype, torch.float32)
+    S0 = k.new_zeros(B, H, dk, v.shape[-1], dtype=cdt) if initial_state is None else initial_state.to(cdt)
+    P, Z = slice_summary(q, k, v, g, beta, chunk_size, precision)
+    Ps, Zs = all_gather(P, group), all_gather(Z, group)
+    state = chain_states(list(zip(Ps[:rank], Zs[:rank])), S0, precision)[-1]
+    return kda_chunk(q, k, v, g, beta, state, chunk_size, mm=_mm(precision))

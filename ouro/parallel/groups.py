@@ -1,0 +1,99 @@
+"""The one place ouro's ranks and their process groups are made.
+
+`launch(fn, world_size)` starts `world_size` processes (torch.multiprocessing spawn), joins them
+into one torch.distributed world over TCP on 127.0.0.1 (gloo on a CPU, NCCL where every rank has
+a GPU), builds the named groups and calls `fn(groups, *args)` on each rank. It returns every rank's
+result in rank order. If a rank fails, the error is raised here with its rank and traceback, and
+no rank waits on a collective past `timeout_s`. Under `torchrun`, `from_env()` joins the world
+torchrun made instead.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import time
+import traceback
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Groups:
+    """This rank's place: the world, and the context-parallel group (all ranks, in token order,
+    until tensor parallelism splits the world further)."""
+    rank: int
+    world_size: int
+    cp: object            # a torch.distributed ProcessGroup
+    cp_rank: int
+    cp_size: int
+    backend: str
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init(rank: int, world_size: int, init_method: str, backend: str | None = None, timeout_s: float = 120.0) -> Groups:
+    backend = backend or ("nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo")
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    cp = dist.new_group(list(range(world_size)))
+    return Groups(rank, world_size, cp, dist.get_rank(cp), dist.get_world_size(cp), backend)
+
+
+def from_env(backend: str | None = None, timeout_s: float = 120.0) -> Groups:
+    """Join a world made by torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the environment)."""
+    return init(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "env://", backend, timeout_s)
+
+
+def _rank_main(rank, world_size, port, backend, timeout_s, fn, args, results):
+    try:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        groups = init(rank, world_size, f"tcp://127.0.0.1:{port}", backend, timeout_s)
+        out = fn(groups, *args)
+        results.put((rank, "ok", out))
+    except BaseException as e:                          # reported to the launcher, with where it happened
+        results.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def launch(fn, world_size: int, *args, backend: str | None = None, timeout_s: float = 120.0) -> list:
+    """fn(groups, *args) on `world_size` new processes; their results in rank order. `fn` and its
+    results must be picklable (a module-level function; tensors are fine)."""
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, backend, timeout_s, fn, args, results), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    got, failed = {}, None
+    try:
+        while len(got) < world_size and failed is None:
+            if not results.empty():
+                rank, status, out = results.get()
+                if status == "error":
+                    failed = f"rank {rank} of {world_size} failed: {out}"
+                got[rank] = out
+                continue
+            dead = [r for r, p in enumerate(procs) if r not in got and p.exitcode not in (None, 0)]
+            if dead and results.empty():   # died without a word (killed, crashed): the others must not wait
+                failed = f"rank {dead[0]} of {world_size} died (exit code {procs[dead[0]].exitcode}) without a result"
+            time.sleep(0.02)
+    finally:
+        for p in procs:
+            if failed is not None and p.is_alive():
+                p.kill()           # no rank is left waiting on a collective its peer will never join
+            p.join(timeout=timeout_s)
+    if failed is not None:
+        raise RuntimeError(failed)
+    return [got[r] for r in range(world_size)]
