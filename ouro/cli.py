@@ -83,6 +83,11 @@ def _cmd_plan(args) -> int:
     if any(c < 1 for c in contexts):
         raise ValueError(f"--context lengths must be >= 1 token, got {args.context!r}")
     print(format_plan(args.model, config, contexts, getattr(torch, args.kv_cache_dtype)))
+    from .engine.device_plan import device_plan, format_device_plan, parse_bytes
+    memory = parse_bytes(args.device_memory) if args.device_memory else None
+    for c in contexts:
+        print(format_device_plan(args.model, device_plan(config, c, args.tp, args.cp, getattr(torch, args.kv_cache_dtype),
+                                                         device_bytes=memory, prefill_chunk=args.prefill_chunk)))
     return 0
 
 
@@ -261,10 +266,14 @@ def build_parser(argv=None) -> argparse.ArgumentParser:
 
     add_serve_parser(sub)
 
-    plan = sub.add_parser("plan", help="cache memory per sequence for a model at given context lengths")
+    plan = sub.add_parser("plan", help="cache memory per sequence, and per device under tp / cp, for a model at given context lengths")
     plan.add_argument("--model", default="flash", help="preset name or checkpoint directory")
     plan.add_argument("--context", default="4096,131072,1048576", help="comma-separated context lengths")
     plan.add_argument("--kv-cache-dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    plan.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (weights and KDA state split)")
+    plan.add_argument("--cp", type=int, default=1, help="context-parallel ranks of one prefill")
+    plan.add_argument("--device-memory", default=None, help="memory of one device, e.g. 141GB or 80GiB: how many requests fit")
+    plan.add_argument("--prefill-chunk", type=int, default=8192, help="most prompt tokens one rank prefills at once")
     plan.set_defaults(func=_cmd_plan)
 
     add_eval_parser(sub)

@@ -99,3 +99,11 @@ def test_plan_reports_per_sequence_memory():
     assert r.returncode == 0, r.stderr
     per_token = ModelCache.bytes_per_token(PRESETS["tiny"], torch.float32)
     assert f"per token (paged): {per_token:,} B" in r.stdout and "context     1,024" in r.stdout
+
+
+def test_plan_per_device_under_tp_and_cp():
+    r = run_ouro("plan", "--model", "flash", "--context", "1048576", "--tp", "8", "--cp", "4", "--device-memory", "141GB")
+    assert r.returncode == 0, r.stderr
+    assert "tp 8 x cp 4 (32 devices)" in r.stdout and "such requests on a" in r.stdout and "all-MLA" in r.stdout
+    bad = run_ouro("plan", "--model", "flash", "--device-memory", "lots")
+    assert bad.returncode != 0 and "memory size" in bad.stderr

@@ -1,0 +1,56 @@
+"""`ouro plan --tp/--cp/--device-memory`: the per-device figures follow from real allocations (the
+model's parameters, a ModelCache sized for the context), scale as parallelism says, and bad input
+is refused with the option named."""
+
+import pytest
+import torch
+
+from ouro.engine.device_plan import device_plan, parse_bytes
+from ouro.layers.context import ModelCache
+from ouro.models.glm5_next import Glm5NextModel
+from ouro.models.presets import PRESETS
+
+
+def test_weights_are_the_models_parameters_split_by_tp():
+    c = PRESETS["tiny"]
+    model = Glm5NextModel(c).to(torch.bfloat16)
+    real = sum(p.numel() * 2 for p in model.parameters())     # bf16 everywhere for this count
+    assert device_plan(c, 1024).weight_bytes == real
+    assert device_plan(c, 1024, tp=2).weight_bytes == real // 2
+
+
+@pytest.mark.parametrize("context", [1, 64, 1000])
+def test_request_bytes_are_what_a_cache_of_that_context_allocates(context):
+    c = PRESETS["tiny"]
+    pages = -(-context // 64)
+    cache = ModelCache(c, n_slots=1, n_pages=pages, page_size=64, dtype=torch.bfloat16)
+    paged = sum(t.nbytes for t in (cache.latent, cache.index_keys, cache.index_gates, cache.index_pooled))
+    state = cache.conv.nbytes + cache.recurrent.nbytes
+    p = device_plan(c, context, kv_dtype=torch.bfloat16)
+    assert p.latent_bytes == paged and p.kda_state_bytes == state
+    assert device_plan(c, context, tp=2).kda_state_bytes == state // 2      # KDA heads split
+    assert device_plan(c, context, tp=2).latent_bytes == paged               # the MLA latent is not
+
+
+def test_fits_and_scaling():
+    c = PRESETS["flash"]
+    p = device_plan(c, 1 << 20, tp=8, cp=4, device_bytes=parse_bytes("141GB"))
+    assert p.fits == (p.device_bytes - p.weight_bytes - p.activation_bytes) // p.request_bytes
+    assert device_plan(c, 1 << 20, tp=8, cp=4, device_bytes=parse_bytes("200GB")).fits > p.fits
+    assert device_plan(c, 1 << 19, tp=8, cp=4, device_bytes=parse_bytes("141GB")).fits > p.fits
+    assert device_plan(c, 1 << 20, tp=8).fits is None
+    longer = device_plan(c, 1 << 21, tp=8)
+    assert longer.latent_bytes == 2 * device_plan(c, 1 << 20, tp=8).latent_bytes
+    # 11 of 45 layers keep a latent, and the indexer adds a little: the hybrid saves KV memory
+    assert 2.0 < p.kv_saving < 45 / 11
+    assert device_plan(c, 1 << 20, tp=8, cp=8).chunk_tokens <= device_plan(c, 1 << 20, tp=8, cp=1).chunk_tokens
+
+
+def test_bad_input_is_refused_with_the_option_named():
+    with pytest.raises(ValueError, match="--tp 3 must divide"):
+        device_plan(PRESETS["flash"], 1024, tp=3)
+    with pytest.raises(ValueError, match="cp must be an integer >= 1"):
+        device_plan(PRESETS["flash"], 1024, cp=0)
+    with pytest.raises(ValueError, match="memory size"):
+        parse_bytes("lots")
+    assert parse_bytes("141GB") == 141 * 10**9 and parse_bytes("80GiB") == 80 * 2**30 and parse_bytes("1e9") == 10**9
