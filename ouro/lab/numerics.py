@@ -31,9 +31,28 @@ def add_arguments(p) -> None:
     p.add_argument("--prompt-len", type=int, default=DEFAULT_PROMPT_LEN)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--kcp-sweep", default=None, metavar="CONTEXTS",
+                   help="instead: the KCP state chain's precision modes (fp32, tf32, tf32x3) against float64 at "
+                        "these comma-separated context lengths, on the model's KDA shapes")
+    p.add_argument("--kcp-slice", type=int, default=1024, help="tokens per rank in --kcp-sweep")
 
 
 def run(args) -> list[Finding]:
+    if getattr(args, "kcp_sweep", None):
+        from ..config import ModelConfig
+        from ..models.presets import PRESETS
+        from .kcp_precision import sweep, sweep_findings
+        config = PRESETS[args.model] if args.model in PRESETS else ModelConfig.from_hf(args.model)
+        try:
+            contexts = [int(c) for c in args.kcp_sweep.split(",")]
+        except ValueError:
+            raise ValueError(f"--kcp-sweep takes comma-separated token counts, got {args.kcp_sweep!r}") from None
+        if not contexts or min(contexts) <= args.kcp_slice:
+            raise ValueError(f"--kcp-sweep contexts must be longer than --kcp-slice ({args.kcp_slice}) tokens")
+        findings = sweep_findings(sweep(config, contexts, args.kcp_slice, seed=args.seed), args.kcp_slice)
+        for f in findings:
+            f.probe = "numerics"
+        return findings
     return probe_numerics(args.model, args.a, args.b, args.prompt_len, args.seed, args.device)
 
 
