@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from ouro.ops.kda import kda_chunk
-from ouro.parallel.cp_kda import kda_context_parallel
+from ouro.ops.conv1d import causal_conv1d
+from ouro.parallel.cp_kda import conv_halo, kda_context_parallel
 from ouro.parallel.groups import launch
 
 from numerics import rel_rms
@@ -61,5 +62,31 @@ def dies_on_rank_1(groups):
 
 
 def test_a_rank_that_dies_is_reported_and_nothing_hangs():
-    with pytest.raises(RuntimeError, match="rank 1 of 2 died \\(exit code 3\\)"):
+    with pytest.raises(RuntimeError, match="rank 1 of 2 died \\(exit code 3\\) without a result"):
         launch(dies_on_rank_1, 2, timeout_s=60)
+
+
+def halo_work(groups, cuts, T, K):
+    g = torch.Generator().manual_seed(T)
+    x = torch.randn(2, 6, T, generator=g)
+    state = torch.randn(2, 6, K - 1, generator=g)
+    w = torch.randn(6, K, generator=g)
+    bounds = [0, *cuts, T]
+    s = slice(bounds[groups.cp_rank], bounds[groups.cp_rank + 1])
+    window = conv_halo(x[..., s], state, groups.cp)
+    out, _ = causal_conv1d(x[..., s], w, window, torch.full((2,), s.stop - s.start))
+    return out
+
+
+@pytest.mark.parametrize("cuts", [(9, 20), (9, 10)], ids=["long-slices", "a-slice-shorter-than-the-halo"])
+def test_conv_halo_gives_the_unsplit_convolution(cuts):
+    """3 ranks: each convolves its slice from the window the halo exchange builds; together they
+    equal one convolution of the whole prompt, also when a slice is shorter than K - 1."""
+    T, K = 30, 4
+    outs = launch(halo_work, 3, cuts, T, K)
+    g = torch.Generator().manual_seed(T)
+    x = torch.randn(2, 6, T, generator=g)
+    state = torch.randn(2, 6, K - 1, generator=g)
+    w = torch.randn(6, K, generator=g)
+    ref, _ = causal_conv1d(x, w, state, torch.full((2,), T))
+    assert rel_rms(torch.cat(outs, dim=-1), ref) < 1e-6

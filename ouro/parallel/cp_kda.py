@@ -34,3 +34,20 @@ def kda_context_parallel(q, k, v, g, beta, initial_state, group, chunk_size: int
     Ps, Zs = all_gather(P, group), all_gather(Z, group)
     state = chain_states(list(zip(Ps[:rank], Zs[:rank])), S0, precision)[-1]
     return kda_chunk(q, k, v, g, beta, state, chunk_size, mm=_mm(precision))
+
+
+def conv_halo(x, conv_state, group):
+    """The short conv's window entering this rank's slice: the last K-1 inputs before it.
+    x: this rank's inputs [B, C, T_r]; conv_state: the request's window before the prompt
+    [B, C, K-1] (zeros for a fresh one), the same on every rank. Ranks all-gather their last K-1
+    inputs; a slice shorter than K-1 passes on its predecessors' too, so any cut works."""
+    rank = dist.get_rank(group)
+    K1 = conv_state.shape[-1]
+    tail = torch.cat([conv_state.to(x.dtype), x], dim=-1)[..., -K1:] if K1 else conv_state.to(x.dtype)
+    lengths = torch.tensor([x.shape[-1]], device=x.device)
+    tails, sizes = all_gather(tail, group), all_gather(lengths, group)
+    window = conv_state.to(x.dtype)
+    for r in range(rank):       # each predecessor's last K-1 inputs after the window so far
+        n = int(sizes[r])
+        window = torch.cat([window, tails[r][..., K1 - min(n, K1):]], dim=-1)[..., -K1:] if K1 else window
+    return window

@@ -76,24 +76,25 @@ def launch(fn, world_size: int, *args, backend: str | None = None, timeout_s: fl
              for r in range(world_size)]
     for p in procs:
         p.start()
-    got, failed = {}, None
-    try:
-        while len(got) < world_size and failed is None:
-            if not results.empty():
-                rank, status, out = results.get()
-                if status == "error":
-                    failed = f"rank {rank} of {world_size} failed: {out}"
-                got[rank] = out
-                continue
-            dead = [r for r, p in enumerate(procs) if r not in got and p.exitcode not in (None, 0)]
-            if dead and results.empty():   # died without a word (killed, crashed): the others must not wait
-                failed = f"rank {dead[0]} of {world_size} died (exit code {procs[dead[0]].exitcode}) without a result"
+    got, errors = {}, {}
+    grace_until = None          # after a first failure, a moment to hear the other ranks: the cause
+    while len(got) + len(errors) < world_size:      # (a dead peer) often shows up just after its effect
+        if grace_until is not None and time.monotonic() > grace_until:
+            break
+        if not results.empty():
+            rank, status, out = results.get()
+            (errors if status == "error" else got)[rank] = f"failed: {out}" if status == "error" else out
+        else:
+            for r, p in enumerate(procs):
+                if r not in got and r not in errors and p.exitcode not in (None, 0) and results.empty():
+                    errors[r] = f"died (exit code {p.exitcode}) without a result"
             time.sleep(0.02)
-    finally:
-        for p in procs:
-            if failed is not None and p.is_alive():
-                p.kill()           # no rank is left waiting on a collective its peer will never join
-            p.join(timeout=timeout_s)
-    if failed is not None:
-        raise RuntimeError(failed)
+        if errors and grace_until is None:
+            grace_until = time.monotonic() + 1.0
+    for p in procs:
+        if errors and p.is_alive():
+            p.kill()               # no rank is left waiting on a collective its peer will never join
+        p.join(timeout=timeout_s)
+    if errors:
+        raise RuntimeError("; ".join(f"rank {r} of {world_size} {m}" for r, m in sorted(errors.items())))
     return [got[r] for r in range(world_size)]
