@@ -11,25 +11,12 @@ import pytest
 import torch
 
 from ouro.engine import decode_graph
-from ouro.engine.decode_graph import DecodeGraph, buckets
+from ouro.engine.decode_graph import DecodeGraph, buckets, counting_backend as counting
 from ouro.engine.simple_runner import SimpleRunner
 from ouro.models.loader import load_model
 from ouro.models.resolve import resolve_model
 
 from numerics import rel_rms
-
-
-def counting(backend):
-    """A backend that counts the graphs it is handed."""
-    from torch._dynamo.backends.registry import lookup_backend
-    inner = lookup_backend(backend)
-    graphs = []
-
-    def compile_fn(gm, example_inputs):
-        graphs.append(gm)
-        return inner(gm, example_inputs)
-    compile_fn.graphs = graphs
-    return compile_fn
 
 
 def test_buckets():

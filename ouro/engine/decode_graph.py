@@ -29,6 +29,19 @@ from ..ops.opaque import opaque_key
 BACKEND = "inductor"    # torch.compile's backend (tests use aot_eager: the same capture, no C++ build)
 
 
+def counting_backend(name: str = "aot_eager"):
+    """A torch.compile backend that runs `name` and keeps every graph it is handed in `.graphs`
+    (the tests and `ouro probe redundancy --graph` count them)."""
+    from torch._dynamo.backends.registry import lookup_backend
+    inner = lookup_backend(name)
+
+    def compile_fn(gm, example_inputs):
+        compile_fn.graphs.append(gm)
+        return inner(gm, example_inputs)
+    compile_fn.graphs = []
+    return compile_fn
+
+
 def buckets(max_bs: int) -> list[int]:
     """Batch sizes a graph runs at: 2, 4, 8, ... up to max_bs (included). Size 1 is padded to 2:
     torch specialises sizes 0 and 1, which would trace another graph."""
@@ -79,7 +92,7 @@ class DecodeGraph:
         ctx = GraphContext(self.cache, positions, slot_mapping, state_slots, fresh, page_table, self.scratch_page)
         return self.model(ids, ctx)
 
-    def accepts(self, counts, start_pos, prompt_logprobs: bool) -> bool:
+    def accepts(self, counts, prompt_logprobs: bool) -> bool:
         return not prompt_logprobs and len(counts) <= self.max_bs and all(n == 1 for n in counts)
 
     def inputs(self, ids, start_pos, slots, pages):

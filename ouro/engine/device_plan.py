@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import ModelConfig
-from ..layers.context import ModelCache
+from .plan_report import sequence_bytes
 
 
 def parse_bytes(text: str) -> int:
@@ -96,13 +96,12 @@ def device_plan(config: ModelConfig, context: int, tp: int = 1, cp: int = 1, kv_
         raise ValueError(f"--tp {tp} must divide the attention heads ({config.num_attention_heads}) and the KDA heads "
                          f"({config.linear_num_heads})")
     we = torch.empty(0, dtype=weight_dtype).element_size()
-    pages = -(-context // page_size)
-    latent = pages * page_size * ModelCache.bytes_per_token(config, kv_dtype)
+    seq = sequence_bytes(config, context, kv_dtype, page_size)
     ke = torch.empty(0, dtype=kv_dtype).element_size()
-    all_mla = pages * page_size * config.num_hidden_layers * config.kv_lora_rank * ke
+    all_mla = -(-context // page_size) * page_size * config.num_hidden_layers * config.kv_lora_rank * ke
     chunk = min(prefill_chunk, -(-context // cp))
-    return DevicePlan(context, tp, cp, parameter_count(config) * we // tp, latent,
-                      ModelCache.bytes_per_slot(config) // tp, activation_bytes(config, chunk, tp, context, weight_dtype),
+    return DevicePlan(context, tp, cp, parameter_count(config) * we // tp, seq["paged_bytes"],
+                      seq["state_bytes"] // tp, activation_bytes(config, chunk, tp, context, weight_dtype),
                       chunk, device_bytes, all_mla)
 
 

@@ -72,11 +72,11 @@ class ModelRunner:
             if r.restore_from is not None:
                 self.checkpoints.restore(r.restore_from, r.slot)
                 r.restore_from = None
-        starts = [r.num_computed for r in reqs]
-        if self.graph is not None and self.graph.accepts(counts, starts, any(r.prompt_logprobs is not None for r in reqs)):
+        if self.graph is not None and self.graph.accepts(counts, any(r.prompt_logprobs is not None for r in reqs)):
             ids = [r.all_ids[r.num_computed] for r in reqs]
             with span("forward", cat="compute"):
-                logits = self.graph.run(ids, starts, [r.slot for r in reqs], [r.pages for r in reqs])
+                logits = self.graph.run(ids, [r.num_computed for r in reqs], [r.slot for r in reqs],
+                                        [r.pages for r in reqs])
             for r in reqs:
                 r.num_computed += 1
             return logits.float().cpu()

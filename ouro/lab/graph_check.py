@@ -18,17 +18,11 @@ from .findings import Finding
 
 
 def graph_finding(model, batch_sizes=(3, 5), context: int = 24) -> Finding:
-    from torch._dynamo.backends.registry import lookup_backend
-
-    from ..engine.decode_graph import DecodeGraph
+    from ..engine.decode_graph import DecodeGraph, counting_backend
     from ..engine.simple_runner import SimpleRunner
     n = max(batch_sizes)
     runner = SimpleRunner(model, n + 1, context + 4)          # the last slot and its pages: scratch
-    inner, graphs = lookup_backend("aot_eager"), []
-
-    def backend(gm, example_inputs):
-        graphs.append(sum(1 for node in gm.graph.nodes if node.op == "call_function"))
-        return inner(gm, example_inputs)
+    backend = counting_backend("aot_eager")
     graph = DecodeGraph(model, runner.cache, n, int(runner.page_table[n, 0]), max_bs=n, backend=backend)
     g = torch.Generator().manual_seed(0)
     runner.step([torch.randint(1, model.config.vocab_size, (context,), generator=g).tolist()] * n + [[]])
@@ -48,6 +42,7 @@ def graph_finding(model, batch_sizes=(3, 5), context: int = 24) -> Finding:
                        {"file": file, "line": int(line) if line else None, "function": fn},
                        evidence={"error": text[:1500]},
                        next="make that code tensor-only on the decode path (a GraphContext method, a tensor mask)")
+    graphs = [sum(1 for node in gm.graph.nodes if node.op == "call_function") for gm in backend.graphs]
     buckets = sorted({next(x for x in graph.buckets if x >= b) for b in batch_sizes})
     measured = {"graphs": len(graphs), "graph_ops": graphs, "buckets": buckets,
                 "trace_s": round(time.perf_counter() - start, 1)}

@@ -205,7 +205,6 @@ class GraphContext:
         self.state_slots, self.fresh, self.page_table = state_slots, fresh, page_table
         self.scratch_page = scratch_page
         self.seq_index = torch.arange(positions.shape[0], device=positions.device)
-        self.local_index = torch.zeros_like(self.seq_index)
         self.query_lens_tensor = torch.ones_like(self.seq_index)
 
     def completed_pools(self, kpool: int):

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ..ops.kda.chunk import kda_chunk
-from ..ops.kda.cp import _mm, chain_states, slice_summary
+from ..ops.kda.cp import _mm, chain_states, slice_summary, start_state
 
 
 def all_gather(t: torch.Tensor, group) -> list[torch.Tensor]:
@@ -27,9 +27,7 @@ def kda_context_parallel(q, k, v, g, beta, initial_state, group, chunk_size: int
     passes the request's initial state, or None). Returns (o of this slice, the state after it):
     the last rank's is the request's final state."""
     rank = dist.get_rank(group)
-    B, _, H, dk = k.shape
-    cdt = torch.promote_types(q.dtype, torch.float32)
-    S0 = k.new_zeros(B, H, dk, v.shape[-1], dtype=cdt) if initial_state is None else initial_state.to(cdt)
+    S0 = start_state(k, v, initial_state)
     P, Z = slice_summary(q, k, v, g, beta, chunk_size, precision)
     Ps, Zs = all_gather(P, group), all_gather(Z, group)
     state = chain_states(list(zip(Ps[:rank], Zs[:rank])), S0, precision)[-1]

@@ -91,10 +91,11 @@ def kda_chunk(q, k, v, g, beta, initial_state=None, chunk_size: int = 16, mm=Non
     # chunks by unbind and outputs by one stack, not per-chunk indexing and slice assignment:
     # under autograd (ouro train runs this) each indexed or assigned slice costs a backward pass
     # over the whole tensor, O(N^2) in the number of chunks; unbind/stack keep it O(N)
+    mm = mm or torch.matmul
     outs = []
     for w_v_n, w_k_n, q_n, a_n, s_n, k_n in zip(*(t.unbind(2) for t in (w_v, w_k, q_dec, a_qk, s_dec, k_dec))):
-        u = w_v_n - (w_k_n @ S if mm is None else mm(w_k_n, S))
-        outs.append((q_n @ S if mm is None else mm(q_n, S)) + a_n @ u)
-        S = S * s_n + (k_n @ u if mm is None else mm(k_n, u))
+        u = w_v_n - mm(w_k_n, S)
+        outs.append(mm(q_n, S) + a_n @ u)
+        S = S * s_n + mm(k_n, u)
     out = (torch.stack(outs, 2) if outs else q.new_zeros(B, H, 0, C, dv)).reshape(B, H, N * C, dv)
     return out[:, :, :T].transpose(1, 2), S

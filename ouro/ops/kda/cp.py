@@ -75,7 +75,16 @@ def chain_states(summaries, initial_state, precision: str = "fp32"):
 
 
 def _mm(precision: str):
+    """The `mm` `kda_chunk` carries its state through in this precision (None: plain a @ b)."""
     return None if precision == "fp32" else (lambda a, b: matmul(a, b, precision))
+
+
+def start_state(k, v, initial_state):
+    """The request's state before the prompt in the compute dtype: zeros when there is none."""
+    cdt = torch.promote_types(k.dtype, torch.float32)
+    if initial_state is None:
+        return k.new_zeros(k.shape[0], k.shape[2], k.shape[3], v.shape[-1], dtype=cdt)
+    return initial_state.to(cdt)
 
 
 def kda_sliced(q, k, v, g, beta, initial_state=None, cuts=(), chunk_size: int = 16, precision: str = "fp32"):
@@ -83,12 +92,10 @@ def kda_sliced(q, k, v, g, beta, initial_state=None, cuts=(), chunk_size: int = 
     (positions, any alignment), a summary per slice, the chain, then each slice run from its true
     initial state. Returns (o [B, T, H, dv], final_state) like `kda_chunk`; the reference the
     distributed path is tested against, and the yardstick of each precision mode."""
-    B, T, H, dk = k.shape
-    dv = v.shape[-1]
+    T = k.shape[1]
     bounds = [0, *sorted(set(int(c) for c in cuts if 0 < int(c) < T)), T]
     parts = [slice(a, b) for a, b in zip(bounds, bounds[1:])]
-    cdt = torch.promote_types(q.dtype, torch.float32)
-    S0 = k.new_zeros(B, H, dk, dv, dtype=cdt) if initial_state is None else initial_state.to(cdt)
+    S0 = start_state(k, v, initial_state)
     take = lambda t, s: t[:, s]
     summaries = [slice_summary(*(take(t, s) for t in (q, k, v, g, beta)), chunk_size, precision) for s in parts[:-1]]
     states = chain_states(summaries, S0, precision)
