@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 
+import ouro.layers.context
 import ouro.layers.kda
 import ouro.layers.moe
 from ouro.lab import kernels
@@ -59,7 +60,8 @@ def drop_last_chunk_state(real):
 
 
 def test_planted_wrong_kernel_is_an_error_with_no_time(tiny_checkpoint, monkeypatch):
-    monkeypatch.setattr(ouro.layers.kda, "kda_chunk", drop_last_chunk_state(ouro.layers.kda.kda_chunk))
+    import ouro.layers.context
+    monkeypatch.setattr(ouro.layers.context, "kda_chunk", drop_last_chunk_state(ouro.layers.context.kda_chunk))
     report = []
     findings = kernels.probe_kernels(tiny_checkpoint, ops=["route", "kda_chunk"], report=report)
     top = findings[0]
@@ -113,12 +115,12 @@ def test_planted_slow_kernel_is_the_top_warning(tiny_checkpoint, monkeypatch):
 
 
 def test_sweep_interleaves_and_flags_a_wrong_variant(tiny_checkpoint, monkeypatch):
-    real = ouro.layers.kda.kda_chunk
+    real = ouro.layers.context.kda_chunk
 
     def wrong_at_32(q, k, v, g, beta, initial_state=None, chunk_size=16):
         o, s = real(q, k, v, g, beta, initial_state, chunk_size)
         return (o * 1.01, s) if chunk_size == 32 else (o, s)
-    monkeypatch.setattr(ouro.layers.kda, "kda_chunk", wrong_at_32)
+    monkeypatch.setattr(ouro.layers.context, "kda_chunk", wrong_at_32)
     report = []
     findings = kernels.probe_kernels(tiny_checkpoint, ops=["kda_chunk"], sweeps={"chunk": [16, 32, 8]},
                                      step=False, report=report)

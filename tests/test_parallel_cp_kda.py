@@ -73,8 +73,9 @@ def halo_work(groups, cuts, T, K):
     w = torch.randn(6, K, generator=g)
     bounds = [0, *cuts, T]
     s = slice(bounds[groups.cp_rank], bounds[groups.cp_rank + 1])
-    window = conv_halo(x[..., s], state, groups.cp)
-    out, _ = causal_conv1d(x[..., s], w, window, torch.full((2,), s.stop - s.start))
+    lengths = torch.full((2,), s.stop - s.start)
+    window = conv_halo(x[..., s], state, lengths, groups.cp)
+    out, _ = causal_conv1d(x[..., s], w, window, lengths)
     return out
 
 

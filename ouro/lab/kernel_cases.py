@@ -246,7 +246,7 @@ def _sinkhorn_check(out, x, cfg, ph):
 
 
 CASES: dict[str, KernelCase] = {c.name: c for c in [
-    KernelCase("kda_chunk", "ouro/ops/kda/chunk.py", "kda_chunk", ("ouro.layers.kda", "kda_chunk"), ("prefill",),
+    KernelCase("kda_chunk", "ouro/ops/kda/chunk.py", "kda_chunk", ("ouro.layers.context", "kda_chunk"), ("prefill",),
                lambda cfg, ph, gen: _kda_inputs(cfg, 1, ph.rows, gen),
                lambda fn, x, chunk=16: fn(x["q"], x["k"], x["v"], x["g"], x["beta"], x["state"], chunk),
                _kda_chunk_check, _kda_cost, {"chunk": 16}),

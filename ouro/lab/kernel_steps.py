@@ -1,5 +1,5 @@
 """Each op's share of a real model step: the kernels probe wraps the module globals through which
-the layers call the ops (e.g. `ouro.layers.kda.kda_chunk`), runs one prefill step and one decode
+the layers call the ops (e.g. `ouro.layers.context.kda_chunk`), runs one prefill step and one decode
 step of the model, and sums the time spent inside each op. With share s, a k-times faster kernel
 makes the step 1 / (1 - s + s / k) times faster (Amdahl)."""
 

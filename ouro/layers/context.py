@@ -13,6 +13,7 @@ from functools import cached_property
 import torch
 
 from ..config import ModelConfig
+from ..ops.kda import kda_chunk
 
 
 class ModelCache:
@@ -155,9 +156,25 @@ class ForwardContext:
         return cache[kpool]
 
     def completed_pools(self, kpool: int):
-        """(flat rows whose token completes a pool of `kpool`, None): every row it names writes
-        its pool. (None, None) if there are none. `GraphContext` answers with every row and a mask."""
-        return self.pool_ends(kpool), None
+        """The pools of `kpool` that this batch's tokens complete, as (sequence [n], position of
+        the pool's last token [n], mask): every one named writes its pool (mask None). None if
+        there are none. `GraphContext` answers with every row and a mask."""
+        ends = self.pool_ends(kpool)
+        return None if ends is None else (self.seq_index[ends], self.positions[ends], None)
+
+    # How the batch's tokens meet the rest of their sequences: through the cache, on one rank.
+    # A context-parallel context (`ouro.parallel.cp_context`) exchanges with the other ranks here.
+    def write_rows(self, flat: torch.Tensor, values: torch.Tensor) -> None:
+        """Store the new tokens' rows `values` [T, d] into a paged cache viewed flat [rows, d]."""
+        flat[self.slot_mapping] = values.to(flat.dtype)
+
+    def conv_window(self, x, window, lengths):
+        """The short conv's window entering the new tokens x [B, C, T]: the cached one."""
+        return window
+
+    def delta_rule(self, q, k, v, g, beta, state, chunk_size: int):
+        """The chunked gated delta rule over the new tokens from `state`: (o, final state)."""
+        return kda_chunk(q, k, v, g, beta, state, chunk_size)
 
     def decode_pools(self, kpool: int) -> int:
         """Pools a decode batch's indexer reads per row: the longest context's complete pools."""
@@ -208,8 +225,10 @@ class GraphContext:
         self.query_lens_tensor = torch.ones_like(self.seq_index)
 
     def completed_pools(self, kpool: int):
-        """(every row, which of them completes its pool now)."""
-        return self.seq_index, (self.positions + 1) % kpool == 0
+        """(every row, its position, which of them completes its pool now)."""
+        return self.seq_index, self.positions, (self.positions + 1) % kpool == 0
+
+    write_rows, conv_window = ForwardContext.write_rows, ForwardContext.conv_window
 
     def scratch_pool_row(self, kpool: int) -> int:
         return self.scratch_page * (self.cache.page_size // kpool)

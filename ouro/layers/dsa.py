@@ -43,11 +43,12 @@ class Indexer(nn.Module):
 
     def _write_completed_pools(self, ctx):
         """Compress every pool whose last token arrived in this batch and store its key."""
-        ends, complete = ctx.completed_pools(self.kpool)
-        if ends is None:
+        found = ctx.completed_pools(self.kpool)
+        if found is None:
             return
-        ci, seqs = self.cache_index, ctx.seq_index[ends]
-        tok = (ctx.positions[ends] + 1 - self.kpool)[:, None] + torch.arange(self.kpool, device=ends.device)
+        seqs, ends, complete = found
+        ci = self.cache_index
+        tok = (ends + 1 - self.kpool)[:, None] + torch.arange(self.kpool, device=ends.device)
         rows = cache_rows(ctx, seqs, tok)
         keys = ctx.cache.index_keys[ci].view(-1, self.d)[rows].reshape(-1, self.d)
         gates = ctx.cache.index_gates[ci].view(-1, self.d)[rows].reshape(-1, self.d)
@@ -68,8 +69,8 @@ class Indexer(nn.Module):
         cache, ci = ctx.cache, self.cache_index
         keys = self.k_norm(self.wk(x))
         gates = x @ self.index_kpool_compress_gate.T
-        cache.index_keys[ci].view(-1, self.d)[ctx.slot_mapping] = keys.to(cache.index_keys.dtype)
-        cache.index_gates[ci].view(-1, self.d)[ctx.slot_mapping] = gates.to(cache.index_gates.dtype)
+        ctx.write_rows(cache.index_keys[ci].view(-1, self.d), keys)
+        ctx.write_rows(cache.index_gates[ci].view(-1, self.d), gates)
         self._write_completed_pools(ctx)
         q = self.wq_b(q_resid).view(-1, self.Hi, self.d)
         w = self.weights_proj(x).float() * self.Hi ** -0.5
@@ -123,7 +124,7 @@ class DSAttention(nn.Module):
         q = self.q_b_proj(q_resid).view(-1, self.H, self.qk)
         latent = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x))
         flat = cache.latent[li].view(-1, self.r)
-        flat[ctx.slot_mapping] = latent.to(flat.dtype)
+        ctx.write_rows(flat, latent)
         if self.indexer is not None:
             selection = self.indexer(x, q_resid, ctx)
         elif prev_selection is None:

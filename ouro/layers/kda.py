@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops.conv1d import causal_conv1d
-from ..ops.kda import kda_chunk, kda_recurrent_step
+from ..ops.kda import kda_recurrent_step
 from .norm import GatedRMSNorm
 from .linear import Linear
 from .precision import KeepFloat32
@@ -86,7 +86,8 @@ class KDAttention(KeepFloat32):
 
         mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)      # [T, 3C]
         lengths = ctx.query_lens_tensor
-        conv_out, new_conv = causal_conv1d(ctx.pad(mixed).transpose(1, 2), weight, conv_state, lengths)
+        padded = ctx.pad(mixed).transpose(1, 2)
+        conv_out, new_conv = causal_conv1d(padded, weight, ctx.conv_window(padded, conv_state, lengths), lengths)
         mixed = F.silu(ctx.unpad(conv_out.transpose(1, 2)))
         cdt = torch.promote_types(x.dtype, torch.float32)   # float64 stays float64 (reference runs)
         q, k, v = (t.reshape(T, self.H, self.dk).to(cdt) for t in mixed.chunk(3, dim=-1))
@@ -99,8 +100,8 @@ class KDAttention(KeepFloat32):
             o = kda_recurrent_step(q, k, v, g, beta, rec_state)
             new_rec = rec_state
         else:  # padding steps get g = 0, beta = 0: they leave the state untouched
-            o, new_rec = kda_chunk(ctx.pad(q), ctx.pad(k), ctx.pad(v), ctx.pad(g), ctx.pad(beta),
-                                   rec_state, self.chunk_size)
+            o, new_rec = ctx.delta_rule(ctx.pad(q), ctx.pad(k), ctx.pad(v), ctx.pad(g), ctx.pad(beta),
+                                        rec_state, self.chunk_size)
             o = ctx.unpad(o)
         if in_place is not None:
             cache.conv[si][in_place] = new_conv

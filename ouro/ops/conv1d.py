@@ -18,10 +18,21 @@ def causal_conv1d(x, weight, conv_state, lengths):
         out = (full * weight.to(dt)).sum(-1, keepdim=True)
     else:
         out = F.conv1d(full, weight.to(dt).unsqueeze(1), groups=x.shape[1])
-    # token i sits at column K-1+i, so the last K-1 real inputs start at column lengths[b]
-    idx = lengths.view(-1, 1, 1) + torch.arange(K - 1, device=x.device).view(1, 1, -1)
-    new_state = full.gather(-1, idx.expand(-1, x.shape[1], -1))
-    return out, new_state
+    return out, last_columns(full, lengths, K - 1)
+
+
+def last_columns(full, lengths, n: int):
+    """full: [B, C, n+T] = a window of n then right-padded inputs; the last n real columns of
+    each row. Input i sits at column n+i, so they start at column lengths[b]."""
+    idx = lengths.view(-1, 1, 1) + torch.arange(n, device=full.device).view(1, 1, -1)
+    return full.gather(-1, idx.expand(-1, full.shape[1], -1))
+
+
+def last_inputs(window, x, lengths):
+    """The last K-1 inputs of [window | x[b, :, :lengths[b]]] per row: the window the next token
+    sees. window: [B, C, K-1]; x: [B, C, T] right-padded."""
+    dt = torch.promote_types(x.dtype, window.dtype)
+    return last_columns(torch.cat([window.to(dt), x.to(dt)], dim=-1), lengths, window.shape[-1])
 
 
 def causal_conv1d_naive(x, weight, conv_state, lengths):

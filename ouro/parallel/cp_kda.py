@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..ops.conv1d import last_columns, last_inputs
 from ..ops.kda.chunk import kda_chunk
 from ..ops.kda.cp import _mm, chain_states, slice_summary, start_state
 
@@ -34,18 +35,24 @@ def kda_context_parallel(q, k, v, g, beta, initial_state, group, chunk_size: int
     return kda_chunk(q, k, v, g, beta, state, chunk_size, mm=_mm(precision))
 
 
-def conv_halo(x, conv_state, group):
+def conv_halo(x, conv_state, lengths, group):
     """The short conv's window entering this rank's slice: the last K-1 inputs before it.
-    x: this rank's inputs [B, C, T_r]; conv_state: the request's window before the prompt
-    [B, C, K-1] (zeros for a fresh one), the same on every rank. Ranks all-gather their last K-1
-    inputs; a slice shorter than K-1 passes on its predecessors' too, so any cut works."""
+    x: this rank's inputs [B, C, T_r], right-padded to the real lengths [B]; conv_state: the
+    request's window before the prompt [B, C, K-1] (zeros for a fresh one), the same on every
+    rank. Ranks all-gather their last min(length, K-1) inputs; folding the predecessors' in rank
+    order gives the window, so a slice shorter than K-1 (even an empty one) passes on the ones
+    before it and any cut works."""
     rank = dist.get_rank(group)
     K1 = conv_state.shape[-1]
-    tail = torch.cat([conv_state.to(x.dtype), x], dim=-1)[..., -K1:] if K1 else conv_state.to(x.dtype)
-    lengths = torch.tensor([x.shape[-1]], device=x.device)
-    tails, sizes = all_gather(tail, group), all_gather(lengths, group)
-    window = conv_state.to(x.dtype)
-    for r in range(rank):       # each predecessor's last K-1 inputs after the window so far
-        n = int(sizes[r])
-        window = torch.cat([window, tails[r][..., K1 - min(n, K1):]], dim=-1)[..., -K1:] if K1 else window
+    window = conv_state.to(torch.promote_types(x.dtype, conv_state.dtype))
+    if K1 == 0:
+        return window
+    lengths = lengths.to(torch.long)
+    m = lengths.clamp(max=K1)
+    # this slice's last m inputs, left-aligned in K-1 columns (the rest is padding)
+    padded = torch.cat([x.to(window.dtype), window.new_zeros(*x.shape[:2], K1)], dim=-1)
+    lead = last_columns(padded, lengths - m, K1)
+    leads, counts = all_gather(lead, group), all_gather(m, group)
+    for r in range(rank):
+        window = last_inputs(window, leads[r], counts[r])
     return window

@@ -11,6 +11,7 @@ torchrun made instead.
 from __future__ import annotations
 
 import datetime
+import io
 import os
 import socket
 import time
@@ -57,7 +58,9 @@ def _rank_main(rank, world_size, port, backend, timeout_s, fn, args, results):
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
         groups = init(rank, world_size, f"tcp://127.0.0.1:{port}", backend, timeout_s)
         out = fn(groups, *args)
-        results.put((rank, "ok", out))
+        buf = io.BytesIO()      # bytes, not shared-memory tensors: those vanish when this process exits
+        torch.save(out, buf)
+        results.put((rank, "ok", buf.getvalue()))
     except BaseException as e:                          # reported to the launcher, with where it happened
         results.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     finally:
@@ -83,7 +86,10 @@ def launch(fn, world_size: int, *args, backend: str | None = None, timeout_s: fl
             break
         if not results.empty():
             rank, status, out = results.get()
-            (errors if status == "error" else got)[rank] = f"failed: {out}" if status == "error" else out
+            if status == "error":
+                errors[rank] = f"failed: {out}"
+            else:
+                got[rank] = torch.load(io.BytesIO(out), weights_only=False)
         else:
             for r, p in enumerate(procs):
                 if r not in got and r not in errors and p.exitcode not in (None, 0) and results.empty():

@@ -4,9 +4,8 @@ FAULT = Fault(
     name="chunked_prefill_drops_conv",
     description="chunked prefill drops the KDA short-conv window between chunks",
     file="ouro/layers/kda.py", function="KDAttention._forward",
-    replace=[("causal_conv1d(ctx.pad(mixed).transpose(1, 2), weight, conv_state, lengths)",
-              "causal_conv1d(ctx.pad(mixed).transpose(1, 2), weight, conv_state if ctx.is_decode else "
-              "torch.zeros_like(conv_state), lengths)  # FAULT")],
+    replace=[("ctx.conv_window(padded, conv_state, lengths), lengths)",
+              "(conv_state if ctx.is_decode else torch.zeros_like(conv_state)), lengths)  # FAULT")],
     localised=[{"module": r"layers\.0\.self_attn.*"}, {"layer": 0}, {"op": r"causal_conv1d|conv"},
                {"file": "ouro/layers/kda.py", "function": ["_forward"]}],
     probes=[["numerics", "--model", "tiny", "--a", "impl=ouro", "--b", "chunk=17"]],
