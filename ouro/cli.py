@@ -60,7 +60,12 @@ def _cmd_bench(args) -> int:
                           args.max_concurrency, args.compare == "transformers", device=args.device, dtype=args.dtype,
                           compile=args.compile, compile_max_bs=args.torch_compile_max_bs)
         print(format_offline(r))
-    if args.kind == "prefill":
+    if args.kind == "prefill" and args.cp > 1:
+        from .bench.prefill_cp import bench_prefill_cp, format_prefill_cp
+        dtype = EngineConfig(device=args.device, dtype=args.dtype).torch_dtype()
+        r = bench_prefill_cp(resolve_model(args.model), args.input_len, args.cp, args.repeats, args.cp_precision, dtype)
+        print(format_prefill_cp(r))
+    elif args.kind == "prefill":
         from .bench.prefill import bench_prefill, format_prefill
         r = bench_prefill(resolve_model(args.model), args.input_len, args.repeats, args.compare == "transformers")
         print(format_prefill(r))
@@ -177,6 +182,12 @@ def add_serve_parser(sub) -> None:
     sv.add_argument("--page-size", type=int, default=64)
     sv.add_argument("--enable-prefix-caching", action="store_true")
     add_compile_flag(sv)
+    sv.add_argument("--cp", "--context-parallel-size", dest="cp", type=int, default=1,
+                    help="ranks of a context-parallel prefill: the engine plus N-1 helper processes, each holding the "
+                         "model; prompts of --cp-threshold tokens or more are prefilled across them, decode stays on the engine")
+    sv.add_argument("--cp-threshold", type=int, default=4096, help="with --cp N: the shortest prompt prefilled across ranks")
+    sv.add_argument("--cp-precision", default="auto", choices=["auto", "fp32", "tf32", "tf32x3"],
+                    help="with --cp N: precision of the KDA state chain (auto: fp32 on a CPU, tf32x3 on CUDA)")
     sv.add_argument("--prefix-checkpoint-interval", type=int, default=1, help="pages between KDA checkpoints")
     sv.add_argument("--shutdown-timeout", type=float, default=30.0,
                     help="seconds in-flight requests get to finish after SIGTERM")
@@ -248,6 +259,10 @@ def build_parser(argv=None) -> argparse.ArgumentParser:
     bench.add_argument("--num-prompts", type=int, default=64)
     bench.add_argument("--max-concurrency", type=int, default=32)
     bench.add_argument("--repeats", type=int, default=3)
+    bench.add_argument("--cp", type=int, default=1, help="prefill: context-parallel ranks, timed against one "
+                       "rank in the same run (each rank gets cores / ranks threads)")
+    bench.add_argument("--cp-precision", default="fp32", choices=["fp32", "tf32", "tf32x3"],
+                       help="prefill --cp: precision of the KDA state chain")
     add_compile_flag(bench)
     bench.add_argument("--baseline", default=None, metavar="REF",
                        help="offline: also run the same workload on git ref REF of this repository (a temporary "

@@ -200,6 +200,9 @@ class EngineConfig:
     seed: int = 0
     compile: bool = False              # run decode steps as a compiled graph (ouro.engine.decode_graph)
     torch_compile_max_bs: int = 32     # the largest decode batch the graph runs (larger ones run eagerly)
+    context_parallel_size: int = 1     # ranks of a context-parallel prefill (ouro.parallel.cp_prefill)
+    cp_threshold: int = 4096           # prompts of at least this many tokens take the CP prefill
+    cp_precision: str = "auto"         # the KDA state chain's precision; auto: fp32 on a CPU, tf32x3 on CUDA
 
     DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -214,8 +217,11 @@ class EngineConfig:
                 return
             if not _is_int(v) or v < minimum:
                 raise ValueError(f"{name} must be an integer >= {minimum}{' or None' if optional else ''}, got {v!r}")
-        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "kda_chunk_size", "torch_compile_max_bs"):
+        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "kda_chunk_size", "torch_compile_max_bs",
+                     "context_parallel_size", "cp_threshold"):
             count(name)
+        if self.cp_precision not in ("auto", "fp32", "tf32", "tf32x3"):
+            raise ValueError(f"cp_precision must be one of auto, fp32, tf32, tf32x3, got {self.cp_precision!r}")
         count("max_model_len", optional=True)
         count("max_memory", optional=True)
         if not isinstance(self.compile, bool):
@@ -229,6 +235,13 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {', '.join(self.DTYPES)}, got {self.dtype!r}")
         if not isinstance(self.device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+
+    def chain_precision(self) -> str:
+        """The most accurate KCP chain precision the device runs fast: float32 products on a CPU
+        (TF32 is no faster there), three TF32 products on a GPU's tensor cores."""
+        if self.cp_precision != "auto":
+            return self.cp_precision
+        return "tf32x3" if self.device.startswith("cuda") else "fp32"
 
     def check_device(self) -> None:
         """The device exists on this machine (checked when an engine is built, not in the dataclass)."""

@@ -15,7 +15,7 @@ from .detokenizer import IncrementalDetokenizer
 from .memory import available_bytes, plan_memory
 from .model_runner import ModelRunner
 from .page_pool import PagePool, SlotPool
-from .request import Request, RequestOutput, Status
+from .request import Request, RequestFailed, RequestOutput, Status
 from .sampling import Sampler, SamplingParams, make_generator
 from .scheduler import Scheduler
 
@@ -35,7 +35,8 @@ def token_id_list(ids) -> list[int]:
 class LLMEngine:
     def __init__(self, model, tokenizer=None, config: EngineConfig = EngineConfig(), enable_prefix_caching=False,
                  checkpoint_interval: int = 1, verbose: bool = True, record_logits: bool = False,
-                 logits_processors=()):
+                 logits_processors=(), model_dir=None):
+        """model_dir: the checkpoint `model` came from; context parallelism loads it on its helper ranks."""
         mc = model.config
         self.check_options(config, mc, enable_prefix_caching, checkpoint_interval)
         self.model, self.tokenizer, self.config = model, tokenizer, config
@@ -52,8 +53,17 @@ class LLMEngine:
         if verbose:
             print(f"ouro: {self.plan.describe(min(self.max_model_len, 4096))}", file=sys.stderr, flush=True)
         self.pages, self.slots = PagePool(self.plan.n_pages), SlotPool(self.plan.n_slots)
+        self.cp = None
+        if config.context_parallel_size > 1:
+            if model_dir is None:
+                raise ValueError("context_parallel_size > 1 needs the model's checkpoint directory (model_dir): "
+                                 "every rank loads it")
+            from ..parallel.cp_prefill import CPPrefill
+            self.cp = CPPrefill(model_dir, model, config.context_parallel_size, config.chain_precision(),
+                                config.dtype, config.device, config.kda_chunk_size)
         self.runner = ModelRunner(model, self.plan, config.device,
-                                  min(config.torch_compile_max_bs, config.max_num_seqs) if config.compile else 0)
+                                  min(config.torch_compile_max_bs, config.max_num_seqs) if config.compile else 0,
+                                  cp=self.cp)
         if config.compile:
             done = self.runner.graph.warm_up(progress=verbose)
             if verbose:
@@ -72,7 +82,8 @@ class LLMEngine:
                                             on_evict_checkpoint=self.runner.checkpoints.release)
         self.scheduler = Scheduler(self.pages, self.slots, config.page_size, config.max_num_seqs,
                                    config.max_num_batched_tokens, self.prefix_cache,
-                                   chunk_align=checkpoint_interval * config.page_size if self.prefix_cache else 0)
+                                   chunk_align=checkpoint_interval * config.page_size if self.prefix_cache else 0,
+                                   cp_threshold=config.cp_threshold if self.cp else 0)
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -190,6 +201,13 @@ class LLMEngine:
             return []
         try:
             logits = self.runner.execute(batch)
+        except RequestFailed as e:       # that request is released; the rest carry on next step
+            self.num_failed_steps += 1
+            self.abort(e.request_id)
+            if self.cp is not None and self.cp.broken and self.scheduler.cp_threshold:
+                log.error("context parallelism is off (%s): long prompts now prefill on this rank alone", self.cp.broken)
+                self.scheduler.cp_threshold = 0
+            raise
         except BaseException:
             # The forward may have advanced KDA states and written cache rows of every request
             # in the batch while their computed-token counts did not move: such a state must

@@ -9,6 +9,7 @@ import torch
 from ..lab.spans import span
 from ..layers.context import ForwardContext, ModelCache
 from .memory import MemoryPlan
+from .request import RequestFailed
 from .sampling import prompt_logprob_entries
 from .scheduler import ScheduledBatch
 
@@ -40,7 +41,7 @@ class CheckpointStore:
 
 
 class ModelRunner:
-    def __init__(self, model, plan: MemoryPlan, device="cpu", compile_max_bs: int = 0):
+    def __init__(self, model, plan: MemoryPlan, device="cpu", compile_max_bs: int = 0, cp=None):
         """compile_max_bs > 0: decode batches up to that size run as a compiled graph
         (`ouro.engine.decode_graph`); it takes one more state slot and page, for padding rows."""
         from ..gemm_pick import apply_to
@@ -52,6 +53,7 @@ class ModelRunner:
         self.cache = ModelCache(model.config, plan.n_slots + extra, plan.n_pages + extra, plan.page_size,
                                 dtype=dtype, device=device)
         self.checkpoints = CheckpointStore(self.cache, plan.n_checkpoints) if plan.n_checkpoints else None
+        self.cp = cp             # a `CPPrefill` (ouro.parallel.cp_prefill) for batch.context_parallel
         self.graph = None
         if compile_max_bs:
             from .decode_graph import DecodeGraph
@@ -72,6 +74,14 @@ class ModelRunner:
             if r.restore_from is not None:
                 self.checkpoints.restore(r.restore_from, r.slot)
                 r.restore_from = None
+        if batch.context_parallel:
+            r = reqs[0]
+            try:
+                logits = self.cp.prefill(self.cache, r.all_ids[:counts[0]], r.slot, r.pages)
+            except RuntimeError as e:       # a CPPrefillError: this request only
+                raise RequestFailed(r.request_id, str(e)) from e
+            r.num_computed += counts[0]
+            return logits.float().cpu()
         if self.graph is not None and self.graph.accepts(counts, any(r.prompt_logprobs is not None for r in reqs)):
             ids = [r.all_ids[r.num_computed] for r in reqs]
             with span("forward", cat="compute"):

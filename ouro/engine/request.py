@@ -72,3 +72,12 @@ class RequestOutput:
     queue_time: float | None = None   # seconds from arrival to first scheduling
     # with SamplingParams.prompt_logprobs: [None, {token_id: logprob, ...}, ...], one per prompt token
     prompt_logprobs: list | None = None
+
+
+class RequestFailed(RuntimeError):
+    """One request cannot go on (e.g. its context-parallel prefill lost a rank): the engine
+    releases it and reports this; the other requests are not affected."""
+
+    def __init__(self, request_id: str, message: str):
+        super().__init__(message)
+        self.request_id = request_id

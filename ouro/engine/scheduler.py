@@ -19,6 +19,7 @@ log = logging.getLogger("ouro.scheduler")
 class ScheduledBatch:
     requests: list[Request]
     num_new_tokens: list[int]
+    context_parallel: bool = False     # one request's whole prompt, prefilled across the CP ranks
 
     def __bool__(self):
         return bool(self.requests)
@@ -26,8 +27,9 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, pages: PagePool, slots: SlotPool, page_size: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, prefix_cache=None, chunk_align: int = 0):
+                 max_num_batched_tokens: int, prefix_cache=None, chunk_align: int = 0, cp_threshold: int = 0):
         self.pages, self.slots, self.page_size = pages, slots, page_size
+        self.cp_threshold = cp_threshold      # > 0: fresh prompts this long are prefilled whole across CP ranks
         self.max_num_seqs, self.token_budget = max_num_seqs, max_num_batched_tokens
         self.prefix_cache = prefix_cache
         self.chunk_align = chunk_align        # end prefill chunks on multiples of this (checkpoint boundaries)
@@ -115,8 +117,35 @@ class Scheduler:
         return max(n, 0)
 
     # ---- one step ----
+    def wants_cp(self, req: Request) -> bool:
+        """A fresh prompt of at least the threshold (no prefix hit: the ranks start from zero;
+        no prompt logprobs: only the last token's logits come back)."""
+        return bool(self.cp_threshold) and req.num_computed == 0 and req.num_tokens >= self.cp_threshold \
+            and req.params.prompt_logprobs is None
+
+    def _schedule_cp(self) -> ScheduledBatch | None:
+        """The first waiting request's whole prompt, alone in its step (running requests wait
+        one step), when a slot and all its pages are free. None: schedule as usual."""
+        req = self.waiting[0]
+        if len(self.running) >= self.max_num_seqs or self.slots.num_free == 0:
+            return None
+        if not self._grow(req, req.num_tokens):
+            self.free(req)
+            return None
+        self.waiting.popleft()
+        req.slot = self.slots.alloc()
+        req.status = Status.RUNNING
+        if req.first_scheduled is None:
+            req.first_scheduled = time.monotonic()
+        self.running.append(req)
+        return ScheduledBatch([req], [req.num_tokens], context_parallel=True)
+
     @span("schedule", cat="schedule")
     def schedule(self) -> ScheduledBatch:
+        if self.waiting and self.wants_cp(self.waiting[0]):
+            batch = self._schedule_cp()
+            if batch is not None:
+                return batch
         budget = self.token_budget
         batch = ScheduledBatch([], [])
         preempted_before = self.num_preemptions

@@ -12,11 +12,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..lab.spans import span
 from ..ops.conv1d import last_columns, last_inputs
 from ..ops.kda.chunk import kda_chunk
 from ..ops.kda.cp import _mm, chain_states, slice_summary, start_state
 
 
+@span("cp exchange", cat="transfer")
 def all_gather(t: torch.Tensor, group) -> list[torch.Tensor]:
     out = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
     dist.all_gather(out, t.contiguous(), group=group)
@@ -27,9 +29,12 @@ def kda_context_parallel(q, k, v, g, beta, initial_state, group, chunk_size: int
     """This rank's slice [B, T_r, H, ...] of the prompt (the same batch on every rank; every rank
     passes the request's initial state, or None). Returns (o of this slice, the state after it):
     the last rank's is the request's final state."""
-    rank = dist.get_rank(group)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
     S0 = start_state(k, v, initial_state)
-    P, Z = slice_summary(q, k, v, g, beta, chunk_size, precision)
+    if rank < world - 1:
+        P, Z = slice_summary(q, k, v, g, beta, chunk_size, precision)
+    else:   # no rank follows the last: it only takes part in the exchange
+        P, Z = S0.new_zeros(*S0.shape[:-1], S0.shape[-2]), torch.zeros_like(S0)
     Ps, Zs = all_gather(P, group), all_gather(Z, group)
     state = chain_states(list(zip(Ps[:rank], Zs[:rank])), S0, precision)[-1]
     return kda_chunk(q, k, v, g, beta, state, chunk_size, mm=_mm(precision))

@@ -16,6 +16,7 @@ import time
 
 from ..lab import spans
 from ..lab.spans import span
+from ..engine.request import RequestFailed
 
 log = logging.getLogger("ouro.engine_process")
 
@@ -94,7 +95,7 @@ def run_engine(model_dir: str, engine_kwargs: dict, in_addr: str, out_addr: str,
         interval = engine_kwargs.pop("prefix_checkpoint_interval", 1)
         cfg = EngineConfig(**engine_kwargs)
         model = load_model(model_dir, dtype=cfg.torch_dtype(), device=cfg.device, kda_chunk_size=cfg.kda_chunk_size)
-        engine = LLMEngine(model, None, cfg, enable_prefix_caching=prefix, checkpoint_interval=interval,
+        engine = LLMEngine(model, None, cfg, enable_prefix_caching=prefix, checkpoint_interval=interval, model_dir=model_dir,
                            verbose=True, logits_processors=load_logits_processors(logits_processors, model_dir))
     except Exception as e:  # tell the frontend why, then exit
         outbox.send(encode({"type": "fatal", "message": f"{type(e).__name__}: {e}"}))
@@ -166,6 +167,10 @@ def _loop(engine, inbox, sender, decode, params_from_wire) -> None:
             try:
                 outs = engine.step()
                 failures = 0
+            except RequestFailed as e:   # one request lost (released by the engine); the rest go on
+                log.error("request %s failed: %s", e.request_id, e)
+                sender.send({"type": "error", "rid": e.request_id, "status": 500, "message": str(e)})
+                outs = []
             except Exception as e:   # the engine reset the batch for recompute; don't loop forever
                 failures += 1
                 log.exception("engine step failed (%d in a row)", failures)

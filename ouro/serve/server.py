@@ -17,6 +17,8 @@ def engine_kwargs(args) -> dict:
             "max_memory": args.max_memory, "memory_fraction": args.mem_fraction_static,
             "compile": bool(getattr(args, "compile", False)),
             "torch_compile_max_bs": getattr(args, "torch_compile_max_bs", 32),
+            "context_parallel_size": getattr(args, "cp", 1), "cp_threshold": getattr(args, "cp_threshold", 4096),
+            "cp_precision": getattr(args, "cp_precision", "auto"),
             "enable_prefix_caching": args.enable_prefix_caching,
             "prefix_checkpoint_interval": args.prefix_checkpoint_interval}
 

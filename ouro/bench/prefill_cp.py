@@ -1,0 +1,77 @@
+"""Prefill of one long prompt on `cp` context-parallel ranks against one rank, in the same run.
+
+Both sides run in ranks the launcher starts (`ouro.parallel.groups.launch`: each rank gets
+cores / ranks threads), alternating launch by launch; each side's time is the slowest rank's
+forward, and each rank reports its peak resident memory. The CP result is checked against the
+single rank's (last-token logits, rel. RMS <= 1e-4 in float32, 5e-2 in bf16) before any time is reported.
+"""
+
+from __future__ import annotations
+
+import resource
+import statistics
+import time
+
+import torch
+
+
+def _rank_prefill(groups, model_dir, input_len: int, seed: int, precision: str, dtype):
+    from ..gemm_pick import apply_to
+    from ..layers.context import ForwardContext, ModelCache
+    from ..models.loader import load_model
+    from .. parallel.cp_forward import cp_forward
+    model = load_model(model_dir, dtype=dtype)
+    apply_to(model)
+    cfg = model.config
+    ids = torch.randint(0, cfg.vocab_size, (input_len,), generator=torch.Generator().manual_seed(seed)).tolist()
+    page = 16 * cfg.index_kpool
+    pages = -(-input_len // page)
+    cache = ModelCache(cfg, 1, pages, page, dtype=model.embed_tokens.weight.dtype)
+    table = torch.arange(pages).view(1, -1)
+    torch.distributed.barrier(group=groups.cp)
+    t = time.perf_counter()
+    with torch.inference_mode():
+        if groups.cp_size == 1:
+            logits = model(torch.tensor(ids), ForwardContext.build(cache, [input_len], [0], [0], table))
+        else:
+            logits, _ = cp_forward(model, cache, groups.cp, [ids], [0], [0], table, precision)
+    elapsed = time.perf_counter() - t
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024     # Linux reports KiB
+    return {"s": elapsed, "peak_bytes": peak, "logits": logits[-1].float()}
+
+
+def bench_prefill_cp(model_dir, input_len: int, cp: int, repeats: int = 2, precision: str = "fp32",
+                     dtype=torch.float32, progress: bool = True) -> dict:
+    from tqdm import tqdm
+
+    from ..parallel.groups import launch
+    times = {1: [], cp: []}
+    peaks = {1: [], cp: []}
+    last = {}
+    for _ in tqdm(range(repeats), desc=f"prefill {input_len}: cp 1 vs cp {cp}", disable=not progress):
+        for n in (1, cp):                                   # interleaved launches
+            ranks = launch(_rank_prefill, n, str(model_dir), input_len, 0, precision, dtype, timeout_s=3600)
+            times[n].append(max(r["s"] for r in ranks))
+            peaks[n] = [max(a, r["peak_bytes"]) for a, r in zip(peaks[n] or [0] * n, ranks)]
+            last[n] = ranks[-1]["logits"]
+    err = float((last[cp] - last[1]).norm() / last[1].norm())
+    tol = 1e-4 if dtype == torch.float32 else 5e-2      # bf16 rounds the two cuts differently
+    if not err <= tol or last[cp].isnan().any():
+        raise RuntimeError(f"cp {cp} and cp 1 disagree (rel. RMS {err:.2e}); not timing a wrong result")
+    one, many = statistics.median(times[1]), statistics.median(times[cp])
+    return {"input_len": input_len, "cp": cp, "repeats": repeats, "precision": precision,
+            "cp1_s": one, "cp_s": many, "speedup": one / many, "rel_rms_vs_cp1": err,
+            "cp1_peak_bytes": peaks[1], "cp_peak_bytes": peaks[cp]}
+
+
+def format_prefill_cp(r: dict) -> str:
+    gib = lambda b: f"{b / 2**30:.2f} GiB"
+    return "\n".join([
+        f"prefill of {r['input_len']} tokens, cp {r['cp']} vs cp 1, median of {r['repeats']} (interleaved launches), "
+        f"chain precision {r['precision']}",
+        f"  cp 1          {r['cp1_s']:.2f} s  ({r['input_len'] / r['cp1_s']:.0f} tok/s), peak memory {gib(r['cp1_peak_bytes'][0])}",
+        f"  cp {r['cp']:<10} {r['cp_s']:.2f} s  ({r['input_len'] / r['cp_s']:.0f} tok/s), peak memory per rank "
+        + ", ".join(gib(b) for b in r["cp_peak_bytes"]),
+        f"  wall ratio    {r['speedup']:.2f}x (cp 1 time / cp {r['cp']} time); last-token logits agree to "
+        f"rel. RMS {r['rel_rms_vs_cp1']:.1e}",
+    ])

@@ -1,0 +1,140 @@
+"""Context-parallel prefill for the engine: `ouro serve --cp N`.
+
+The engine process is the last rank of an N-rank CP group; it starts N - 1 helper ranks as
+processes (`python -m ouro.parallel.cp_prefill`, each loading the same checkpoint). A long
+prompt's prefill runs on all of them (`cp_forward`): the helpers take the first slices, the
+engine the last, so it ends with the whole prompt's DSA cache (all-gathered) and the request's
+KDA state in its own pages and slot, and decodes on its own. A job reaches the helpers as one
+JSON line on their stdin (stdin closing, e.g. when the engine dies, stops them); the
+computation's exchange is torch.distributed (gloo on a CPU).
+
+If a rank fails or dies mid-prefill, the collective fails on the engine (a closed connection
+ends it at once; the group's timeout bounds the rest), that request fails with the error, the
+helpers are stopped, and the engine serves on without CP. When tracing is on, each helper's
+spans of the job come back to the engine's timeline on a lane per rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import torch
+import torch.distributed as dist
+
+from ..lab import spans
+from ..lab.spans import span
+from .cp_forward import cp_forward
+from .groups import _free_port, init
+
+JOIN_TIMEOUT_S = 300.0      # helpers load the checkpoint before they join the group
+
+
+class CPPrefillError(RuntimeError):
+    """A CP prefill that could not finish; the request fails with this message."""
+
+
+class CPPrefill:
+    def __init__(self, model_dir: str, model, world: int, precision: str, dtype: str, device: str = "cpu",
+                 kda_chunk_size: int = 16, timeout_s: float = 120.0):
+        self.model, self.world, self.precision = model, world, precision
+        self.broken: str | None = None       # why CP is off after a failure
+        self.num_prefills = 0
+        port = _free_port()
+        threads = max(1, (os.cpu_count() or 1) // world)
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+        self.helpers = [subprocess.Popen(
+            [sys.executable, "-m", "ouro.parallel.cp_prefill", str(model_dir), str(r), str(world), str(port), dtype,
+             device, str(kda_chunk_size), str(timeout_s)], stdin=subprocess.PIPE, env=env, text=True)
+            for r in range(world - 1)]
+        self.groups = init(world - 1, world, f"tcp://127.0.0.1:{port}", None, JOIN_TIMEOUT_S)
+        self.timeout_s = timeout_s
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.helpers]
+
+    def prefill(self, cache, ids: list[int], slot: int, pages: list[int]) -> torch.Tensor:
+        """The request's whole prompt `ids` into `cache` (its `pages`, state `slot`); the last
+        token's logits [1, V]."""
+        if self.broken:
+            raise CPPrefillError(f"context parallelism is off: {self.broken}")
+        dead = [r for r, p in enumerate(self.helpers) if p.poll() is not None]
+        try:
+            if dead:
+                raise CPPrefillError(f"CP rank {dead[0]} of {self.world} exited (code {self.helpers[dead[0]].returncode})")
+            job = json.dumps({"ids": ids, "trace": spans.enabled(), "precision": self.precision})
+            for p in self.helpers:
+                p.stdin.write(job + "\n")
+                p.stdin.flush()
+            with span("cp prefill", cat="compute"):
+                logits, _ = cp_forward(self.model, cache, self.groups.cp, [ids], [0], [slot],
+                                       torch.tensor([pages], dtype=torch.long), self.precision)
+            if spans.enabled():
+                self._collect_spans()
+            self.num_prefills += 1
+            return logits
+        except Exception as e:
+            self.broken = f"{type(e).__name__}: {e}"
+            self.close()
+            if isinstance(e, CPPrefillError):
+                raise
+            raise CPPrefillError(f"the context-parallel prefill failed ({self.broken}); CP is now off") from e
+
+    def _collect_spans(self) -> None:
+        got = [None] * self.world
+        dist.all_gather_object(got, [], group=self.groups.cp)
+        for r, events in enumerate(got[:-1]):
+            lane = spans.lane(f"cp rank {r}")
+            for name, cat, start, end in events:
+                spans.record(name, cat, start, end, tid=lane)
+
+    def close(self) -> None:
+        for p in self.helpers:
+            if p.poll() is None:
+                try:
+                    p.stdin.close()
+                except OSError:
+                    pass
+        for p in self.helpers:
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def _helper_main(model_dir, rank, world, port, dtype, device, kda_chunk_size, timeout_s) -> None:
+    from ..config import EngineConfig
+    from ..gemm_pick import apply_to
+    from ..layers.context import ModelCache
+    from ..models.loader import load_model
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    model = load_model(model_dir, dtype=EngineConfig(device=device, dtype=dtype).torch_dtype(), device=device,
+                       kda_chunk_size=int(kda_chunk_size))
+    apply_to(model)
+    groups = init(int(rank), int(world), f"tcp://127.0.0.1:{port}", None, float(timeout_s))
+    page = 16 * model.config.index_kpool
+    for line in sys.stdin:                     # one job per line; EOF: the engine is done with us
+        job = json.loads(line)
+        ids = job["ids"]
+        pages = -(-len(ids) // page)
+        cache = ModelCache(model.config, 1, pages, page, dtype=model.embed_tokens.weight.dtype, device=device)
+        if job["trace"]:
+            spans.clear()
+            spans.enable()
+        with torch.inference_mode(), span("cp prefill", cat="compute"):
+            cp_forward(model, cache, groups.cp, [ids], [0], [0], torch.arange(pages).view(1, -1),
+                       job["precision"])
+        if job["trace"]:
+            spans.disable()
+            events = [(e["name"], e["cat"], int(e["start_ms"] * 1e6), int((e["start_ms"] + e["dur_ms"]) * 1e6))
+                      for e in spans.events()]
+            dist.all_gather_object([None] * int(world), events, group=groups.cp)
+        del cache
+
+
+if __name__ == "__main__":
+    _helper_main(*sys.argv[1:])

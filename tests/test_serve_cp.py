@@ -1,0 +1,99 @@
+"""`ouro serve --cp 2`: long prompts are prefilled across the engine and a helper rank and decode
+on the engine, token for token as one rank; a helper killed mid-prefill fails that request with a
+clear error (no hang), and the server serves on (CP off, pools back to full)."""
+
+import os
+import threading
+import time
+
+import torch
+
+from ouro.engine.llm_engine import LLMEngine
+from ouro.config import EngineConfig
+from ouro.engine.sampling import SamplingParams
+from ouro.models.loader import load_model
+
+from serve_helpers import Server, idle, post
+
+THRESHOLD = 64
+
+
+def greedy_ids(engine, prompts, n=8):
+    ids = [engine.add_request({"prompt_token_ids": p}, SamplingParams(max_tokens=n, temperature=0.0)) for p in prompts]
+    out = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+    return [out[i] for i in ids]
+
+
+def test_cp_engine_decodes_as_one_rank(tiny_checkpoint):
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, 500, (n,), generator=g).tolist() for n in (150, 90, 20)]   # the last: below threshold
+    model = load_model(tiny_checkpoint)
+    kw = dict(max_memory=32 << 20, page_size=16, dtype="float32")
+    one = greedy_ids(LLMEngine(model, None, EngineConfig(**kw), verbose=False), prompts)
+    cp_engine = LLMEngine(load_model(tiny_checkpoint), None,
+                          EngineConfig(context_parallel_size=2, cp_threshold=THRESHOLD, **kw), verbose=False,
+                          model_dir=str(tiny_checkpoint))
+    try:
+        got = greedy_ids(cp_engine, prompts)
+        assert got == one
+        assert cp_engine.cp.broken is None and cp_engine.cp.num_prefills == 2   # the two long prompts
+        assert cp_engine.scheduler.slots.num_free == cp_engine.scheduler.slots.num_total
+    finally:
+        cp_engine.cp.close()
+
+
+def cpu_seconds(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def helper_pids():
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/cmdline", "rb") as f:
+                    if b"ouro.parallel.cp_prefill" in f.read():
+                        out.append(int(d))
+            except OSError:
+                pass
+    return out
+
+
+def test_killing_a_rank_mid_prefill_fails_that_request_and_the_server_serves_on(tiny_checkpoint, tmp_path):
+    before = set(helper_pids())
+    server = Server(tiny_checkpoint, "--served-model-name", "tiny", "--cp", "2", "--cp-threshold", str(THRESHOLD), "--dtype", "float32",
+                    tmp_path=tmp_path)
+    try:
+        helpers = [p for p in helper_pids() if p not in before]
+        assert len(helpers) == 1, helpers
+        g = torch.Generator().manual_seed(5)
+        long_prompt = torch.randint(1, 500, (4000,), generator=g).tolist()
+        result = {}
+
+        def send():
+            result["r"] = post(server, "/v1/completions", {"model": "tiny", "prompt": long_prompt, "max_tokens": 4})
+        idle_cpu = cpu_seconds(helpers[0])
+        t = threading.Thread(target=send)
+        t.start()
+        deadline = time.monotonic() + 60
+        while cpu_seconds(helpers[0]) < idle_cpu + 0.05:      # the helper is computing its slice
+            assert time.monotonic() < deadline, "the helper never started the prefill"
+            time.sleep(0.02)
+        os.kill(helpers[0], 9)
+        t.join(timeout=120)
+        assert not t.is_alive(), "the request hung on a collective"
+        r = result["r"]
+        assert r.status_code == 500, r.text
+        assert "context-parallel prefill failed" in r.json()["message"], r.text
+        # the server serves on: a long prompt now prefills on the engine alone, a short one as always
+        for n in (200, 10):
+            r = post(server, "/v1/completions", {"model": "tiny", "prompt": long_prompt[:n], "max_tokens": 3})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
+        assert idle(server)
+    finally:
+        server.stop()
