@@ -8,6 +8,7 @@ import torch
 import ouro.engine.model_runner as model_runner
 import ouro.layers.dsa as dsa_layer
 import ouro.layers.kda as kda_layer
+import ouro.layers.context as context_module
 import ouro.layers.moe as moe_layer
 from ouro.lab.numerics import probe_numerics
 from ouro.lab.run_configs import parse_config, pieces
@@ -96,7 +97,7 @@ def test_tf32_rounded_kda_state_accumulation_found_in_the_kernel(monkeypatch):
             S = _tf32(S)
             outs.append(o)
         return torch.cat(outs, 1), S
-    monkeypatch.setattr(kda_layer, "kda_chunk", rounded)
+    monkeypatch.setattr(context_module, "kda_chunk", rounded)
     f = top(probe_numerics("tiny", "dtype=float64", "dtype=float32", N))
     assert (f.where["module"], f.where["op"], f.where["layer"]) == ("layers.0.self_attn", "kda_chunk", 0)
     assert f.where["positions"][0] == 16             # the first chunk carries no state

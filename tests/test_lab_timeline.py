@@ -151,3 +151,11 @@ def test_serve_scenario_merges_both_processes(tmp_path):
     names = {s["name"] for s in spans_of(doc)}
     assert {"request", "detokenize", "step", "send", "recv", "pending"} <= names
     assert heartbeat.NAME in {e["args"]["name"] for e in doc["traceEvents"] if e.get("name") == "thread_name"}
+
+
+def test_own_location_stops_at_a_link_that_is_not_a_frame():
+    """A racing thread's frame chain once ended in a function object (CI, Python 3.11): no crash."""
+    import sys
+    here = heartbeat.own_location(sys._getframe())
+    assert here is not None and here["function"] == "test_own_location_stops_at_a_link_that_is_not_a_frame"
+    assert heartbeat.own_location(len) is None

@@ -132,13 +132,17 @@ class Scheduler:
         if not self._grow(req, req.num_tokens):
             self.free(req)
             return None
+        self._admit(req)
+        return ScheduledBatch([req], [req.num_tokens], context_parallel=True)
+
+    def _admit(self, req: Request) -> None:
+        """The first waiting request starts running (its pages already grown): it gets a slot."""
         self.waiting.popleft()
         req.slot = self.slots.alloc()
         req.status = Status.RUNNING
         if req.first_scheduled is None:
             req.first_scheduled = time.monotonic()
         self.running.append(req)
-        return ScheduledBatch([req], [req.num_tokens], context_parallel=True)
 
     @span("schedule", cat="schedule")
     def schedule(self) -> ScheduledBatch:
@@ -185,12 +189,7 @@ class Scheduler:
                 # keep pages from the running requests (and they could then only preempt themselves)
                 self._detach_prefix(req)
                 break
-            self.waiting.popleft()
-            req.slot = self.slots.alloc()
-            req.status = Status.RUNNING
-            if req.first_scheduled is None:
-                req.first_scheduled = time.monotonic()
-            self.running.append(req)
+            self._admit(req)
             batch.requests.append(req)
             batch.num_new_tokens.append(n)
             budget -= n

@@ -14,6 +14,7 @@ import os
 import sys
 import threading
 import time
+import types
 
 PERIOD_S = 0.001
 LATE_MS = 1.0                     # a wake this late gets a culprit sample
@@ -44,14 +45,15 @@ def _cpu_ns(tid: int) -> int | None:
 
 def own_location(frame) -> dict | None:
     """The innermost frame in this checkout's own code (not the standard library or site-packages)."""
+    if not isinstance(frame, types.FrameType):
+        return None
     f = frame
-    while f is not None:
+    # another thread's frames change under us: a stale f_back once pointed at a function (3.11)
+    while isinstance(f, types.FrameType):
         path = os.path.abspath(f.f_code.co_filename)
         if path.startswith(_ROOT + os.sep) and "site-packages" not in path and not path.endswith("heartbeat.py"):
             return {"file": os.path.relpath(path, _ROOT), "function": f.f_code.co_name, "line": f.f_lineno}
         f = f.f_back
-    if frame is None:
-        return None
     return {"file": frame.f_code.co_filename, "function": frame.f_code.co_name, "line": frame.f_lineno}
 
 
