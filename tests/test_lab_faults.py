@@ -90,6 +90,14 @@ def test_three_faults_detected_and_localised_end_to_end(tmp_path):
     assert p.returncode == 0, p.stdout[-2000:]
 
 
+def test_cp_conv_halo_fault_found_at_the_cut_across_real_ranks(tmp_path):
+    """The planted wrong-offset halo runs in spawned ranks of a patched copy: only a real CP run finds it."""
+    p, doc = _suite(["cp_conv_halo_wrong_offset"], tmp_path, ["--no-clean"])
+    (r,) = doc["faults"]
+    assert not r["errors"] and r["detected"] and r["localised"], r
+    assert r["top"]["where"]["positions"][0] == 48          # rank 1's first token of the 96-token prompt
+
+
 @pytest.mark.slow
 def test_every_fault_detected_and_localised_against_the_clean_baseline(tmp_path):
     p, doc = _suite([f.name for f in FAULTS], tmp_path)

@@ -36,7 +36,9 @@ def test_config_parsing_names_the_bad_key():
     assert pieces(parse_config("chunk=17"), 40) == [17, 17, 6]
     assert pieces(parse_config("mode=decode,decode=3"), 10) == [7, 1, 1, 1]
     for bad, word in [("dtyp=float32", "dtyp"), ("dtype=float16", "dtype"), ("chunk=0", "chunk"),
-                      ("impl=transformers,prefix=hit", "prefix"), ("mode", "mode")]:
+                      ("impl=transformers,prefix=hit", "prefix"), ("mode", "mode"),
+                      ("precision=tf32", "precision"), ("cp=2,precision=tf16", "precision"),
+                      ("cp=2,chunk=17", "chunk"), ("cp=2,impl=transformers", "impl"), ("cp=2,prefix=hit", "prefix")]:
         with pytest.raises(ValueError, match=word):
             parse_config(bad)
 
@@ -111,3 +113,23 @@ def test_indexer_tail_off_by_one_found_against_transformers(monkeypatch):
     monkeypatch.setattr(dsa_layer, "index_select", short_tail)
     f = top(probe_numerics("tiny", "impl=transformers", "impl=ouro", N))
     assert f.where["module"] == "layers.3.self_attn.indexer" and f.where["op"] == "index_select"
+
+
+def test_context_parallel_runs_compare_position_by_position():
+    """cp=N runs N real ranks (gloo), each tapping its slice at global positions: fp32 and tf32x3
+    agree with one rank; tf32 is found in the first KDA layer's kernel, as an error."""
+    f = probe_numerics("tiny", "cp=1", "cp=2", 50)         # cut at 25: mid-chunk, mid-pool
+    assert worst(f).severity == "info" and worst(f).evidence["positions"] == 50, [x.summary for x in f]
+    f = probe_numerics("tiny", "dtype=float64", "cp=3,precision=tf32x3", N)
+    assert worst(f).severity == "info", [x.summary for x in f]
+    f = top(probe_numerics("tiny", "dtype=float64", "cp=2,precision=tf32", N))
+    assert f.severity == "error" and f.where["layer"] == 0 and f.where["op"] == "kda_chunk"
+    assert f.where["positions"][0] == 16             # products start with the second chunk
+
+
+def test_cp_boundary_note_names_what_crosses_the_cut():
+    from ouro.lab.numerics import _boundary_note
+    ctx = dict(n=96, a=parse_config("cp=1"), b=parse_config("cp=3"))
+    assert "rank 1 of 3" in _boundary_note(ctx, 32, "causal_conv1d") and "conv_halo" in _boundary_note(ctx, 32, "causal_conv1d")
+    assert "state chain" in _boundary_note(ctx, 64, "kda_chunk")
+    assert _boundary_note(ctx, 33, "kda_chunk") is None and _boundary_note(ctx, 0, "kda_chunk") is None

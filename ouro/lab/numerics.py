@@ -188,10 +188,22 @@ def _suspect_op(ra: Recording, key: str) -> str | None:
     return None
 
 
-def _boundary_note(ctx, first: int) -> str | None:
+# what crosses a context-parallel cut into the op that computed a row there
+CP_EXCHANGE = {"causal_conv1d": "the short conv's halo (ouro/parallel/cp_kda.py conv_halo)",
+               "kda_chunk": "the KDA state chain (ouro/parallel/cp_kda.py kda_context_parallel)",
+               "index_select": "the all-gathered indexer rows and pools (ouro/parallel/cp_context.py)",
+               "sparse_mla": "the all-gathered latent rows (ouro/parallel/cp_context.py write_rows)"}
+
+
+def _boundary_note(ctx, first: int, op: str | None = None) -> str | None:
     """Name the configuration seam the first offending position sits on, if it does."""
+    from ..parallel.cp_context import slice_bounds
     n = ctx["n"]
     for cfg in (ctx["a"], ctx["b"]):
+        if cfg.cp > 1 and first in slice_bounds(n, cfg.cp)[1:-1]:
+            rank = slice_bounds(n, cfg.cp).index(first)
+            crossing = CP_EXCHANGE.get(op, "what the ranks exchange (conv halo, KDA state chain, DSA rows)")
+            return f"first offending position {first} is where CP rank {rank} of {cfg.cp}'s slice starts: {crossing}"
         if cfg.prefix == "hit" and first == hit_tokens(cfg, n):
             return f"first offending position {first} is the first token after the prefix-cache hit: state restored at the hit"
         starts, s = [], 0
@@ -242,7 +254,7 @@ def _divergence(ra, rb, rows, i, col, ctx, label) -> Finding:
     }
     if src and op_key and ours.sources.get(module):
         evidence["module_source"] = "{}:{} {}()".format(*(lambda s: (s[0], s[2], s[1]))(ours.sources[module]))
-    note = _boundary_note(ctx, bad[0])
+    note = _boundary_note(ctx, bad[0], op)
     if note:
         evidence["boundary"] = note
     layer = _layer(key)

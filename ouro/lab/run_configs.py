@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch.overrides import TorchFunctionMode
 
+from ..ops.kda.cp import PRECISIONS
 from .hf_taps import TransformersTaps
 from .taps import OuroTaps, Recording
 
@@ -20,6 +21,7 @@ KEYS = {
     "dtype": ("float32", "float64", "bfloat16"),
     "chunk": int, "mode": ("prefill", "decode"), "decode": int, "prefix": ("cold", "hit"),
     "batch": int, "kda_chunk": int,
+    "cp": int, "precision": PRECISIONS,
 }
 PAGE_SIZE = 16
 
@@ -34,6 +36,8 @@ class Config:
     prefix: str = "cold"
     batch: int = 1
     kda_chunk: int = 16
+    cp: int = 1                   # ranks of a context-parallel prefill (real processes, gloo)
+    precision: str = "fp32"       # the KCP state chain's products when cp > 1
     text: str = ""
 
     def __str__(self):   # a valid configuration string (the defaults when none was given)
@@ -67,6 +71,14 @@ def parse_config(text: str) -> Config:
         if bad:
             raise ValueError(f"configuration key {bad[0]!r} applies to impl=ouro only (transformers runs "
                              "one sequence without ouro's prefix cache or kernels)")
+    if "precision" in values and cfg.cp == 1:
+        raise ValueError("configuration key 'precision' is the KCP state chain's: it needs cp=N with N >= 2")
+    if cfg.cp > 1:
+        bad = [k for k in ("impl", "chunk", "mode", "decode", "prefix", "batch") if k in values
+               and values[k] != getattr(Config(), k)]
+        if bad:
+            raise ValueError(f"configuration key {bad[0]!r} does not combine with cp={cfg.cp}: a context-parallel "
+                             "run is one whole-prompt ouro prefill, cold, of one sequence")
     return cfg
 
 
@@ -93,6 +105,11 @@ def run_config(model_dir, cfg: Config, prompt: list[int], seed: int = 0, device:
     rec = Recording(n_experts=mc.n_routed_experts, width=len(prompt))
     if cfg.impl == "transformers":
         _run_transformers(model_dir, cfg, prompt, rec, names or {}, device)
+    elif cfg.cp > 1:
+        if len(prompt) < cfg.cp:
+            raise ValueError(f"cp={cfg.cp} needs a prompt of at least {cfg.cp} tokens")
+        from ..parallel.groups import launch
+        rec.merge(launch(_cp_rank, cfg.cp, str(model_dir), cfg, prompt, device, rec.n_experts, rec.width))
     else:
         _run_ouro(model_dir, cfg, prompt, rec, seed, device)
     return rec
@@ -151,6 +168,19 @@ def _run_ouro(model_dir, cfg, prompt, rec, seed, device):
         for ids, forced in others[half:]:
             add(ids, forced)
         drain()
+    return rec
+
+
+def _cp_rank(groups, model_dir, cfg, prompt, device, n_experts, width) -> Recording:
+    """One rank of a cp=N run: its slice of the prompt, tapped at global positions."""
+    from ..layers.context import ModelCache
+    from ..parallel.cp_forward import cp_forward
+    model = load_ouro(model_dir, cfg, device)
+    pages = -(-len(prompt) // PAGE_SIZE)
+    cache = ModelCache(model.config, 1, pages, PAGE_SIZE, dtype=getattr(torch, cfg.dtype), device=device)
+    rec = Recording(n_experts=n_experts, width=width)
+    with OuroTaps(model, rec, lambda: [0]), torch.inference_mode():
+        cp_forward(model, cache, groups.cp, [prompt], [0], [0], torch.arange(pages).view(1, -1), cfg.precision)
     return rec
 
 

@@ -24,8 +24,11 @@ import torch
 from ..layers.context import ForwardContext
 from .tolerances import kind_of_module, kind_of_op
 
-# op functions that return no per-token rows (weights, per-pool keys)
-NOT_PER_TOKEN = {"absorb_weights", "pool_keys"}
+# op functions that return no per-token rows (weights, per-pool keys, KCP summaries, conv windows)
+NOT_PER_TOKEN = {"absorb_weights", "pool_keys", "slice_summary", "chain_states", "start_state", "last_columns",
+                 "last_inputs"}
+# modules outside ouro.layers whose op calls are a layer's: the context-parallel forms its hooks run
+OP_CALL_SITES = ("ouro.parallel.cp_kda",)
 # ops whose padded output is channels-first [B, C, T] (shape alone cannot tell when C == T)
 CHANNELS_FIRST = {"causal_conv1d"}
 # ops that play one role by different routes are recorded under one name, so a decode run (the
@@ -70,6 +73,20 @@ class Recording:
                 parent = parent.rsplit(".", 1)[0]
             rank[k] = first.get(parent, float(1e9)) - 0.5 + e * 1e-9
         return sorted(rank, key=rank.get)
+
+    def merge(self, parts: list[Recording]) -> None:
+        """Take in the recordings of a context-parallel run's ranks (each tapped its own slice at
+        global positions), in rank order: rows join, the first rank's order of first calls stands."""
+        for part in parts:
+            for key, rows in part.rows.items():
+                self.rows.setdefault(key, []).extend(rows)
+            for name in ("first_call", "kinds", "sources", "op_sources"):
+                for k, v in getattr(part, name).items():
+                    getattr(self, name).setdefault(k, v)
+            for k, at in part.op_at.items():
+                self.op_at.setdefault(k, {}).update(at)
+            self.ops |= part.ops
+        self.forward_index = max([self.forward_index, *(p.forward_index for p in parts)])
 
     def stacked(self, key: str):
         """(sorted positions, [n, ...] rows; a position written twice keeps its last row) or None
@@ -227,8 +244,8 @@ class OuroTaps:
     def _wrap_ops(self):
         import ouro.layers as layers
         ops = op_names()
-        for info in pkgutil.iter_modules(layers.__path__):
-            module = importlib.import_module(f"ouro.layers.{info.name}")
+        sites = [f"ouro.layers.{info.name}" for info in pkgutil.iter_modules(layers.__path__)] + list(OP_CALL_SITES)
+        for module in map(importlib.import_module, sites):
             for name, fn in list(vars(module).items()):
                 if callable(fn) and name in ops and name not in NOT_PER_TOKEN:
                     self.patched.append((module, name, fn))
@@ -237,7 +254,7 @@ class OuroTaps:
     def _op_wrapper(self, op, fn):
         def wrapped(*args, **kwargs):
             out = fn(*args, **kwargs)
-            owner = _find_local("self", torch.nn.Module, depth=2)
+            owner = _find_local("self", torch.nn.Module, depth=3)   # a CP hook calls ops 2 frames below the layer
             ctx = _find_local("ctx", ForwardContext)
             name = self.names.get(id(owner))
             if name is not None:
