@@ -112,3 +112,14 @@ def test_prefill_bench(tiny_checkpoint):
     shown(r"transformers +([\d.]+) s", text, r["transformers_s"])
     shown(r"speed-up +([\d.]+)x", text, r["ratio"])
     shown(r"floor +([\d.]+) s", text, r["floor_s"])
+
+
+def test_prefill_cp_bench_times_both_sides_after_checking_them(tiny_checkpoint):
+    """`ouro bench prefill --cp 2`: real ranks on both sides, a peak per rank, and the CP logits
+    checked against one rank's before a ratio is printed."""
+    from ouro.bench.prefill_cp import bench_prefill_cp, format_prefill_cp
+    r = bench_prefill_cp(tiny_checkpoint, input_len=150, cp=2, repeats=1, progress=False)
+    assert r["rel_rms_vs_cp1"] <= 1e-4 and r["speedup"] == r["cp1_s"] / r["cp_s"] > 0
+    assert len(r["cp1_peak_bytes"]) == 1 and len(r["cp_peak_bytes"]) == 2 and min(r["cp_peak_bytes"]) > 1 << 20
+    text = format_prefill_cp(r)
+    assert f"{r['speedup']:.2f}x" in text and "per rank" in text

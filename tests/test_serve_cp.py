@@ -97,3 +97,33 @@ def test_killing_a_rank_mid_prefill_fails_that_request_and_the_server_serves_on(
         assert idle(server)
     finally:
         server.stop()
+
+
+def test_timeline_shows_every_ranks_compute_and_exchange(tiny_checkpoint):
+    """With tracing on, a CP prefill leaves the helper's spans on a lane of its own beside the
+    engine's: both ranks compute at the same time and both take part in the exchange."""
+    from ouro.lab import spans
+    engine = LLMEngine(load_model(tiny_checkpoint), None,
+                       EngineConfig(context_parallel_size=2, cp_threshold=THRESHOLD, max_memory=32 << 20,
+                                    page_size=16, dtype="float32"), verbose=False, model_dir=str(tiny_checkpoint))
+    spans.clear()
+    spans.enable()
+    try:
+        greedy_ids(engine, [list(range(1, 130))], n=2)
+    finally:
+        spans.disable()
+        engine.cp.close()
+    ev = spans.events()
+    lanes = {}
+    for e in ev:
+        lanes.setdefault(e["thread"], []).append(e)
+    helper = lanes.get("cp rank 0", [])
+    mine = [e for e in ev if e["thread"] != "cp rank 0"]
+    for side in (helper, mine):
+        assert any(e["name"] == "cp prefill" and e["cat"] == "compute" for e in side), side
+        assert sum(e["name"] == "cp exchange" and e["cat"] == "transfer" for e in side) >= 2, side
+    h = next(e for e in helper if e["name"] == "cp prefill")
+    m = next(e for e in mine if e["name"] == "cp prefill")
+    overlap = min(h["start_ms"] + h["dur_ms"], m["start_ms"] + m["dur_ms"]) - max(h["start_ms"], m["start_ms"])
+    assert overlap > 0.5 * min(h["dur_ms"], m["dur_ms"]), (h, m)      # one clock, running side by side
+    spans.clear()

@@ -2,8 +2,13 @@
 
 Both sides run in ranks the launcher starts (`ouro.parallel.groups.launch`: each rank gets
 cores / ranks threads), alternating launch by launch; each side's time is the slowest rank's
-forward, and each rank reports its peak resident memory. The CP result is checked against the
-single rank's (last-token logits, rel. RMS <= 1e-4 in float32, 5e-2 in bf16) before any time is reported.
+forward, and each rank reports its peak resident memory. The one rank prefills in chunks cut
+where the CP slices are cut (the chunked prefill a serving engine does anyway), so both sides run
+the same products on the same rows: a random-weight model's indexer has near-ties that any other
+change of row count flips (`ouro probe numerics --model small --a dtype=float32 --b chunk=1000
+--prompt-len 2048` flips pool selection at position 962, as cp=2 does), and this way the check
+sees CP's own error. The CP result is checked against the single rank's (last-token logits, rel.
+RMS <= 1e-4 in float32, 5e-2 in bf16) before any time is reported.
 """
 
 from __future__ import annotations
@@ -15,11 +20,12 @@ import time
 import torch
 
 
-def _rank_prefill(groups, model_dir, input_len: int, seed: int, precision: str, dtype):
+def _rank_prefill(groups, model_dir, input_len: int, seed: int, precision: str, dtype, chunks: int):
     from ..gemm_pick import apply_to
     from ..layers.context import ForwardContext, ModelCache
     from ..models.loader import load_model
-    from .. parallel.cp_forward import cp_forward
+    from ..parallel.cp_context import slice_bounds
+    from ..parallel.cp_forward import cp_forward
     model = load_model(model_dir, dtype=dtype)
     apply_to(model)
     cfg = model.config
@@ -32,7 +38,9 @@ def _rank_prefill(groups, model_dir, input_len: int, seed: int, precision: str, 
     t = time.perf_counter()
     with torch.inference_mode():
         if groups.cp_size == 1:
-            logits = model(torch.tensor(ids), ForwardContext.build(cache, [input_len], [0], [0], table))
+            bounds = slice_bounds(input_len, chunks)
+            for s, e in zip(bounds, bounds[1:]):
+                logits = model(torch.tensor(ids[s:e]), ForwardContext.build(cache, [e - s], [s], [0], table))
         else:
             logits, _ = cp_forward(model, cache, groups.cp, [ids], [0], [0], table, precision)
     elapsed = time.perf_counter() - t
@@ -50,7 +58,7 @@ def bench_prefill_cp(model_dir, input_len: int, cp: int, repeats: int = 2, preci
     last = {}
     for _ in tqdm(range(repeats), desc=f"prefill {input_len}: cp 1 vs cp {cp}", disable=not progress):
         for n in (1, cp):                                   # interleaved launches
-            ranks = launch(_rank_prefill, n, str(model_dir), input_len, 0, precision, dtype, timeout_s=3600)
+            ranks = launch(_rank_prefill, n, str(model_dir), input_len, 0, precision, dtype, cp, timeout_s=3600)
             times[n].append(max(r["s"] for r in ranks))
             peaks[n] = [max(a, r["peak_bytes"]) for a, r in zip(peaks[n] or [0] * n, ranks)]
             last[n] = ranks[-1]["logits"]
@@ -67,7 +75,7 @@ def bench_prefill_cp(model_dir, input_len: int, cp: int, repeats: int = 2, preci
 def format_prefill_cp(r: dict) -> str:
     gib = lambda b: f"{b / 2**30:.2f} GiB"
     return "\n".join([
-        f"prefill of {r['input_len']} tokens, cp {r['cp']} vs cp 1, median of {r['repeats']} (interleaved launches), "
+        f"prefill of {r['input_len']} tokens, cp {r['cp']} vs cp 1 (chunked at the same cuts), median of {r['repeats']} (interleaved launches), "
         f"chain precision {r['precision']}",
         f"  cp 1          {r['cp1_s']:.2f} s  ({r['input_len'] / r['cp1_s']:.0f} tok/s), peak memory {gib(r['cp1_peak_bytes'][0])}",
         f"  cp {r['cp']:<10} {r['cp_s']:.2f} s  ({r['input_len'] / r['cp_s']:.0f} tok/s), peak memory per rank "
