@@ -50,3 +50,16 @@ def test_cuda_compiled_decode_with_cuda_graphs_generates_what_eager_does(tiny_di
     llm = LLM(str(tiny_dir), compile=True, **kw)
     fast = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert fast == eager and llm.engine.runner.graph.runs > 0
+
+
+def test_native_tf32_chain_products_order_as_emulated():
+    """On CUDA `tf32` is the tensor cores' own TF32: far above fp32 against float64, and tf32x3
+    (three native TF32 products) back near fp32; the global setting is restored."""
+    from ouro.ops.kda.cp import matmul
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a, b = (torch.randn(64, 128, 128, device="cuda", generator=g) for _ in range(2))
+    exact = a.double() @ b.double()
+    before = torch.backends.cuda.matmul.fp32_precision
+    err = {p: rel_rms(matmul(a, b, p).double(), exact) for p in ("fp32", "tf32", "tf32x3")}
+    assert torch.backends.cuda.matmul.fp32_precision == before
+    assert err["tf32"] > 50 * err["fp32"] and err["tf32x3"] < 4 * err["fp32"], err

@@ -78,3 +78,12 @@ def test_tf32_chain_error_is_far_above_fp32_and_tf32x3_stays_near_it():
         err[p] = rel_rms(s.double(), s64)
     assert err["tf32"] > 20 * err["fp32"], err
     assert err["tf32x3"] < 4 * err["fp32"], err
+
+
+def test_tf32_product_off_cuda_is_the_rounded_product_and_leaves_the_setting():
+    from ouro.ops.kda.cp import tf32_product
+    g = torch.Generator().manual_seed(5)
+    a, b = torch.randn(8, 33, 17, generator=g), torch.randn(8, 17, 9, generator=g)
+    before = torch.backends.cuda.matmul.fp32_precision
+    assert torch.equal(tf32_product(a, b), round_tf32(a) @ round_tf32(b))
+    assert torch.backends.cuda.matmul.fp32_precision == before

@@ -11,13 +11,16 @@ from the request's initial state (`chain_states`) and reruns its slice from its 
 The chain's products run in a selectable precision (`PRECISIONS`):
 - `fp32`: exact float32 products;
 - `tf32`: both operands rounded to TF32 (10 mantissa bits) before the product, accumulated in
-  float32. This is what a GPU's TF32 matmul does; on a CPU it is emulated. Its error grows
+  float32. On CUDA this is the native TF32 matmul (tensor cores round the operands themselves);
+  on a CPU it is emulated. Its error grows
   along the chain, and that error is what the reference stack lost accuracy to on long contexts;
 - `tf32x3`: each operand split into a TF32 high part and a TF32 remainder, and the product taken
   as hi*hi + hi*lo + lo*hi. This is three TF32 products that recover about float32 accuracy.
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import torch
 
@@ -37,17 +40,35 @@ def round_tf32(x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(x), rounded, x)
 
 
+@contextmanager
+def native_tf32():
+    """CUDA float32 matmuls on TF32 tensor cores inside the block, the global setting restored after."""
+    before = torch.backends.cuda.matmul.fp32_precision
+    torch.backends.cuda.matmul.fp32_precision = "tf32"
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.fp32_precision = before
+
+
+def tf32_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b with both operands in TF32: natively on CUDA, emulated elsewhere."""
+    if a.is_cuda:
+        with native_tf32():
+            return a @ b
+    return round_tf32(a) @ round_tf32(b)
+
+
 def matmul(a: torch.Tensor, b: torch.Tensor, precision: str = "fp32") -> torch.Tensor:
     """a @ b in the given precision (see the module docstring); float32 in and out."""
     if precision == "fp32":
         return a @ b
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
-    a_hi, b_hi = round_tf32(a), round_tf32(b)
-    out = a_hi @ b_hi
-    if precision == "tf32x3":
-        out = out + a_hi @ round_tf32(b - b_hi) + round_tf32(a - a_hi) @ b_hi
-    return out
+    if precision == "tf32":
+        return tf32_product(a, b)
+    a_hi, b_hi = round_tf32(a), round_tf32(b)      # the parts are TF32 values: each product is exact in TF32
+    return tf32_product(a_hi, b_hi) + tf32_product(a_hi, round_tf32(b - b_hi)) + tf32_product(round_tf32(a - a_hi), b_hi)
 
 
 def slice_summary(q, k, v, g, beta, chunk_size: int = 16, precision: str = "fp32"):
