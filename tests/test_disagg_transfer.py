@@ -61,11 +61,11 @@ class Room:
         self.cache, self.pages, self.slot = cache, pages, slot
         self.frames, self.errors, self.done = [], [], threading.Event()
 
-    def resolve(self, h):
+    def resolve(self, h, peer):
         lp = layer_pieces(self.cache_config)[h["layer"]]
         return page_segments(self.cache, lp, self.pages, self.slot, h["t0"], h["t1"], h["final"])
 
-    def on_frame(self, h):
+    def on_frame(self, h, peer):
         self.frames.append(h)
         if h.get("type") == "done":
             self.done.set()
@@ -175,12 +175,15 @@ def test_a_frame_that_does_not_fit_its_room_is_an_error(model):
     cache = new_cache(model)
     lp = next(p for p in layer_pieces(model.config) if p.kind == "dsa")
     errors, got = [], threading.Event()
-    rx = Receiver(lambda h: page_segments(cache, lp, DST_PAGES, DST_SLOT, 0, 8, False), lambda h: None,
+    rx = Receiver(lambda h, peer: page_segments(cache, lp, DST_PAGES, DST_SLOT, 0, 8, False), lambda h, peer: None,
                   lambda peer, msg: (errors.append(msg), got.set()))
     tx = Sender(rx.address)
     try:
         wrong = gather(cache, lp, SRC_PAGES, SRC_SLOT, 0, 9, False)     # one row too many
-        tx.put({"type": "kv", "layer": lp.layer}, wrong)
+        try:
+            tx.put({"type": "kv", "layer": lp.layer}, wrong)
+        except OSError:
+            pass                     # the receiver may hang up before the last block is sent
         assert got.wait(10)
     finally:
         tx.close()

@@ -77,8 +77,10 @@ def write_frame(sock: socket.socket, header: dict, blocks=()) -> int:
 
 class Sender:
     """The prefill side's connection to one decode worker. `put` delivers one layer's blocks into
-    the room's reserved pages (see `state_pieces`); `notify` sends a header-only control frame.
-    One thread at a time (the transfer thread)."""
+    the room's reserved pages (see `state_pieces`); `notify` sends a header-only frame. One thread
+    sends (the transfer thread); `listen(callback)` reads the decode side's control frames (`go`,
+    `no`, `abort`) on a thread of its own, and calls back with {"type": "closed"} when the
+    connection ends."""
 
     def __init__(self, address: str, backend: str = "tcp", shared=None, timeout_s: float = 30.0):
         if backend not in BACKENDS:
@@ -109,22 +111,52 @@ class Sender:
     def notify(self, header: dict) -> None:
         write_frame(self.sock, header)
 
+    def listen(self, callback) -> None:
+        def loop():
+            try:
+                while (header := read_header(self.sock)) is not None:
+                    callback(header)
+            except (OSError, TransferError, ValueError):
+                pass
+            callback({"type": "closed"})
+        threading.Thread(target=loop, name="ouro-kv-control", daemon=True).start()
+
     def close(self) -> None:
         try:
-            self.sock.close()
+            self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
+        self.sock.close()
+
+
+class Peer:
+    """The decode side's end of one prefill connection: its identity for the room table, and the
+    way back (`send_control`), safe to call from any thread."""
+
+    def __init__(self, conn: socket.socket, name: str):
+        self.conn, self.name = conn, name
+        self._lock = threading.Lock()
+
+    def send_control(self, header: dict) -> None:
+        with self._lock:
+            write_frame(self.conn, header)
+
+    def __repr__(self):
+        return f"Peer({self.name})"
 
 
 class Receiver:
     """The decode side: accepts prefill workers' connections on `address` (port 0: any free one)
     and handles each frame on that connection's thread:
-    `resolve(header) -> [[view, ...] per block] | None` names where the blocks go (None: read and
-    drop them, e.g. a room already closed); then `on_frame(header)`. A frame that does not fit its
-    views, or a connection that breaks, is reported to `on_error(peer, message)`."""
+    `resolve(header, peer) -> [[view, ...] per block] | None` names where the blocks go (None: read
+    and drop them, e.g. a room already closed); then `on_frame(header, peer)`. A frame that does not
+    fit its views, or a connection that breaks, is reported to `on_error(peer, message)`; every
+    connection's end, to `on_closed(peer)` (after it, nothing more arrives from that peer)."""
 
-    def __init__(self, resolve, on_frame, on_error=None, address: str = "127.0.0.1:0"):
-        self.resolve, self.on_frame, self.on_error = resolve, on_frame, on_error or (lambda peer, msg: None)
+    def __init__(self, resolve, on_frame, on_error=None, on_closed=None, address: str = "127.0.0.1:0"):
+        self.resolve, self.on_frame = resolve, on_frame
+        self.on_error = on_error or (lambda peer, msg: None)
+        self.on_closed = on_closed or (lambda peer: None)
         host, port = address.rsplit(":", 1)
         self.server = socket.create_server((host, int(port)))
         self.address = "{}:{}".format(*self.server.getsockname()[:2])
@@ -140,28 +172,28 @@ class Receiver:
                 conn, peer = self.server.accept()
             except OSError:
                 return
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._conns.append(conn)
-            threading.Thread(target=self._serve, args=(conn, f"{peer[0]}:{peer[1]}"), name="ouro-kv-recv-conn",
+            threading.Thread(target=self._serve, args=(Peer(conn, f"{peer[0]}:{peer[1]}"),), name="ouro-kv-recv-conn",
                              daemon=True).start()
 
-    def _serve(self, conn: socket.socket, peer: str) -> None:
+    def _serve(self, peer: Peer) -> None:
         try:
-            while True:
-                header = read_header(conn)
-                if header is None:
-                    return
+            while (header := read_header(peer.conn)) is not None:
                 with span("kv recv", cat="transfer"):
-                    self._read_blocks(conn, header)
-                self.on_frame(header)
+                    self._read_blocks(peer, header)
+                self.on_frame(header, peer)
         except (OSError, TransferError, ValueError) as e:
             if not self._closed:
                 self.on_error(peer, f"{type(e).__name__}: {e}")
         finally:
-            conn.close()
+            peer.conn.close()
+            self.on_closed(peer)
 
-    def _read_blocks(self, conn, header) -> None:
+    def _read_blocks(self, peer: Peer, header) -> None:
+        conn = peer.conn
         sizes = header.get("sizes", [])
-        dest = self.resolve(header) if sizes else None
+        dest = self.resolve(header, peer) if sizes else None
         if dest is not None and len(dest) != len(sizes):
             raise TransferError(f"frame has {len(sizes)} blocks, the room expects {len(dest)}")
         for k, size in enumerate(sizes):
