@@ -85,7 +85,7 @@ def transfer(model, prompt, backend, skip_tokens=0, send_states=True, dst=None):
     room.cache_config = model.config
     rx = Receiver(room.resolve, room.on_frame, room.on_error)
     remote = shared_cache.attach(spec) if spec else None
-    tx = Sender(rx.address, backend, shared=remote)
+    tx = Sender(rx.address, backend)
     try:
         with torch.inference_mode():
             for t0, t1 in CHUNKS:

@@ -82,23 +82,23 @@ class Sender:
     `no`, `abort`) on a thread of its own, and calls back with {"type": "closed"} when the
     connection ends."""
 
-    def __init__(self, address: str, backend: str = "tcp", shared=None, timeout_s: float = 30.0):
+    def __init__(self, address: str, backend: str = "tcp", timeout_s: float = 30.0):
         if backend not in BACKENDS:
             raise ValueError(f"transfer backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
-        if backend == "shm" and shared is None:
-            raise ValueError("the shm backend needs the decode worker's shared cache (its files under /dev/shm)")
         host, port = address.rsplit(":", 1)
         self.sock = socket.create_connection((host, int(port)), timeout=timeout_s)
         self.sock.settimeout(None)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.backend, self.shared = backend, shared
+        self.backend = backend
         self.bytes_sent = 0
 
     def put(self, header: dict, blocks: list[torch.Tensor], views: list[list[torch.Tensor]] | None = None) -> None:
         """header names the room, layer and tokens; `views` (shm only) are the destination views
-        in the mapped remote cache, block by block."""
+        in the decode worker's mapped cache (`shared_cache.attach`), block by block."""
         with span("kv send", cat="transfer"):
             if self.backend == "shm":
+                if views is None or len(views) != len(blocks):
+                    raise ValueError("the shm backend writes into the decode worker's mapped pages: pass their views")
                 for block, dest in zip(blocks, views):
                     i = 0
                     for v in dest:           # page segments front to back (a state: one view, whole)
