@@ -53,8 +53,10 @@ class KVSender:
     def open(self, rid: str, room: dict, slot: int, pages: list[int]) -> None:
         self.jobs.put(("open", rid, (room, slot, list(pages))))
 
-    def layer_ready(self, rid: str, layer: int, t0: int, t1: int, final: bool) -> None:
-        self.jobs.put(("kv", rid, (layer, t0, t1, final)))
+    def layer_ready(self, rid: str, layer: int, t0: int, t1: int, final: bool, pages: list[int] | None = None) -> None:
+        """Layer `layer`'s rows of tokens [t0, t1) are computed (`final`: the prompt's last); `pages`:
+        the request's pages now, when they grew since `open` (chunked prefill)."""
+        self.jobs.put(("kv", rid, (layer, t0, t1, final, pages)))
 
     def finish(self, rid: str, result: dict) -> None:
         self.jobs.put(("done", rid, result))
@@ -139,7 +141,9 @@ class KVSender:
         if o.state != "go":
             return
         if kind == "kv":
-            layer, t0, t1, final = arg
+            layer, t0, t1, final, pages = arg
+            if pages is not None:
+                o.pages = pages
             lo = max(t0, o.room["skip_tokens"])
             lp = self.pieces[layer]
             if lo >= t1 and not (final and lp.kind == "kda"):

@@ -40,6 +40,7 @@ class Request:
     restore_from: int | None = None      # KDA checkpoint to copy into the slot before computing
     # params.prompt_logprobs set: one entry per prompt token (entry 0 None), filled during prefill
     prompt_logprobs: list | None = None
+    hold_on_finish: bool = False         # keep pages and slot after finishing until Scheduler.release
 
     @property
     def all_ids(self) -> list[int]:

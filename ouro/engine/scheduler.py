@@ -35,6 +35,7 @@ class Scheduler:
         self.chunk_align = chunk_align        # end prefill chunks on multiples of this (checkpoint boundaries)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.held: dict[str, Request] = {}    # finished, but their pages and slot are still being read
         self.slot_limited_steps = 0           # steps where a free slot, not pages, blocked admission
         self.num_preemptions = 0
 
@@ -60,13 +61,26 @@ class Scheduler:
             req.slot = None
 
     def finish(self, req: Request, reason: str) -> None:
+        """The request leaves the queues. Its pages and slot are returned now, or, for a request
+        marked `hold_on_finish` (a disaggregated prefill whose state is still being sent), kept
+        in `held` until `release`."""
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.free(req)
+        if req.hold_on_finish and (req.pages or req.slot is not None):
+            self.held[req.request_id] = req
+        else:
+            self.free(req)
         req.status = Status.FINISHED
         req.finish_reason = reason
+
+    def release(self, request_id: str) -> bool:
+        """Return a held request's pages and slot (its state has been sent, or will never be)."""
+        req = self.held.pop(request_id, None)
+        if req is not None:
+            self.free(req)
+        return req is not None
 
     def preempt(self, req: Request) -> None:
         """Recompute later: drop its cache, keep its tokens (prompt + outputs so far)."""

@@ -1,0 +1,143 @@
+"""`ouro serve --role decode`: an `LLMEngine` whose requests arrive prefilled by another worker.
+
+`reserve` checks a request, sets aside a state slot and the pages its prompt needs, and opens a
+room (`RoomTable`) that a prefill worker fills over the transfer (`KVReceiver`). The room's
+events come back from the receiver threads through a queue and are handled on the engine thread,
+at the start of each `step`:
+- `ready`: the room's state is complete; the request joins the running batch with its prompt
+  computed and the first token (sampled by the prefill worker) as its first output;
+- `free`: the room closed without a complete state (aborted, timed out, the prefill worker failed
+  or vanished, an incomplete transfer): its pages and slot go back, and the request fails with the
+  reason unless the client had aborted it.
+Pages and slot of a room are never given to anyone else while a prefill worker may write them:
+aborts go through the room table (`RoomTable.abort`), not straight to the scheduler.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+
+from ..engine.detokenizer import IncrementalDetokenizer
+from ..engine.page_pool import OutOfPages
+from ..engine.request import Request, Status
+from ..engine.sampling import make_generator
+from ..lab.spans import span
+from . import shared_cache
+from .kv_receiver import KVReceiver
+from .prefill_engine import set_generator_state
+
+
+class NoRoom(RuntimeError):
+    """The decode worker cannot take the request now (no slot or pages): the router answers 503."""
+
+
+class DecodeEngine:
+    def __init__(self, engine, backend: str = "tcp", address: str = "127.0.0.1:0", timeout_s: float = 30.0):
+        if engine.prefix_cache is not None:
+            raise ValueError("a decode worker does not take --enable-prefix-caching yet (rooms start empty)")
+        self.engine, self.timeout_s = engine, timeout_s
+        self.spec = None
+        if backend == "shm":
+            self.spec = shared_cache.share(engine.runner.cache, f"{address.replace(':', '-')}-{time.monotonic_ns()}")
+        self.events: queue.Queue = queue.Queue()
+        self.kv = KVReceiver(engine.runner.cache, engine.model.config, lambda *e: self.events.put(e), address,
+                             backend, self.spec)
+        self.reserved: dict[str, Request] = {}
+        self.client_aborted: set[str] = set()
+        self.failures: list[tuple[str, str]] = []     # (rid, why) not yet reported by the caller
+        self.transfers = {"completed": 0, "failed": 0}
+
+    @property
+    def address(self) -> str:
+        return self.kv.address
+
+    def reserve(self, rid: str, prompt_ids: list[int], params) -> dict:
+        """A room for the request: its slot and prompt pages. Raises ValueError (a bad request)
+        or NoRoom (no slot or pages free now)."""
+        e = self.engine
+        ids, params = e.check_request({"prompt_token_ids": prompt_ids}, params, rid)
+        if rid in self.reserved:
+            raise ValueError(f"duplicate request id {rid!r}")
+        slot = e.slots.alloc()
+        if slot is None:
+            raise NoRoom("no free state slot on the decode worker")
+        try:
+            pages = e.pages.alloc(-(-len(ids) // e.config.page_size))
+        except OutOfPages as err:
+            e.slots.free(slot)
+            raise NoRoom(f"no pages on the decode worker: {err}") from None
+        n = next(e._ids)
+        req = Request(rid, ids, params, generator=make_generator(params.seed, e.config.seed + n), pages=pages, slot=slot)
+        if e.tokenizer is not None:
+            req.detokenizer = IncrementalDetokenizer(e.tokenizer, ids, params.stop_list, params.skip_special_tokens)
+        self.reserved[rid] = req
+        room = self.kv.rooms.reserve(rid, pages, slot, len(ids), 0, self.timeout_s)
+        return self.kv.room_info(room)
+
+    def abort(self, rid: str) -> None:
+        if rid in self.reserved:
+            self.client_aborted.add(rid)
+            if self.kv.rooms.abort(rid) != "complete":
+                return                   # freed now or when its writer answers: a `free` event
+        self.engine.abort(rid)
+
+    def has_work(self) -> bool:
+        return self.engine.has_unfinished() or bool(self.reserved) or not self.events.empty()
+
+    @span("decode step", cat="step")
+    def step(self) -> list:
+        """Handle the rooms' events, then one engine step. Returns the outputs (a request's first
+        output carries the prefill worker's token); failed rooms are in `failures`."""
+        self.kv.rooms.expire()
+        outs = self._events()
+        if self.engine.has_unfinished():
+            outs += self.engine.step()
+        return outs
+
+    def _events(self) -> list:
+        outs = []
+        while True:
+            try:
+                kind, room, reason = self.events.get_nowait()
+            except queue.Empty:
+                return outs
+            req = self.reserved.pop(room.rid, None)
+            if req is None:
+                continue
+            if kind == "ready":
+                self.transfers["completed"] += 1
+                outs.append(self._activate(req, self.kv.rooms.take(room.rid).result))
+            else:
+                self.transfers["failed"] += 1
+                self.engine.scheduler.free(req)
+                if room.rid not in self.client_aborted:
+                    self.failures.append((room.rid, f"the prefilled state did not arrive: {reason}"))
+                self.client_aborted.discard(room.rid)
+
+    def _activate(self, req: Request, result: dict):
+        """The request joins the running batch: prompt computed, first token already sampled."""
+        e = self.engine
+        req.num_computed = len(req.prompt_ids)
+        req.cached_tokens = result.get("cached_tokens", 0)
+        req.status, req.first_scheduled = Status.RUNNING, time.monotonic()
+        set_generator_state(req.generator, result.get("generator"))
+        e.requests[req.request_id] = req
+        e.scheduler.running.append(req)
+        tok = result["first_token"]
+        req.output_ids.append(tok)
+        req.logprobs.append(result.get("logprob"))
+        req.top_logprobs.append(result.get("top_logprobs"))
+        text = req.detokenizer.add(tok) if req.detokenizer else ""
+        e._check_stop(req, tok)
+        if req.is_finished and req.detokenizer is not None:
+            text += req.detokenizer.flush()
+        if req.request_id in self.client_aborted:
+            self.client_aborted.discard(req.request_id)
+            e.abort(req.request_id)
+        return e._output(req, [tok], text)
+
+    def close(self) -> None:
+        self.kv.close()
+        if self.spec:
+            shared_cache.unlink(self.spec)

@@ -1,0 +1,131 @@
+"""A prefill engine and a decode engine joined by a real transfer (tcp and shm on 127.0.0.1):
+greedy and seeded-sampled outputs equal one engine's token for token, for mixed prompt lengths
+(short, mid-page, several chunks) arriving together; aborts on either side at any stage and a
+room whose prefill never comes release every page and slot on both sides."""
+
+import time
+
+import pytest
+import torch
+
+from ouro.config import EngineConfig
+from ouro.disagg.decode_engine import DecodeEngine, NoRoom
+from ouro.disagg.prefill_engine import PrefillEngine
+from ouro.engine.llm_engine import LLMEngine
+from ouro.engine.sampling import SamplingParams
+from ouro.models.loader import load_model
+
+from hf_reference import make_hf_checkpoint
+
+LENGTHS = (5, 37, 130, 64, 19)
+KW = dict(max_memory=48 << 20, page_size=16, dtype="float32", max_num_batched_tokens=96)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    d = tmp_path_factory.mktemp("disagg_engines")
+    make_hf_checkpoint("tiny", d)
+    return d
+
+
+def prompts():
+    g = torch.Generator().manual_seed(11)
+    return [torch.randint(1, 500, (n,), generator=g).tolist() for n in LENGTHS]
+
+
+def params(i, sampled):
+    if sampled:
+        return SamplingParams(max_tokens=7, temperature=0.9, top_p=0.95, seed=100 + i)
+    return SamplingParams(max_tokens=7, temperature=0.0)
+
+
+def single(ckpt, sampled):
+    e = LLMEngine(load_model(ckpt), None, EngineConfig(**KW), verbose=False)
+    for i, p in enumerate(prompts()):
+        e.add_request({"prompt_token_ids": p}, params(i, sampled), f"r{i}")
+    out = {}
+    while e.has_unfinished():
+        for o in e.step():
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+    return out
+
+
+def pair(ckpt, backend="tcp", timeout_s=30.0):
+    p = PrefillEngine(LLMEngine(load_model(ckpt), None, EngineConfig(**KW), verbose=False))
+    d = DecodeEngine(LLMEngine(load_model(ckpt), None, EngineConfig(**KW), verbose=False), backend, timeout_s=timeout_s)
+    return p, d
+
+
+def run_pair(p, d, limit_s=60):
+    out = {}
+    t = time.monotonic()
+    while (p.has_work() or d.has_work()) and time.monotonic() - t < limit_s:
+        p.step()
+        for o in d.step():
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+        time.sleep(0.001)
+    return out
+
+
+def full(engine):
+    return engine.pages.num_free == engine.pages.num_total and engine.slots.num_free == engine.slots.num_total
+
+
+@pytest.mark.parametrize("backend,sampled", [("tcp", False), ("shm", False), ("tcp", True)])
+def test_prefill_decode_pair_equals_one_engine(ckpt, backend, sampled):
+    want = single(ckpt, sampled)
+    p, d = pair(ckpt, backend)
+    try:
+        for i, ids in enumerate(prompts()):
+            room = d.reserve(f"r{i}", ids, params(i, sampled))
+            p.add(f"r{i}", ids, params(i, sampled), room)
+        got = run_pair(p, d)
+        assert got == want
+        assert not d.failures and d.transfers == {"completed": len(LENGTHS), "failed": 0}
+        assert full(p.engine) and full(d.engine) and not p.engine.scheduler.held
+        assert set(p.outcomes.values()) == {"done"}
+    finally:
+        p.close()
+        d.close()
+
+
+def test_aborts_and_lost_prefills_release_both_sides(ckpt):
+    p, d = pair(ckpt, timeout_s=1.0)
+    try:
+        ps = prompts()
+        rooms = {f"r{i}": d.reserve(f"r{i}", ids, params(i, False)) for i, ids in enumerate(ps)}
+        for i in (0, 1, 2):
+            p.add(f"r{i}", ps[i], params(i, False), rooms[f"r{i}"])
+        d.abort("r3")                        # aborted before any prefill worker saw it
+        p.step()                             # r0..r2 start; r2's prefill takes several chunks
+        p.abort("r2")                        # the prefill side gives up mid-prompt
+        d.abort("r1")                        # the client goes away while r1 is in flight
+        # r4 never reaches a prefill worker: its room times out
+        got = run_pair(p, d, limit_s=20)
+        assert set(got) == {"r0"} and len(got["r0"]) == 7
+        failed = dict(d.failures)
+        assert set(failed) == {"r2", "r4"}, failed         # r1 and r3 were the client's own aborts
+        assert "timed out" in failed["r4"]
+        assert full(p.engine) and full(d.engine) and not p.engine.scheduler.held and not d.reserved
+    finally:
+        p.close()
+        d.close()
+
+
+def test_a_full_decode_worker_says_so(ckpt):
+    p, d = pair(ckpt)
+    try:
+        n = d.engine.slots.num_total
+        for i in range(n):
+            d.reserve(f"r{i}", [1, 2, 3], params(i, False))
+        with pytest.raises(NoRoom, match="slot"):
+            d.reserve("one-more", [1, 2, 3], params(0, False))
+        with pytest.raises(ValueError, match="duplicate"):
+            d.reserve("r0", [1, 2, 3], params(0, False))
+        for i in range(n):
+            d.abort(f"r{i}")
+        d.step()
+        assert full(d.engine)
+    finally:
+        p.close()
+        d.close()
