@@ -148,7 +148,12 @@ def add_eval_parser(sub) -> None:
 
 
 def _cmd_serve(args) -> int:
+    from .disagg.command import run_role, serve_disagg
     from .serve.server import serve
+    if args.role:
+        return run_role(args)
+    if args.disagg:
+        return serve_disagg(args)
     return serve(args)
 
 
@@ -197,6 +202,8 @@ def add_serve_parser(sub) -> None:
     sv.add_argument("--trace", default=None, metavar="FILE",
                     help="record spans in the frontend and the engine process; merged into FILE (Chrome trace) at exit")
     sv.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    from .disagg.command import add_worker_flags
+    add_worker_flags(sv)
     sv.set_defaults(func=_cmd_serve)
 
 
@@ -298,6 +305,8 @@ def build_parser(argv=None) -> argparse.ArgumentParser:
     argv = sys.argv[1:] if argv is None else argv
     add_probe_parser(sub, with_options=argv[1] if argv[:1] == ["probe"] and len(argv) > 1 else None)
     add_lab_parser(sub)
+    from .disagg.command import add_router_parser
+    add_router_parser(sub)
     return p
 
 

@@ -47,6 +47,7 @@ class DecodeEngine:
         self.client_aborted: set[str] = set()
         self.failures: list[tuple[str, str]] = []     # (rid, why) not yet reported by the caller
         self.transfers = {"completed": 0, "failed": 0}
+        self.latencies: list[float] = []              # seconds from the last layer computed to the room complete
 
     @property
     def address(self) -> str:
@@ -107,7 +108,10 @@ class DecodeEngine:
                 continue
             if kind == "ready":
                 self.transfers["completed"] += 1
-                outs.append(self._activate(req, self.kv.rooms.take(room.rid).result))
+                result = self.kv.rooms.take(room.rid).result
+                if "computed_at" in result:
+                    self.latencies.append(max(0.0, result["received_at"] - result["computed_at"]))
+                outs.append(self._activate(req, result))
             else:
                 self.transfers["failed"] += 1
                 self.engine.scheduler.free(req)

@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import time
+
 from .rooms import RoomTable
 from .state_pieces import layer_pieces, page_segments
 from .transfer import Receiver
@@ -47,7 +49,7 @@ class KVReceiver:
         elif kind == "kv":
             self.rooms.received(rid, peer, header["layer"], header["t0"], header["t1"], header["final"])
         elif kind in ("done", "failed", "aborted"):
-            self.rooms.finished(rid, peer, kind, header)
+            self.rooms.finished(rid, peer, kind, dict(header, received_at=time.time()))
 
     def _error(self, peer, message: str) -> None:
         self.errors.append(f"{peer}: {message}")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import queue
+import time
 
 import torch
 
@@ -70,7 +71,8 @@ class PrefillEngine:
                 req = self.engine.scheduler.held.get(o.request_id)
                 self.kv.finish(o.request_id, {"first_token": o.new_token_ids[0], "logprob": o.logprobs[-1],
                                               "top_logprobs": o.top_logprobs[-1], "cached_tokens": o.cached_tokens,
-                                              "generator": generator_state(req.generator if req else None)})
+                                              "generator": generator_state(req.generator if req else None),
+                                              "computed_at": time.time()})
                 del self.rooms[o.request_id]
         return outs
 

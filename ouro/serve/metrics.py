@@ -38,6 +38,18 @@ class Metrics:
                                 lbl + ["status"], registry=r)
         self.preemptions = g("ouro:num_preemptions", "Preemptions since start (cumulative)")
         self.engine_up = g("ouro:engine_up", "1 while the engine process is alive and ready")
+        # disaggregated serving (set from the workers' heartbeats when a router runs)
+        self.pd_rooms = g("ouro:pd_decode_rooms", "Decode-side rooms waiting for their prefilled state")
+        self.pd_held = g("ouro:pd_prefill_held_requests", "Prefilled requests whose state is still being sent")
+        self.pd_queue = g("ouro:pd_transfer_queue_length", "Transfer jobs queued on the prefill workers")
+        self.pd_bytes_sent = g("ouro:pd_kv_bytes_sent", "State bytes sent by the prefill workers (cumulative)")
+        self.pd_bytes_received = g("ouro:pd_kv_bytes_received", "State bytes received by the decode workers (cumulative)")
+        self.pd_completed = g("ouro:pd_transfers_completed", "Transfers that completed (cumulative)")
+        self.pd_failed = g("ouro:pd_transfers_failed", "Rooms freed without a complete state (cumulative)")
+        self.pd_prefill_pages = g("ouro:pd_prefill_pages_used", "Cache pages in use on the prefill workers")
+        self.pd_prefill_slots = g("ouro:pd_prefill_slots_used", "KDA state slots in use on the prefill workers")
+        self.pd_latency = h("ouro:pd_transfer_latency_seconds",
+                            "From the prefill worker's last computed layer to the decode worker's complete room")
 
     def update_engine(self, s: dict) -> None:
         self.running.set(s.get("running", 0))
@@ -49,6 +61,14 @@ class Metrics:
         self.slots_used.set(s.get("slots_total", 0) - s.get("slots_free", 0))
         self.slots_total.set(s.get("slots_total", 0))
         self.preemptions.set(s.get("preemptions", 0))
+        if "rooms" in s:
+            for gauge, key in [(self.pd_rooms, "rooms"), (self.pd_held, "held"), (self.pd_queue, "transfer_queue"),
+                               (self.pd_bytes_sent, "kv_bytes_sent"), (self.pd_bytes_received, "kv_bytes_received"),
+                               (self.pd_completed, "transfers_completed"), (self.pd_failed, "transfers_failed"),
+                               (self.pd_prefill_pages, "prefill_pages_used"), (self.pd_prefill_slots, "prefill_slots_used")]:
+                gauge.set(s.get(key, 0))
+            for v in s.get("transfer_latencies", ()):
+                self.pd_latency.observe(v)
         lookups = s.get("prefix_hits", 0) + s.get("prefix_misses", 0)
         self.prefix_hit_rate.set(s.get("prefix_hits", 0) / lookups if lookups else 0.0)
 

@@ -33,7 +33,10 @@ def random_init_note(directory: Path) -> str | None:
     return None
 
 
-def serve(args) -> int:
+def serve(args, make_client=None) -> int:
+    """`make_client(directory, on_stats)`: the frontend's handle on what computes (default: an
+    `EngineClient` that spawns the engine process from this command's engine flags; `ouro router`
+    passes workers)."""
     import uvicorn
 
     from ..config import EngineConfig, ModelConfig
@@ -50,10 +53,12 @@ def serve(args) -> int:
         spans.set_env(trace)
         spans.start_from_env(".frontend.json", process_name="ouro frontend")
     directory = resolve_model(args.model, progress=True)
-    kw = engine_kwargs(args)
     mc = ModelConfig.from_hf(directory)
-    cfg = EngineConfig(**{k: v for k, v in kw.items() if k not in ("enable_prefix_caching", "prefix_checkpoint_interval")})
-    LLMEngine.check_options(cfg, mc, kw["enable_prefix_caching"], kw["prefix_checkpoint_interval"])
+    if make_client is None:
+        kw = engine_kwargs(args)
+        cfg = EngineConfig(**{k: v for k, v in kw.items() if k not in ("enable_prefix_caching", "prefix_checkpoint_interval")})
+        LLMEngine.check_options(cfg, mc, kw["enable_prefix_caching"], kw["prefix_checkpoint_interval"])
+        make_client = lambda d, on_stats: EngineClient(d, kw, args.logits_processors, on_stats=on_stats)
     tokenizer = load_tokenizer(directory)
     if tokenizer is None:
         raise ValueError(f"{directory} has no tokenizer.json; the server needs one to turn text into tokens")
@@ -62,7 +67,7 @@ def serve(args) -> int:
         print(note, file=sys.stderr, flush=True)
     name = args.served_model_name or (args.model if not Path(args.model).is_dir() else Path(directory).name)
     metrics = Metrics(name)
-    client = EngineClient(directory, kw, args.logits_processors, on_stats=metrics.update_engine)
+    client = make_client(directory, metrics.update_engine)
     state = ServerState(client=client, tokenizer=tokenizer, chat=ChatFormat.from_checkpoint(directory, tokenizer),
                         model_name=name, max_model_len=0, capacity_tokens=0,
                         vocab_size=mc.vocab_size, api_key=args.api_key, max_queued_requests=args.max_queued_requests,
@@ -115,9 +120,10 @@ def serve(args) -> int:
 
 
 def _merge_trace(path: str) -> None:
-    """The frontend's and the engine process's traces, merged into one Chrome trace at `path`."""
+    """The frontend's and the engine process's (or the prefill and decode workers') traces, merged
+    into one Chrome trace at `path`."""
     from ..lab import spans
     from ..lab.chrome_trace import merge
     spans.save_once(path + ".frontend.json", "ouro frontend")
-    merge([path + ".frontend.json", path + ".engine.json"], path)
+    merge([path + ".frontend.json", path + ".engine.json", path + ".prefill.json", path + ".decode.json"], path)
     print(f"ouro: wrote the trace {path} (open it in https://ui.perfetto.dev)", file=sys.stderr, flush=True)

@@ -1,0 +1,139 @@
+"""The disaggregation commands: `ouro serve --role prefill|decode` (a worker), `ouro router`
+(the OpenAI front over workers) and `ouro serve --disagg XPYD` (all of them on this host).
+
+Flags follow SGLang's PD disaggregation where they map: `--disaggregation-mode` (our `--role`),
+`--disaggregation-transfer-backend` (tcp or shm here), `--disaggregation-bootstrap-port` (the
+decode worker's KV receiver port).
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+import subprocess
+import sys
+
+
+def add_worker_flags(sv) -> None:
+    g = sv.add_argument_group("disaggregation", "prefill/decode workers (see `ouro router`)")
+    g.add_argument("--role", "--disaggregation-mode", dest="role", default=None, choices=["prefill", "decode"],
+                   help="run a prefill or decode worker instead of a server: the engine protocol over TCP on "
+                        "--host:--port (messages in) and --port+1 (out), for `ouro router`")
+    g.add_argument("--disaggregation-transfer-backend", "--transfer-backend", dest="transfer_backend", default="tcp",
+                   choices=["tcp", "shm"], help="decode: how prefilled state arrives (shm: same host only)")
+    g.add_argument("--disaggregation-bootstrap-port", dest="bootstrap_port", type=int, default=0,
+                   help="decode: the port of its KV receiver (default: any free one; the router learns it)")
+    g.add_argument("--transfer-timeout", type=float, default=30.0,
+                   help="seconds a room waits for its prefill worker, and a prefill worker for its room, "
+                        "before the handshake gives it up")
+    g.add_argument("--disagg", default=None, metavar="XPYD",
+                   help="start X prefill and Y decode workers on this host and serve them through a router on "
+                        "--host:--port, e.g. 1P1D")
+    g.add_argument("--exit-with-parent", action="store_true", help=argparse_hidden())
+
+
+def argparse_hidden():
+    import argparse
+    return argparse.SUPPRESS
+
+
+def add_router_parser(sub) -> None:
+    from ..cli import DEFAULT_MODEL
+    r = sub.add_parser("router", help="OpenAI-compatible front over prefill and decode workers")
+    r.add_argument("--prefill", action="append", required=True, metavar="HOST:PORT", help="a prefill worker (repeatable)")
+    r.add_argument("--decode", action="append", required=True, metavar="HOST:PORT", help="a decode worker (repeatable)")
+    r.add_argument("--model", default=DEFAULT_MODEL, help="the checkpoint the workers serve (its tokenizer and template)")
+    r.add_argument("--served-model-name", default=None)
+    r.add_argument("--host", default="127.0.0.1")
+    r.add_argument("--port", type=int, default=8000)
+    r.add_argument("--api-key", default=None)
+    r.add_argument("--max-num-seqs", type=int, default=64)
+    r.add_argument("--max-queued-requests", type=int, default=256)
+    r.add_argument("--max-request-body-bytes", type=int, default=4 << 20)
+    r.add_argument("--shutdown-timeout", type=float, default=30.0)
+    r.add_argument("--worker-timeout", type=float, default=10.0,
+                   help="seconds without a worker's heartbeat before its requests fail and it counts as down")
+    r.add_argument("--trace", default=None, metavar="FILE")
+    r.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    r.set_defaults(func=_cmd_router, logits_processors=[])
+
+
+def _cmd_router(args) -> int:
+    from ..serve.server import serve
+    from .router_client import DisaggClient
+    return serve(args, lambda directory, on_stats: DisaggClient(args.prefill, args.decode, on_stats,
+                                                                heartbeat_timeout_s=args.worker_timeout))
+
+
+def free_port_pair() -> int:
+    """A port p with p and p + 1 free now (a worker binds both)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            p = s.getsockname()[1]
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", p + 1))
+            return p
+        except OSError:
+            continue
+    raise RuntimeError("no pair of free ports found")
+
+
+def parse_layout(text: str) -> tuple[int, int]:
+    m = re.fullmatch(r"(\d+)P(\d+)D", text.strip().upper())
+    if not m or int(m[1]) < 1 or int(m[2]) < 1:
+        raise ValueError(f"--disagg takes XPYD with X, Y >= 1 (e.g. 1P1D), got {text!r}")
+    return int(m[1]), int(m[2])
+
+
+def worker_argv(args, role: str, port: int) -> list[str]:
+    """The `ouro serve --role ...` command line of one local worker, from this serve's engine flags."""
+    argv = [sys.executable, "-m", "ouro.cli", "serve", "--role", role, "--model", str(args.model), "--host", "127.0.0.1",
+            "--port", str(port), "--device", args.device, "--dtype", args.dtype, "--page-size", str(args.page_size),
+            "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+            "--transfer-backend", args.transfer_backend, "--transfer-timeout", str(args.transfer_timeout),
+            "--exit-with-parent"]
+    if args.max_memory:
+        argv += ["--max-memory", str(args.max_memory)]
+    if args.max_model_len:
+        argv += ["--max-model-len", str(args.max_model_len)]
+    return argv
+
+
+def serve_disagg(args) -> int:
+    """`ouro serve --disagg XPYD`: the workers as child processes, then the router in this one."""
+    from ..serve.server import serve
+    from .router_client import DisaggClient
+    n_prefill, n_decode = parse_layout(args.disagg)
+    procs, roles = {}, {"prefill": [], "decode": []}
+    for role, n in (("prefill", n_prefill), ("decode", n_decode)):
+        for _ in range(n):
+            port = free_port_pair()
+            address = f"127.0.0.1:{port}"
+            procs[address] = subprocess.Popen(worker_argv(args, role, port))
+            roles[role].append(address)
+    try:
+        return serve(args, lambda directory, on_stats: DisaggClient(roles["prefill"], roles["decode"], on_stats, procs))
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.terminate()
+        for p in procs.values():
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def run_role(args) -> int:
+    """`ouro serve --role prefill|decode`."""
+    from ..models.resolve import resolve_model
+    from ..serve.server import engine_kwargs
+    from .worker import run_worker
+    if args.cp > 1:
+        raise ValueError("--role does not combine with --cp yet")
+    directory = resolve_model(args.model, progress=True)
+    run_worker(args.role, str(directory), engine_kwargs(args), args.host, args.port, args.transfer_backend,
+               args.bootstrap_port, args.transfer_timeout, args.exit_with_parent)
+    return 0

@@ -1,0 +1,106 @@
+"""Disaggregated serving with real processes on 127.0.0.1: `ouro serve --disagg 1P1D` (router +
+a prefill and a decode worker) answers concurrent requests of mixed lengths through the OpenAI
+client token for token as the single-process engine does, over tcp and shm; a request the
+decode side cannot take fails with the right status and leaves nothing reserved; the metrics
+show the transfers; and the workers stop with the router."""
+
+import concurrent.futures as cf
+import os
+import time
+
+import pytest
+import torch
+from openai import OpenAI
+
+from ouro import LLM, SamplingParams
+
+from serve_helpers import Server
+
+LENGTHS = (3, 17, 64, 150, 33, 91, 8, 120)
+
+
+def prompts():
+    g = torch.Generator().manual_seed(21)
+    return [torch.randint(5, 400, (n,), generator=g).tolist() for n in LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_checkpoint):
+    llm = LLM(str(tiny_checkpoint), dtype="float32", max_memory=64 << 20, page_size=16)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts()], SamplingParams(temperature=0, max_tokens=12))
+    return [o.text for o in outs]
+
+
+def completions(server, ps, max_tokens=12):
+    client = OpenAI(base_url=server.base + "/v1", api_key="none", max_retries=0)
+
+    def one(p):
+        r = client.completions.create(model="tiny", prompt=p, max_tokens=max_tokens, temperature=0)
+        return r.choices[0].text
+    with cf.ThreadPoolExecutor(len(ps)) as pool:
+        return list(pool.map(one, ps))
+
+
+def settled(server, want: dict, timeout=10):
+    """The metrics once they show `want` (the workers' heartbeats trail the replies a little)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = server.metrics()
+        got = {n: next(v for k, v in m.items() if k.split("{")[0] == n) for n in want}
+        if got == want or time.monotonic() > deadline:
+            return m
+        time.sleep(0.2)
+
+
+def worker_pids(server):
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/cmdline", "rb") as f:
+                    cmd = f.read()
+            except OSError:
+                continue
+            if b"--role" in cmd and f"{server.port}".encode() not in cmd and b"--exit-with-parent" in cmd:
+                out.append(int(d))
+    return out
+
+
+@pytest.mark.parametrize("backend", ["tcp", "shm"])
+def test_1p1d_answers_as_one_engine(tiny_checkpoint, tmp_path, reference, backend):
+    server = Server(tiny_checkpoint, "--served-model-name", "tiny", "--disagg", "1P1D", "--dtype", "float32",
+                    "--transfer-backend", backend, tmp_path=tmp_path)
+    try:
+        assert completions(server, prompts()) == reference
+        m = settled(server, {"ouro:pd_transfers_completed": len(LENGTHS), "ouro:kv_pages_used": 0,
+                             "ouro:pd_prefill_pages_used": 0})
+        get = lambda name: next(v for k, v in m.items() if k.split("{")[0] == name)
+        assert get("ouro:pd_transfers_completed") == len(LENGTHS) and get("ouro:pd_transfers_failed") == 0
+        assert get("ouro:pd_transfer_latency_seconds_count") == len(LENGTHS)
+        if backend == "tcp":
+            assert get("ouro:pd_kv_bytes_received") == get("ouro:pd_kv_bytes_sent") > 0
+        assert get("ouro:kv_pages_used") == 0 and get("ouro:pd_decode_rooms") == 0
+        assert get("ouro:pd_prefill_pages_used") == 0 and get("ouro:pd_prefill_held_requests") == 0
+    finally:
+        server.stop()
+
+
+def test_refusals_carry_their_status_and_reserve_nothing(tiny_checkpoint, tmp_path):
+    server = Server(tiny_checkpoint, "--served-model-name", "tiny", "--disagg", "1P1D", "--dtype", "float32",
+                    "--max-model-len", "200", tmp_path=tmp_path)
+    try:
+        client = OpenAI(base_url=server.base + "/v1", api_key="none", max_retries=0)
+        with pytest.raises(Exception) as e:          # prompt + max_tokens past the context: the decode side says 400
+            client.completions.create(model="tiny", prompt=list(range(5, 195)), max_tokens=50)
+        assert getattr(e.value, "status_code", None) == 400 and "context" in str(e.value)
+        assert completions(server, [prompts()[1]], 4)[0]
+        m = settled(server, {"ouro:pd_decode_rooms": 0, "ouro:kv_pages_used": 0})
+        assert [v for k, v in m.items() if k.startswith(("ouro:pd_decode_rooms", "ouro:kv_pages_used"))] == [0, 0]
+        pids = worker_pids(server)
+        assert len(pids) == 2
+    finally:
+        server.stop()
+    deadline = time.monotonic() + 15
+    while any(os.path.exists(f"/proc/{p}") for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [p for p in pids if os.path.exists(f"/proc/{p}")], "workers outlived the router"
