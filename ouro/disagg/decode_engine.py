@@ -86,6 +86,10 @@ class DecodeEngine:
     def has_work(self) -> bool:
         return self.engine.has_unfinished() or bool(self.reserved) or not self.events.empty()
 
+    def runnable(self) -> bool:
+        """Work a step can do now (reserved rooms only wait for their prefill worker)."""
+        return self.engine.has_unfinished() or not self.events.empty()
+
     @span("decode step", cat="step")
     def step(self) -> list:
         """Handle the rooms' events, then one engine step. Returns the outputs (a request's first

@@ -37,6 +37,11 @@ class Outgoing:
     gave_up: bool = False
 
 
+def _next_job(jobs: queue.Queue):
+    """The transfer thread's wait for work: a blocking get, which releases the GIL while it waits."""
+    return jobs.get()
+
+
 class KVSender:
     def __init__(self, cache, config, on_released, timeout_s: float = 30.0):
         self.cache, self.pieces = cache, layer_pieces(config)
@@ -75,7 +80,7 @@ class KVSender:
 
     # ---- the transfer thread ----
     def _loop(self) -> None:
-        while (job := self.jobs.get()) is not None:
+        while (job := _next_job(self.jobs)) is not None:
             kind, rid, arg = job
             try:
                 if kind == "control":

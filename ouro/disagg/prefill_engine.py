@@ -32,10 +32,13 @@ def set_generator_state(gen: torch.Generator | None, state: str | None) -> None:
 
 
 class PrefillEngine:
-    def __init__(self, engine, timeout_s: float = 30.0):
+    def __init__(self, engine, timeout_s: float = 30.0, overlap: bool = True):
+        """overlap=False: a request's layers are queued only once its prefill is done (the A/B
+        that shows what overlapping the transfer with compute buys)."""
         if engine.cp is not None:
             raise ValueError("a prefill worker does not combine with --cp yet")
-        self.engine = engine
+        self.engine, self.overlap = engine, overlap
+        self._deferred: dict[str, list] = {}    # overlap off: each request's layer jobs until its prefill ends
         self.rooms: dict[str, dict] = {}       # rid -> its decode room, while this side has it
         self.released: queue.Queue = queue.Queue()
         self.outcomes: dict[str, str] = {}      # rid -> how its transfer ended (for the caller)
@@ -55,6 +58,7 @@ class PrefillEngine:
     def abort(self, rid: str) -> None:
         req = self.engine.requests.get(rid)
         self.engine.abort(rid)
+        self._deferred.pop(rid, None)
         if rid in self._opened:
             self.kv.abort(rid)           # the transfer thread answers the room, then releases
         elif req is not None:            # never opened: nothing was sent, nothing to wait for
@@ -69,6 +73,8 @@ class PrefillEngine:
         for o in outs:
             if o.finished and o.request_id in self.rooms:
                 req = self.engine.scheduler.held.get(o.request_id)
+                for job in self._deferred.pop(o.request_id, []):
+                    self.kv.layer_ready(*job)
                 self.kv.finish(o.request_id, {"first_token": o.new_token_ids[0], "logprob": o.logprobs[-1],
                                               "top_logprobs": o.top_logprobs[-1], "cached_tokens": o.cached_tokens,
                                               "generator": generator_state(req.generator if req else None),
@@ -82,13 +88,20 @@ class PrefillEngine:
                 rid, outcome = self.released.get_nowait()
             except queue.Empty:
                 return
+            if rid in self.engine.requests:    # still computing, but nobody will take its state now
+                self.engine.abort(rid)
             self.engine.scheduler.release(rid)
             self.rooms.pop(rid, None)
             self._opened.discard(rid)
+            self._deferred.pop(rid, None)
             self.outcomes[rid] = outcome
 
     def has_work(self) -> bool:
         return self.engine.has_unfinished() or bool(self.engine.scheduler.held)
+
+    def runnable(self) -> bool:
+        """Work a step can do now (held requests only wait for the transfer thread)."""
+        return self.engine.has_unfinished() or not self.released.empty()
 
     def close(self) -> None:
         for h in self._handles:
@@ -125,5 +138,8 @@ class PrefillEngine:
     def _after_layer(self, i: int):
         def hook(module, args, out):
             for rid, t0, t1, final, pages in self._rows:
-                self.kv.layer_ready(rid, i, t0, t1, final, pages)
+                if self.overlap:
+                    self.kv.layer_ready(rid, i, t0, t1, final, pages)
+                else:
+                    self._deferred.setdefault(rid, []).append((rid, i, t0, t1, final, pages))
         return hook

@@ -26,7 +26,8 @@ from ..serve.engine_process import OutputSender, on_trace_message
 
 log = logging.getLogger("ouro.disagg.worker")
 HEARTBEAT_S = 0.25
-POLL_MS = 20          # the decode side checks its rooms' deadlines at least this often when idle
+POLL_MS = 20          # idle: how long a wait for messages lasts
+WAIT_POLL_MS = 2      # rooms or transfers in flight: checked this often (a spin here would take a core)
 
 
 def run_worker(role: str, model_dir: str, engine_kwargs: dict, host: str, port: int, backend: str = "tcp",
@@ -122,7 +123,7 @@ def _stats(role, worker) -> dict:
 def _loop(role, worker, inbox, sender, decode, info, exit_with_parent) -> None:
     last_beat, parent = 0.0, os.getppid()
     while True:
-        timeout = 0 if worker.has_work() else POLL_MS
+        timeout = 0 if worker.runnable() else WAIT_POLL_MS if worker.has_work() else POLL_MS
         while inbox.poll(timeout):
             timeout = 0
             if not _handle(role, worker, decode(inbox.recv()), sender, info):

@@ -170,7 +170,7 @@ def measure(scenario: str, model_dir: str | None, url: str | None = None, api_ke
 
 
 def _measure(scenarios, spans, scenario: str, model_dir: str) -> dict:
-    if scenario in ("serve", "offline"):     # they trace themselves
+    if scenario in ("serve", "offline", "pd"):     # they trace themselves
         kw = {"heartbeat": False} if scenario == "serve" else {}
         r = scenarios.SCENARIOS[scenario](model_dir, **kw)
     else:
@@ -235,7 +235,7 @@ def _failure(b: dict, model: str, r: dict, measured: dict, path: str, url: str |
                              "seconds": round(r["seconds"], 1), **({"url": url} if url else {})},
                    next=(f"ouro probe timeline --url {url} --trace-out t.json" if url else
                          f"ouro probe timeline --model {model} --scenario "
-                         f"{'serve' if b['scenario'] == 'serve' else 'offline'} --trace-out t.json")
+                         f"{b['scenario'] if b['scenario'] in ('serve', 'pd') else 'offline'} --trace-out t.json")
                    + f"; budgets: {path}")
 
 

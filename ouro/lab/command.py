@@ -16,6 +16,7 @@ PROBES = {
     "budgets": ("ouro.lab.budgets", "declared constraints over measured scenarios (a TOML file)"),
     "kernels": ("ouro.lab.kernels", "per-op microbenchmarks: correct first, then time, roofline share, Amdahl"),
     "leaks": ("ouro.lab.leaks", "pages and state slots each request path returns, with the path that kept them"),
+    "disagg": ("ouro.lab.disagg_check", "prefill/decode handoff under timeouts and aborts: late writes, wrong outputs, leaks"),
 }
 
 

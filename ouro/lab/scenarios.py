@@ -7,6 +7,7 @@ prefill   prefill_ms (model only), offline_prefill_ms (one request's prefill + f
 serve     a real `ouro serve` on a free port with --trace: ttft_p50_ms, tpot_ms, and its trace
           (serve_scenarios.py; `serve_url`: the same against a server already running)
 leaks     leaked_pages, leaked_slots after a run where some requests are aborted
+pd        pd_overhead and friends: a prefill handing its state to a real decode worker (pd_scenario.py)
 """
 
 from __future__ import annotations
@@ -139,8 +140,12 @@ def leaks(model_dir) -> dict:
     return {"measurements": {f"leaked_{k}": sum(r["lost"].get(k, 0) for r in results) for k in ("pages", "slots")}}
 
 
-SCENARIOS = {"offline": offline, "decode": decode, "prefill": prefill, "leaks": leaks, "serve": serve}
+from .pd_scenario import pd  # noqa: E402 (its own file; it uses prompts above)
+
+SCENARIOS = {"offline": offline, "decode": decode, "prefill": prefill, "leaks": leaks, "serve": serve, "pd": pd}
 # which scenario measures each name (a check may combine measurements of several scenarios)
 MEASURES = {"offline_s": "offline", "offline_tok_s": "offline", "decode_step_ms": "decode", "roofline_ms": "decode",
             "ops_per_decode_step": "decode", "prefill_ms": "prefill", "offline_prefill_ms": "prefill",
-            "leaked_pages": "leaks", "leaked_slots": "leaks", "ttft_p50_ms": "serve", "tpot_ms": "serve"}
+            "leaked_pages": "leaks", "leaked_slots": "leaks", "ttft_p50_ms": "serve", "tpot_ms": "serve",
+            **dict.fromkeys(("pd_prefill_ms", "pd_with_transfer_ms", "pd_no_overlap_ms", "pd_handoff_ms", "pd_overhead",
+                             "pd_overhead_no_overlap", "pd_send_overlap"), "pd")}

@@ -18,7 +18,9 @@ from .timeline_analysis import analyse
 
 def add_arguments(p) -> None:
     p.add_argument("--model", default="tiny", help="preset name or checkpoint directory (default: tiny)")
-    p.add_argument("--scenario", default="offline", choices=["offline", "serve"])
+    p.add_argument("--scenario", default="offline", choices=["offline", "serve", "pd"],
+                   help="pd: a prefill here handing its state to a real decode worker (--prompt-len tokens)")
+    p.add_argument("--prompt-len", type=int, default=256, help="pd: the prompt's length")
     p.add_argument("--requests", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--trace-out", default=None, metavar="FILE", help="write the run's Chrome trace here")
@@ -32,12 +34,12 @@ def add_arguments(p) -> None:
 def run(args) -> list[Finding]:
     return timeline(args.model, args.scenario, args.requests, args.trace_out, args.from_trace,
                     max_tokens=getattr(args, "max_tokens", 8), url=getattr(args, "url", None),
-                    api_key=getattr(args, "api_key", None))
+                    api_key=getattr(args, "api_key", None), prompt_len=getattr(args, "prompt_len", 256))
 
 
 def timeline(model="tiny", scenario: str = "offline", requests: int = 4, trace_out: str | None = None,
              from_trace: str | None = None, max_tokens: int = 8, url: str | None = None,
-             api_key: str | None = None) -> list[Finding]:
+             api_key: str | None = None, prompt_len: int = 256) -> list[Finding]:
     if from_trace:
         doc, path = load(from_trace), from_trace
     elif url:
@@ -45,7 +47,7 @@ def timeline(model="tiny", scenario: str = "offline", requests: int = 4, trace_o
         r = serve_url(url, requests, max_tokens, trace_out=trace_out, api_key=api_key)
         doc, path = r["trace"], r["trace_path"]
     else:
-        doc, path = trace_of(model, scenario, requests, trace_out, max_tokens)
+        doc, path = trace_of(model, scenario, requests, trace_out, max_tokens, prompt_len)
     findings = analyse_doc(doc)
     for f in findings:                      # every finding points at the trace to open
         if path and isinstance(f.evidence, dict):
@@ -53,7 +55,7 @@ def timeline(model="tiny", scenario: str = "offline", requests: int = 4, trace_o
     return findings
 
 
-def trace_of(model, scenario: str, requests: int, trace_out: str | None, max_tokens: int = 8):
+def trace_of(model, scenario: str, requests: int, trace_out: str | None, max_tokens: int = 8, prompt_len: int = 256):
     """Run the scenario traced; returns (Chrome trace doc, path where it was written or None)."""
     from ..models.resolve import resolve_model
     from . import scenarios
@@ -61,7 +63,10 @@ def trace_of(model, scenario: str, requests: int, trace_out: str | None, max_tok
     if scenario == "serve":
         r = scenarios.serve(directory, requests, max_tokens, trace_out=trace_out)
         return r["trace"], r["trace_path"]
-    r = scenarios.offline(directory, requests, max_tokens)
+    if scenario == "pd":
+        r = scenarios.pd(directory, prompt_len)
+    else:
+        r = scenarios.offline(directory, requests, max_tokens)
     if trace_out:
         with open(trace_out, "w") as fh:
             json.dump(r["trace"], fh)

@@ -1,0 +1,166 @@
+"""The `pd` scenario: what handing a prefilled request to a decode worker costs the prefill side.
+
+A real decode worker (`ouro serve --role decode`, its own process, the KV receiver on loopback
+TCP) and a prefill engine in this process (`PrefillEngine`, the transfer thread beside the
+compute). In interleaved rounds, medians:
+- `pd_prefill_ms`: the prompt prefilled here alone (the first token sampled, nothing sent);
+- `pd_with_transfer_ms`: the same prefill while its state streams layer by layer into the
+  decode worker's room, until the transfer's last frame is out (the prefill side is free then);
+- `pd_no_overlap_ms`: the same, with every layer sent only after the prefill (no overlap).
+`pd_overhead = pd_with_transfer_ms / pd_prefill_ms - 1` (the reference stack's budget: <= 0.05),
+`pd_overhead_no_overlap` likewise, `pd_send_overlap`: the share of the transfer thread's send time
+that falls inside the prefill's compute, from the run's spans, and `pd_handoff_ms`: until the
+decode worker's first output arrives. The trace of the last overlapped round comes back for the
+timeline (heartbeat on: a transfer thread holding the GIL shows as starvation there).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+PROMPT_LEN = 2048
+
+
+def pd(model_dir, prompt_len: int = PROMPT_LEN, rounds: int = 3, heartbeat: bool = True, timeout: float = 180.0) -> dict:
+    import zmq
+
+    from ..config import EngineConfig
+    from ..disagg.command import free_port_pair
+    from ..disagg.prefill_engine import PrefillEngine
+    from ..engine.llm_engine import LLMEngine
+    from ..engine.sampling import SamplingParams
+    from ..models.loader import load_model
+    from ..serve.messages import decode, encode, params_to_wire
+    from . import heartbeat as hb
+    from . import spans
+    from .scenarios import prompts
+
+    port = free_port_pair()
+    memory = 6 * prompt_len * 64 * 1024 + (64 << 20)
+    env = {**os.environ, "OURO_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("OURO_TRACE", None)
+    worker = subprocess.Popen([sys.executable, "-m", "ouro.cli", "serve", "--role", "decode", "--model", str(model_dir),
+                               "--port", str(port), "--max-memory", str(memory), "--page-size", "64",
+                               "--exit-with-parent"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    ctx = zmq.Context()
+    push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    push.setsockopt(zmq.LINGER, 0)
+    push.connect(f"tcp://127.0.0.1:{port}")
+    pull.connect(f"tcp://127.0.0.1:{port + 1}")
+
+    def ask(msg: dict, want: str, rid=None, limit=timeout) -> dict:
+        push.send(encode(msg))
+        deadline = time.monotonic() + limit
+        while time.monotonic() < deadline:
+            if worker.poll() is not None:
+                raise RuntimeError(f"the decode worker exited (code {worker.returncode})")
+            if pull.poll(100):
+                got = decode(pull.recv())
+                if got["type"] == want and (rid is None or got.get("rid") == rid):
+                    return got
+                if got["type"] == "error" and got.get("rid") == rid:
+                    raise RuntimeError(f"the decode worker refused: {got['message']}")
+        raise RuntimeError(f"no {want!r} from the decode worker within {limit:.0f} s")
+
+    try:
+        ask({"type": "hello"}, "ready")
+        cfg = EngineConfig(max_memory=memory, page_size=64, max_num_seqs=4, max_num_batched_tokens=prompt_len)
+        engine = LLMEngine(load_model(model_dir), None, cfg, verbose=False)
+        sides = {True: PrefillEngine(engine), False: None}
+        params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+        ids = prompts(1, prompt_len, vocab=min(engine.model.config.vocab_size, 30000), seed=9)[0]
+        times = {"alone": [], "overlap": [], "no_overlap": [], "handoff": []}
+        n = [0]
+
+        def alone():
+            engine.add_request({"prompt_token_ids": ids}, params, f"alone-{n[0]}")
+            while engine.has_unfinished():
+                engine.step()
+
+        def handed(overlap: bool):
+            p = sides[True]
+            p.overlap = overlap
+            rid = f"pd-{n[0]}-{int(overlap)}"
+            room = ask({"type": "reserve", "rid": rid, "prompt_token_ids": ids, "params": params_to_wire(params)},
+                       "reserved", rid)["room"]
+            t = time.perf_counter()
+            p.add(rid, ids, params, room)
+            while rid not in p.outcomes:
+                p.step()
+                if not p.runnable():
+                    time.sleep(0.0005)     # the transfer thread finishes: no spinning beside it
+            sent = time.perf_counter() - t
+            _await_output(pull, rid, decode, timeout)
+            if p.outcomes.pop(rid) != "done":
+                raise RuntimeError(f"the transfer of {rid} did not complete")
+            return sent, time.perf_counter() - t
+
+        alone()                                            # warm-up (also picks the GEMM forms)
+        handed(True)
+        for r in range(rounds):
+            n[0] += 1
+            last = r == rounds - 1
+            t = time.perf_counter()
+            alone()
+            times["alone"].append(time.perf_counter() - t)
+            times["no_overlap"].append(handed(False)[0])
+            if last:                                       # the overlapped round the trace shows
+                spans.clear(), hb.clear()
+                spans.enable()
+                if heartbeat:
+                    hb.start()
+            try:
+                sent, handoff = handed(True)
+            finally:
+                if last:
+                    hb.stop()
+                    spans.disable()
+            times["overlap"].append(sent)
+            times["handoff"].append(handoff)
+        doc = {"traceEvents": spans.chrome_events(process_name="ouro prefill")}
+        sides[True].close()
+    finally:
+        try:
+            push.send(encode({"type": "shutdown"}))
+        except zmq.ZMQError:
+            pass
+        ctx.destroy(linger=0)
+        worker.terminate()
+        try:
+            worker.wait(10)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+    med = {k: 1e3 * statistics.median(v) for k, v in times.items()}
+    return {"measurements": {"pd_prefill_ms": med["alone"], "pd_with_transfer_ms": med["overlap"],
+                             "pd_no_overlap_ms": med["no_overlap"], "pd_handoff_ms": med["handoff"],
+                             "pd_overhead": med["overlap"] / med["alone"] - 1,
+                             "pd_overhead_no_overlap": med["no_overlap"] / med["alone"] - 1,
+                             "pd_send_overlap": send_overlap(doc)},
+            "trace": doc}
+
+
+def _await_output(pull, rid, decode, timeout) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pull.poll(100):
+            got = decode(pull.recv())
+            if got["type"] == "outputs" and any(i["rid"] == rid for i in got["items"]):
+                return
+            if got["type"] == "error" and got.get("rid") == rid:
+                raise RuntimeError(f"the decode worker failed {rid}: {got['message']}")
+    raise RuntimeError(f"the decode worker gave no output for {rid} within {timeout:.0f} s")
+
+
+def send_overlap(doc: dict) -> float:
+    """The share of `kv send` time inside `forward` spans (1.0: every send overlapped compute)."""
+    from .chrome_trace import spans_of
+    ss = spans_of(doc)
+    compute = [(s["start_ms"], s["end_ms"]) for s in ss if s["name"] == "forward"]
+    sends = [(s["start_ms"], s["end_ms"]) for s in ss if s["name"] == "kv send"]
+    total = sum(e - b for b, e in sends)
+    inside = sum(max(0.0, min(e, ce) - max(b, cb)) for b, e in sends for cb, ce in compute)
+    return inside / total if total > 0 else 0.0
