@@ -38,7 +38,11 @@ def _cmd_bench(args) -> int:
     from .config import EngineConfig
     from .models.resolve import resolve_model
     EngineConfig(device=args.device, dtype=args.dtype).check_device()
-    if args.kind == "serve":
+    if args.kind == "serve" and args.compare_base_url:
+        from .bench.serve_compare import compare_serve, format_compare
+        r = compare_serve(args)
+        print(format_compare(r))
+    elif args.kind == "serve":
         from .bench.serve import bench_serve, format_serve
         r = bench_serve(args)
         print(format_serve(r))
@@ -218,6 +222,9 @@ def add_bench_serve_options(bench) -> None:
     g.add_argument("--vocab-range", default=None, help="LO,HI for the random prompt ids (default: from "
                    "--compare-offline's vocabulary, else 300,500)")
     g.add_argument("--disable-tqdm", action="store_true")
+    g.add_argument("--compare-base-url", default=None, metavar="URL",
+                   help="also run the same prompts against this second server, in alternating rounds (--repeats "
+                        "each): e.g. a single server against `ouro serve --disagg 1P1D`")
     g.add_argument("--compare-offline", default=None, metavar="MODEL",
                    help="then run the same work through the offline engine (checkpoint dir or preset) on --device")
     g.add_argument("--offline-max-num-seqs", type=int, default=None, help="default: --max-concurrency")

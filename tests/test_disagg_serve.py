@@ -104,3 +104,24 @@ def test_refusals_carry_their_status_and_reserve_nothing(tiny_checkpoint, tmp_pa
     while any(os.path.exists(f"/proc/{p}") for p in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not [p for p in pids if os.path.exists(f"/proc/{p}")], "workers outlived the router"
+
+
+def test_bench_serve_compares_two_servers_in_alternating_rounds(tiny_checkpoint, tmp_path):
+    import argparse
+    from ouro.bench.serve_compare import compare_serve, format_compare
+    single = Server(tiny_checkpoint, "--served-model-name", "tiny", "--dtype", "float32", tmp_path=tmp_path)
+    pd = Server(tiny_checkpoint, "--served-model-name", "tiny", "--disagg", "1P1D", "--dtype", "float32", tmp_path=tmp_path)
+    try:
+        args = argparse.Namespace(base_url=single.base, compare_base_url=pd.base, api_key=None, model=None,
+                                  vocab_range="5,400", num_prompts=6, input_len=40, output_len=6, seed=0,
+                                  endpoint="/v1/completions", request_rate=float("inf"), max_concurrency=3, repeats=2,
+                                  disable_tqdm=True)
+        r = compare_serve(args)
+    finally:
+        single.stop()
+        pd.stop()
+    assert [len(r["rounds"][s]) for s in "AB"] == [2, 2]
+    assert all(x["failed"] == 0 for s in "AB" for x in r["rounds"][s])
+    for k in ("output_throughput", "ttft"):
+        assert r["b_over_a"][k] == r["median"]["B"][k] / r["median"]["A"][k]
+    assert f"{r['b_over_a']['output_throughput']:.3f}" in format_compare(r)
