@@ -129,3 +129,36 @@ def test_a_full_decode_worker_says_so(ckpt):
     finally:
         p.close()
         d.close()
+
+
+def test_a_prefix_the_decode_side_holds_is_not_sent_again(ckpt):
+    """Decode-side prefix caching: the second request's room starts with the first's full pages,
+    only the rest of its rows travel, and its tokens still equal one engine's."""
+    g = torch.Generator().manual_seed(12)
+    shared = torch.randint(1, 500, (70,), generator=g).tolist()
+    ps = [shared + torch.randint(1, 500, (n,), generator=g).tolist() for n in (9, 30)]
+    ref = LLMEngine(load_model(ckpt), None, EngineConfig(**KW), verbose=False)
+    want = {}
+    for i, p in enumerate(ps):
+        ref.add_request({"prompt_token_ids": p}, params(i, False), f"r{i}")
+        while ref.has_unfinished():
+            for o in ref.step():
+                want.setdefault(o.request_id, []).extend(o.new_token_ids)
+    p_eng = PrefillEngine(LLMEngine(load_model(ckpt), None, EngineConfig(**KW), verbose=False))
+    d = DecodeEngine(LLMEngine(load_model(ckpt), None, EngineConfig(**KW), enable_prefix_caching=True, verbose=False))
+    try:
+        got, sent = {}, []
+        for i, p in enumerate(ps):
+            room = d.reserve(f"r{i}", p, params(i, False))
+            p_eng.add(f"r{i}", p, params(i, False), room)
+            before = d.kv.receiver.bytes_received
+            got.update(run_pair(p_eng, d))
+            sent.append((room["skip_tokens"], d.kv.receiver.bytes_received - before))
+        assert got == want
+        assert sent[0][0] == 0 and sent[1][0] == 64                  # 4 full pages of 16 held
+        assert sent[1][1] < sent[0][1]
+        assert p_eng.engine.pages.num_free == p_eng.engine.pages.num_total and not d.reserved
+        assert d.engine.slots.num_free == d.engine.slots.num_total
+    finally:
+        p_eng.close()
+        d.close()

@@ -96,6 +96,8 @@ def worker_argv(args, role: str, port: int) -> list[str]:
             "--exit-with-parent"]
     if args.max_memory:
         argv += ["--max-memory", str(args.max_memory)]
+    if args.enable_prefix_caching:
+        argv += ["--enable-prefix-caching"]
     if args.max_model_len:
         argv += ["--max-model-len", str(args.max_model_len)]
     return argv

@@ -1,7 +1,9 @@
 """`ouro serve --role decode`: an `LLMEngine` whose requests arrive prefilled by another worker.
 
 `reserve` checks a request, sets aside a state slot and the pages its prompt needs, and opens a
-room (`RoomTable`) that a prefill worker fills over the transfer (`KVReceiver`). The room's
+room (`RoomTable`) that a prefill worker fills over the transfer (`KVReceiver`). With prefix
+caching on, the full pages of a prompt prefix this worker already holds are the room's first pages
+and their rows are not sent again (`skip_tokens`); the KDA state always comes from the prefill. The room's
 events come back from the receiver threads through a queue and are handled on the engine thread,
 at the start of each `step`:
 - `ready`: the room's state is complete; the request joins the running batch with its prompt
@@ -34,8 +36,6 @@ class NoRoom(RuntimeError):
 
 class DecodeEngine:
     def __init__(self, engine, backend: str = "tcp", address: str = "127.0.0.1:0", timeout_s: float = 30.0):
-        if engine.prefix_cache is not None:
-            raise ValueError("a decode worker does not take --enable-prefix-caching yet (rooms start empty)")
         self.engine, self.timeout_s = engine, timeout_s
         self.spec = None
         if backend == "shm":
@@ -63,18 +63,35 @@ class DecodeEngine:
         slot = e.slots.alloc()
         if slot is None:
             raise NoRoom("no free state slot on the decode worker")
+        held = None                      # a prefix this worker holds: its rows need not travel
+        if e.prefix_cache is not None:
+            held = e.prefix_cache.match(ids, rows_only=True)
+            if held.usable_tokens:
+                e.prefix_cache.lock(held)
+            else:
+                held = None
+        own = held.usable_pages if held else []
         try:
-            pages = e.pages.alloc(-(-len(ids) // e.config.page_size))
+            pages = list(own) + self._alloc(-(-len(ids) // e.config.page_size) - len(own))
         except OutOfPages as err:
             e.slots.free(slot)
+            if held:
+                e.prefix_cache.unlock(held)
             raise NoRoom(f"no pages on the decode worker: {err}") from None
         n = next(e._ids)
-        req = Request(rid, ids, params, generator=make_generator(params.seed, e.config.seed + n), pages=pages, slot=slot)
+        req = Request(rid, ids, params, generator=make_generator(params.seed, e.config.seed + n), pages=pages, slot=slot,
+                      prefix_match=held)
         if e.tokenizer is not None:
             req.detokenizer = IncrementalDetokenizer(e.tokenizer, ids, params.stop_list, params.skip_special_tokens)
         self.reserved[rid] = req
-        room = self.kv.rooms.reserve(rid, pages, slot, len(ids), 0, self.timeout_s)
+        room = self.kv.rooms.reserve(rid, pages, slot, len(ids), held.usable_tokens if held else 0, self.timeout_s)
         return self.kv.room_info(room)
+
+    def _alloc(self, n: int) -> list[int]:
+        e = self.engine
+        if n > e.pages.num_free and e.prefix_cache is not None:
+            e.prefix_cache.evict_pages(n - e.pages.num_free)
+        return e.pages.alloc(n)
 
     def abort(self, rid: str) -> None:
         if rid in self.reserved:
@@ -127,7 +144,10 @@ class DecodeEngine:
         """The request joins the running batch: prompt computed, first token already sampled."""
         e = self.engine
         req.num_computed = len(req.prompt_ids)
-        req.cached_tokens = result.get("cached_tokens", 0)
+        req.cached_tokens = result.get("cached_tokens", 0)     # prompt tokens the prefill worker did not compute
+        if e.prefix_cache is not None:   # its full pages serve later requests' rows here
+            full = len(req.prompt_ids) // e.config.page_size
+            e.prefix_cache.insert(req.prompt_ids[: full * e.config.page_size], req.pages[:full], {})
         req.status, req.first_scheduled = Status.RUNNING, time.monotonic()
         set_generator_state(req.generator, result.get("generator"))
         e.requests[req.request_id] = req

@@ -71,7 +71,10 @@ class PrefixCache:
         return num_tokens > 0 and num_tokens % ps == 0 and (num_tokens // ps) % self.checkpoint_interval == 0
 
     # ---- lookup -------------------------------------------------------------------------
-    def match(self, token_ids: Sequence[int]) -> PrefixMatch:
+    def match(self, token_ids: Sequence[int], rows_only: bool = False) -> PrefixMatch:
+        """The longest cached run of full pages. Usable for a request that computes: up to the
+        deepest checkpoint leaving a token to compute. `rows_only` (a decode worker, whose KDA
+        state arrives from its prefill worker): every matched page within the prompt is usable."""
         now = self._tick()
         nodes: list[_Node] = []
         node = self._root
@@ -90,6 +93,10 @@ class PrefixCache:
                 resume = n
                 break
         pages = [n.page for n in nodes]
+        if rows_only and nodes:
+            self._hits += 1
+            self._served += len(pages) * self.page_size
+            return PrefixMatch(pages, len(pages) * self.page_size, None, len(pages) * self.page_size, pages, nodes)
         if resume is None:
             self._misses += 1
             return PrefixMatch(pages, len(pages) * self.page_size, None, 0, [], nodes)
