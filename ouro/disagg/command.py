@@ -20,7 +20,9 @@ def add_worker_flags(sv) -> None:
                    help="run a prefill or decode worker instead of a server: the engine protocol over TCP on "
                         "--host:--port (messages in) and --port+1 (out), for `ouro router`")
     g.add_argument("--disaggregation-transfer-backend", "--transfer-backend", dest="transfer_backend", default="tcp",
-                   choices=["tcp", "shm"], help="decode: how prefilled state arrives (shm: same host only)")
+                   choices=["tcp", "shm", "mooncake"],
+                   help="decode: how prefilled state arrives (shm: same host only; mooncake: Mooncake's "
+                        "TransferEngine, needs the mooncake-transfer-engine package)")
     g.add_argument("--disaggregation-bootstrap-port", dest="bootstrap_port", type=int, default=0,
                    help="decode: the port of its KV receiver (default: any free one; the router learns it)")
     g.add_argument("--transfer-timeout", type=float, default=30.0,

@@ -40,6 +40,10 @@ class DecodeEngine:
         self.spec = None
         if backend == "shm":
             self.spec = shared_cache.share(engine.runner.cache, f"{address.replace(':', '-')}-{time.monotonic_ns()}")
+        elif backend == "mooncake":
+            from .mooncake_backend import MooncakeTarget
+            self.target = MooncakeTarget(engine.runner.cache, address.rsplit(":", 1)[0])   # kept: its engine listens
+            self.spec = self.target.spec
         self.events: queue.Queue = queue.Queue()
         self.kv = KVReceiver(engine.runner.cache, engine.model.config, lambda *e: self.events.put(e), address,
                              backend, self.spec)
@@ -167,5 +171,5 @@ class DecodeEngine:
 
     def close(self) -> None:
         self.kv.close()
-        if self.spec:
+        if self.spec and self.kv.backend == "shm":
             shared_cache.unlink(self.spec)

@@ -30,7 +30,7 @@ class KVReceiver:
         """What the prefill worker needs to write into `room` (travels with the request)."""
         info = {"address": self.address, "backend": self.backend, "pages": room.pages, "slot": room.slot,
                 "skip_tokens": room.skip_tokens, "prompt_len": room.prompt_len}
-        if self.backend == "shm":
+        if self.backend != "tcp":
             info["cache"] = self.shared_spec
         return info
 

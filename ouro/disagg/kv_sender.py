@@ -160,7 +160,7 @@ class KVSender:
                 return
             header = {"type": "kv", "rid": o.rid, "layer": layer, "t0": lo, "t1": t1, "final": final}
             views = None
-            if o.room["backend"] == "shm":
+            if o.room["backend"] != "tcp":    # the sender writes: name the decode worker's own segments
                 views = page_segments(self._remote(o.room), lp, o.room["pages"], o.room["slot"], lo, t1, final)
             o.sender.put(header, blocks, views)
             self.bytes_sent += sum(b.numel() * b.element_size() for b in blocks)
@@ -176,14 +176,23 @@ class KVSender:
         key = (room["address"], room["backend"])
         s = self.senders.get(key)
         if s is None:
-            s = Sender(room["address"], room["backend"], self.timeout_s)
+            writer = self._remote(room, writer=True) if room["backend"] == "mooncake" else None
+            s = Sender(room["address"], room["backend"], self.timeout_s, writer)
             s.listen(lambda h, s=s: self.jobs.put(("control", None, (h, s))))
             self.senders[key] = s
         return s
 
-    def _remote(self, room: dict):
+    def _remote(self, room: dict, writer: bool = False):
+        """The decode worker's cache as this side sees it: mapped files (shm) or a Mooncake
+        writer's shadow (mooncake); `writer`: the writer itself."""
         spec = room["cache"]
-        key = spec["tensors"]["latent"]["path"]
-        if key not in self.remote:
-            self.remote[key] = attach(spec)
-        return self.remote[key]
+        if room["backend"] == "shm":
+            key = spec["tensors"]["latent"]["path"]
+            if key not in self.remote:
+                self.remote[key] = attach(spec)
+            return self.remote[key]
+        from .mooncake_backend import MooncakeWriter
+        if spec["target"] not in self.remote:
+            self.remote[spec["target"]] = MooncakeWriter(spec)
+        w = self.remote[spec["target"]]
+        return w if writer else w.shadow

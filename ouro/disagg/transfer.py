@@ -9,6 +9,8 @@ which tokens, the byte size of each block) followed by the blocks' raw bytes.
 - `shm`: same host. The decode worker's cache tensors live in files under /dev/shm
   (`shared_cache.share`); the sender maps them and copies the blocks into the reserved pages
   itself, then sends the header alone over TCP, so the receiver learns the rows are there.
+- `mooncake`: as `shm`, but the sender writes into the decode worker's registered memory with
+  Mooncake's TransferEngine (`mooncake_backend.py`, optional package), across hosts.
 
 Every blocking wait (connect, send, receive, accept) is a socket call, which releases the GIL.
 """
@@ -26,7 +28,7 @@ from ..lab.spans import span
 
 MAGIC = b"OURO"
 _HEAD = struct.Struct("!4sI")
-BACKENDS = ("tcp", "shm")
+BACKENDS = ("tcp", "shm", "mooncake")
 
 
 class TransferError(RuntimeError):
@@ -82,23 +84,27 @@ class Sender:
     `no`, `abort`) on a thread of its own, and calls back with {"type": "closed"} when the
     connection ends."""
 
-    def __init__(self, address: str, backend: str = "tcp", timeout_s: float = 30.0):
+    def __init__(self, address: str, backend: str = "tcp", timeout_s: float = 30.0, writer=None):
+        """writer: for `mooncake`, the `MooncakeWriter` into the decode worker's memory."""
         if backend not in BACKENDS:
             raise ValueError(f"transfer backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
         host, port = address.rsplit(":", 1)
         self.sock = socket.create_connection((host, int(port)), timeout=timeout_s)
         self.sock.settimeout(None)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.backend = backend
+        self.backend, self.writer = backend, writer
         self.bytes_sent = 0
 
     def put(self, header: dict, blocks: list[torch.Tensor], views: list[list[torch.Tensor]] | None = None) -> None:
-        """header names the room, layer and tokens; `views` (shm only) are the destination views
-        in the decode worker's mapped cache (`shared_cache.attach`), block by block."""
+        """header names the room, layer and tokens; `views` (shm, mooncake) are the destination
+        views in the decode worker's cache (mapped, or its shadow), block by block."""
         with span("kv send", cat="transfer"):
-            if self.backend == "shm":
-                if views is None or len(views) != len(blocks):
-                    raise ValueError("the shm backend writes into the decode worker's mapped pages: pass their views")
+            if self.backend != "tcp" and (views is None or len(views) != len(blocks)):
+                raise ValueError(f"the {self.backend} backend writes into the decode worker's pages: pass their views")
+            if self.backend == "mooncake":
+                self.writer.write(blocks, views)
+                self.bytes_sent += write_frame(self.sock, dict(header, written=True))
+            elif self.backend == "shm":
                 for block, dest in zip(blocks, views):
                     i = 0
                     for v in dest:           # page segments front to back (a state: one view, whole)
