@@ -173,3 +173,27 @@ def test_a_vanished_prefill_worker_frees_its_room(model):
         assert events[0][0] == "free" and "connection closed" in events[0][2]
     finally:
         teardown(rx, tx, spec)
+
+
+def test_a_decode_worker_that_never_answers_is_given_up_on_the_prefill_side(model):
+    """No `go` ever comes: the prefill side writes nothing and releases the request after its
+    timeout (a later `go` would be answered `aborted`)."""
+    import socket
+    silent = socket.create_server(("127.0.0.1", 0))
+    conns = []
+    threading.Thread(target=lambda: conns.append(silent.accept()), daemon=True).start()
+    src, _ = caches(model)
+    p_side = Side()
+    tx = KVSender(src, model.config, p_side, timeout_s=0.5)
+    try:
+        room = {"address": "127.0.0.1:{}".format(silent.getsockname()[1]), "backend": "tcp", "pages": DST_PAGES,
+                "slot": DST_SLOT, "skip_tokens": 0, "prompt_len": PROMPT}
+        tx.open("r", room, SRC_SLOT, SRC_PAGES)
+        tx.layer_ready("r", 3, 0, PROMPT, True)
+        t = time.monotonic()
+        (rid, outcome), = p_side.wait(timeout=10)
+        assert rid == "r" and outcome.startswith("no answer from the decode worker")
+        assert 0.4 < time.monotonic() - t < 5
+    finally:
+        tx.close()
+        silent.close()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 
 from ..lab.spans import span
@@ -33,13 +34,21 @@ class Outgoing:
     slot: int                      # this worker's
     pages: list[int]               # this worker's
     state: str = "hello"           # hello -> go -> ended
+    opened_at: float = field(default_factory=time.monotonic)
     pending: list = field(default_factory=list)   # jobs queued before go
     gave_up: bool = False
 
 
+TICK_S = 0.5       # how often the transfer thread looks for rooms that never answered
+
+
 def _next_job(jobs: queue.Queue):
-    """The transfer thread's wait for work: a blocking get, which releases the GIL while it waits."""
-    return jobs.get()
+    """The transfer thread's wait for work: a blocking get, which releases the GIL while it
+    waits; a tick now and then lets it give up on rooms that never answered `hello`."""
+    try:
+        return jobs.get(timeout=TICK_S)
+    except queue.Empty:
+        return ("tick", None, None)
 
 
 class KVSender:
@@ -83,7 +92,9 @@ class KVSender:
         while (job := _next_job(self.jobs)) is not None:
             kind, rid, arg = job
             try:
-                if kind == "control":
+                if kind == "tick":
+                    self._expire()
+                elif kind == "control":
                     self._control(*arg)
                 else:
                     self._handle(kind, rid, arg)
@@ -114,6 +125,13 @@ class KVSender:
             o.pending.append((kind, arg))
             return
         self._send(o, kind, arg)
+
+    def _expire(self) -> None:
+        """A request whose room never answered `hello` within the timeout is given up here (nothing
+        was written: a `go` arriving later is answered `aborted`, so the room is freed there too)."""
+        now = time.monotonic()
+        for o in [o for o in self.out.values() if o.state == "hello" and now - o.opened_at > self.timeout_s]:
+            self._end(o, f"no answer from the decode worker within {self.timeout_s:.0f} s")
 
     def _control(self, header: dict, sender: Sender) -> None:
         """A frame from a decode worker (`go`, `no`, `abort`), or the end of its connection."""
