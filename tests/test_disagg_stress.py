@@ -16,26 +16,14 @@ import threading
 import time
 
 import httpx
-import pytest
 import torch
 
 from ouro import LLM, SamplingParams
+from ouro.disagg.command import free_port_pair
 
 from serve_helpers import HERE, free_port
 
 N_REQUESTS, CONCURRENCY, MAX_TOKENS = 200, 16, 8
-
-
-def free_pair():
-    while True:
-        p = free_port()
-        try:
-            import socket
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", p + 1))
-            return p
-        except OSError:
-            continue
 
 
 def start(args, log):
@@ -62,7 +50,7 @@ def metric(base, name):
 def test_200_requests_with_aborts_timeouts_and_a_prefill_worker_killed(tiny_checkpoint, tmp_path):
     ref = [o.text for o in LLM(str(tiny_checkpoint), dtype="float32", max_memory=64 << 20, page_size=16).generate(
         [{"prompt_token_ids": p} for p in prompts()], SamplingParams(temperature=0, max_tokens=MAX_TOKENS))]
-    pp, dp, rp = free_pair(), free_pair(), free_port()
+    pp, dp, rp = free_port_pair(), free_port_pair(), free_port()
     log = open(tmp_path / "deploy.log", "w+")
     procs = {"prefill": start(worker_args(tiny_checkpoint, "prefill", pp), log),
              "decode": start(worker_args(tiny_checkpoint, "decode", dp, "--transfer-timeout", "0.4"), log)}

@@ -8,6 +8,7 @@ decode worker's KV receiver port).
 
 from __future__ import annotations
 
+import argparse
 import re
 import socket
 import subprocess
@@ -31,12 +32,7 @@ def add_worker_flags(sv) -> None:
     g.add_argument("--disagg", default=None, metavar="XPYD",
                    help="start X prefill and Y decode workers on this host and serve them through a router on "
                         "--host:--port, e.g. 1P1D")
-    g.add_argument("--exit-with-parent", action="store_true", help=argparse_hidden())
-
-
-def argparse_hidden():
-    import argparse
-    return argparse.SUPPRESS
+    g.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)   # --disagg's own workers
 
 
 def add_router_parser(sub) -> None:

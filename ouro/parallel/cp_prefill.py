@@ -104,6 +104,11 @@ class CPPrefill:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        if dist.is_initialized():       # this process's world ends with its helpers (a new CPPrefill makes another)
+            try:
+                dist.destroy_process_group()
+            except Exception:            # a group broken by a lost rank: nothing left to tear down
+                pass
 
 
 def _helper_main(model_dir, rank, world, port, dtype, device, kda_chunk_size, timeout_s) -> None:
