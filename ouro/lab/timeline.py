@@ -64,7 +64,7 @@ def trace_of(model, scenario: str, requests: int, trace_out: str | None, max_tok
         r = scenarios.serve(directory, requests, max_tokens, trace_out=trace_out)
         return r["trace"], r["trace_path"]
     if scenario == "pd":
-        r = scenarios.pd(directory, prompt_len)
+        r = scenarios.pd(directory, prompt_len, rounds=1)     # one traced round is what the timeline reads
     else:
         r = scenarios.offline(directory, requests, max_tokens)
     if trace_out:
