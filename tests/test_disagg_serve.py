@@ -66,7 +66,8 @@ def worker_pids(server):
     return out
 
 
-@pytest.mark.parametrize("backend", ["tcp", "shm", "mooncake"])
+@pytest.mark.parametrize("backend", ["tcp", pytest.param("shm", marks=pytest.mark.slow),     # shm: also in-process,
+                                     pytest.param("mooncake", marks=pytest.mark.slow)])   # test_disagg_engines
 def test_1p1d_answers_as_one_engine(tiny_checkpoint, tmp_path, reference, backend):
     if backend == "mooncake":     # an optional package (one engine per process): skipped where it is not installed
         pytest.importorskip("mooncake.engine", reason="mooncake-transfer-engine is not installed")
@@ -108,6 +109,7 @@ def test_refusals_carry_their_status_and_reserve_nothing(tiny_checkpoint, tmp_pa
     assert not [p for p in pids if os.path.exists(f"/proc/{p}")], "workers outlived the router"
 
 
+@pytest.mark.slow
 def test_bench_serve_compares_two_servers_in_alternating_rounds(tiny_checkpoint, tmp_path):
     import argparse
     from ouro.bench.serve_compare import compare_serve, format_compare

@@ -90,6 +90,7 @@ def test_three_faults_detected_and_localised_end_to_end(tmp_path):
     assert p.returncode == 0, p.stdout[-2000:]
 
 
+@pytest.mark.slow     # the default run checks it still applies; the CP probe itself is tested in test_lab_numerics
 def test_cp_conv_halo_fault_found_at_the_cut_across_real_ranks(tmp_path):
     """The planted wrong-offset halo runs in spawned ranks of a patched copy: only a real CP run finds it."""
     p, doc = _suite(["cp_conv_halo_wrong_offset"], tmp_path, ["--no-clean"])
