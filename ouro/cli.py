@@ -314,6 +314,8 @@ def build_parser(argv=None) -> argparse.ArgumentParser:
     add_lab_parser(sub)
     from .disagg.command import add_router_parser
     add_router_parser(sub)
+    from .agent.command import add_agent_parser
+    add_agent_parser(sub)
     return p
 
 

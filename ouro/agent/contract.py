@@ -1,0 +1,152 @@
+"""The Infra Agent's contract (`agent.toml`): its goal, the paths it may write, the paths it may
+only read, the kinds of change a person must approve, and its limits.
+
+`ouro agent init` writes the commented default; `Contract.load` reads one. The rules:
+- a frozen path is never edited (frozen wins over writable); anything outside the writable
+  paths is not edited either;
+- a change whose path or text falls in a risk class (numerics, async, production) is parked for
+  review instead of kept;
+- an edit that loosens a tolerance, switches precision or caches outputs is a numerics change by
+  these patterns, so it is parked too.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DEFAULT = '''# The Infra Agent's contract: `ouro agent` reads this before it changes anything.
+
+[goal]
+# "budget": make a budget of the lab pass; "metric": move one measurement in a direction.
+kind = "budget"
+budget = "prefill + KV transfer within 5% of prefill alone"   # a name in budgets/default.toml
+# kind = "metric"
+# metric = "decode_step_ms"     # a measurement of a lab scenario (ouro/lab/scenarios.py)
+# direction = "lower"
+# scenario = "decode"
+# model = "tiny"
+
+[paths]
+# What the agent may edit (globs from the repository root).
+writable = ["ouro/ops/**", "ouro/layers/**", "ouro/engine/**", "ouro/disagg/**", "ouro/parallel/**"]
+# What it may read but never change: the tests, the naive references, the budgets, the lab
+# itself and its tolerance tables, the benchmarks' inputs and timers, and this file.
+frozen = ["tests/**", "budgets/**", "ouro/lab/**", "ouro/bench/**", "ouro/ops/**/naive*.py",
+          "ouro/ops/**/reference*.py", "agent.toml", ".ci/**", "pyproject.toml"]
+
+[risk]
+# A change touching these needs a person's approval (`ouro agent review`): the paths it edits
+# (globs) or the lines it adds or removes (regular expressions).
+numerics = ["\\\\bdtype\\\\b", "float16|bfloat16|float64|tf32|fp32_precision|allow_tf32", "\\\\bprecision\\\\b",
+            "\\\\btol(erance)?s?\\\\b|\\\\batol\\\\b|\\\\brtol\\\\b", "accumulat", "lru_cache|functools\\\\.cache|memoi[sz]"]
+async = ["\\\\bthreading\\\\b|Thread\\\\(|\\\\bLock\\\\(|\\\\bRLock\\\\(|Condition\\\\(", "\\\\basyncio\\\\b|\\\\bawait\\\\b|async def",
+         "\\\\bGIL\\\\b|gil_scoped", "multiprocessing|subprocess|\\\\bzmq\\\\b|socket"]
+production = ["ouro/serve/**", "ouro/engine/scheduler.py", "ouro/config.py", "ouro/disagg/rooms.py",
+              "ouro/serve/messages.py"]
+
+[limits]
+iterations = 20          # hypothesis -> edit -> check -> measure rounds
+wall_seconds = 3600
+tokens = 2000000         # prompt + completion tokens of the LLM
+'''
+
+RISK_CLASSES = ("numerics", "async", "production")
+
+
+class ContractError(ValueError):
+    """A contract file that does not say what the agent needs to know."""
+
+
+class EditRefused(PermissionError):
+    """An edit the contract does not allow (a frozen path, or one outside the writable paths)."""
+
+
+def _match(path: str, globs) -> str | None:
+    p = Path(path).as_posix().lstrip("./")
+    return next((g for g in globs if fnmatch.fnmatchcase(p, g) or fnmatch.fnmatchcase(p, g.replace("/**", ""))), None)
+
+
+@dataclass
+class Contract:
+    goal: dict
+    writable: list[str]
+    frozen: list[str]
+    risk: dict[str, list[str]]
+    limits: dict = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, path) -> "Contract":
+        try:
+            doc = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ContractError(f"no contract at {path}: write one with `ouro agent init`") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ContractError(f"{path} is not valid TOML: {e}") from None
+        return cls.from_dict(doc, str(path))
+
+    @classmethod
+    def from_dict(cls, doc: dict, where: str = "the contract") -> "Contract":
+        goal = doc.get("goal", {})
+        if goal.get("kind") not in ("budget", "metric"):
+            raise ContractError(f"{where}: [goal] kind must be \"budget\" or \"metric\", got {goal.get('kind')!r}")
+        need = ("budget",) if goal["kind"] == "budget" else ("metric", "direction", "scenario")
+        missing = [k for k in need if not goal.get(k)]
+        if missing:
+            raise ContractError(f"{where}: a {goal['kind']} goal needs {', '.join(missing)} in [goal]")
+        if goal["kind"] == "metric" and goal["direction"] not in ("lower", "higher"):
+            raise ContractError(f"{where}: [goal] direction must be \"lower\" or \"higher\"")
+        paths = doc.get("paths", {})
+        if not paths.get("writable"):
+            raise ContractError(f"{where}: [paths] writable is empty: the agent could change nothing")
+        risk = {k: list(doc.get("risk", {}).get(k, [])) for k in RISK_CLASSES}
+        for name, patterns in risk.items():
+            for pat in patterns:
+                if "*" not in pat and "/" not in pat:
+                    try:
+                        re.compile(pat)
+                    except re.error as e:
+                        raise ContractError(f"{where}: [risk] {name} pattern {pat!r} is not a regular expression: {e}") \
+                            from None
+        limits = doc.get("limits", {})
+        bad = [k for k in ("iterations", "wall_seconds", "tokens") if k in limits
+               and (not isinstance(limits[k], int) or isinstance(limits[k], bool) or limits[k] <= 0)]
+        if bad:
+            raise ContractError(f"{where}: [limits] {bad[0]} must be a positive integer")
+        return cls(goal, list(paths["writable"]), list(paths.get("frozen", [])), risk, limits)
+
+    def check_edit(self, path: str) -> None:
+        """Raise EditRefused unless the agent may edit `path` (repository-relative)."""
+        frozen = _match(path, self.frozen)
+        if frozen:
+            raise EditRefused(f"{path} is frozen by the contract ({frozen!r}): read it, never change it")
+        if not _match(path, self.writable):
+            raise EditRefused(f"{path} is outside the writable paths {self.writable}")
+
+    def risk_classes(self, path: str, changed_lines: list[str]) -> list[str]:
+        """The risk classes an edit falls in: by the path it touches (globs) or by the text of
+        the lines it adds or removes (regular expressions)."""
+        out = []
+        for name, patterns in self.risk.items():
+            for pat in patterns:
+                if "*" in pat or "/" in pat:
+                    hit = _match(path, [pat]) is not None
+                else:
+                    rx = re.compile(pat)
+                    hit = any(rx.search(line) for line in changed_lines)
+                if hit:
+                    out.append(name)
+                    break
+        return out
+
+
+def write_default(path, force: bool = False) -> Path:
+    p = Path(path)
+    if p.exists() and not force:
+        raise FileExistsError(f"{p} exists; pass --force to overwrite it")
+    p.write_text(DEFAULT)
+    Contract.load(p)            # the default must itself be a valid contract
+    return p
