@@ -13,6 +13,7 @@ only read, the kinds of change a person must approve, and its limits.
 from __future__ import annotations
 
 import fnmatch
+import posixpath
 import re
 import tomllib
 from dataclasses import dataclass, field
@@ -66,7 +67,7 @@ class EditRefused(PermissionError):
 
 
 def _match(path: str, globs) -> str | None:
-    p = Path(path).as_posix().lstrip("./")
+    p = posixpath.normpath(Path(path).as_posix())     # "pkg/../tests/x.py" is tests/x.py
     return next((g for g in globs if fnmatch.fnmatchcase(p, g) or fnmatch.fnmatchcase(p, g.replace("/**", ""))), None)
 
 
@@ -120,6 +121,8 @@ class Contract:
 
     def check_edit(self, path: str) -> None:
         """Raise EditRefused unless the agent may edit `path` (repository-relative)."""
+        if posixpath.normpath(Path(path).as_posix()).startswith(("..", "/")):
+            raise EditRefused(f"{path} is outside the repository")
         frozen = _match(path, self.frozen)
         if frozen:
             raise EditRefused(f"{path} is frozen by the contract ({frozen!r}): read it, never change it")
