@@ -69,3 +69,23 @@ def test_fifty_megabytes_of_output_come_back_cut_with_their_size():
 def test_a_command_that_hangs_comes_back_timed_out():
     obs = run_bounded([sys.executable, "-c", "import time; print('started', flush=True); time.sleep(30)"], timeout_s=0.5)
     assert obs.state == "timed-out" and obs.exit_code is None and "started" in obs.text and obs.seconds < 10
+
+
+def test_journal_appends_parseable_steps_and_a_readable_log(tmp_path):
+    from ouro.agent.journal import Journal, read
+    j = Journal(tmp_path, "run-1")
+    j.record(1, question="why is pd_overhead 0.26?", hypothesis="a loop spins", change="--- a\n+++ b",
+             correctness="tests passed", measurement={"pd_overhead": 0.011}, decision="kept", next="stop",
+             tokens=1200, seconds=3.5)
+    Journal(tmp_path, "run-1").record(2, decision="stopped")            # a second writer appends
+    rows = read(tmp_path / "run-1.jsonl")
+    assert [r["step"] for r in rows] == [1, 2] and rows[0]["measurement"] == {"pd_overhead": 0.011}
+    md = (tmp_path / "run-1.md").read_text()
+    assert md.count("# Agent run run-1") == 1 and "## Step 1: kept" in md and "## Step 2: stopped" in md
+    with pytest.raises(ValueError, match="decision"):
+        j.record(3, decision="maybe")
+    with pytest.raises(ValueError, match="fields"):
+        j.record(3, mood="good")
+    (tmp_path / "run-1.jsonl").write_text((tmp_path / "run-1.jsonl").read_text() + "{broken\n")
+    with pytest.raises(ValueError, match="run-1.jsonl:3"):
+        read(tmp_path / "run-1.jsonl")
