@@ -19,7 +19,7 @@ import httpx
 import torch
 
 from ouro import LLM, SamplingParams
-from ouro.disagg.command import free_port_pair
+from ouro.disagg.command import free_port_pair, stop_all
 
 from serve_helpers import HERE, free_port
 
@@ -146,12 +146,5 @@ def test_200_requests_with_aborts_timeouts_and_a_prefill_worker_killed(tiny_chec
             time.sleep(0.3)
         assert not any(left.values()), left
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.terminate()
-        for p in procs.values():
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_all(procs.values(), 15)
         log.close()

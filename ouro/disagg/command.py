@@ -116,14 +116,21 @@ def serve_disagg(args) -> int:
     try:
         return serve(args, lambda directory, on_stats: DisaggClient(roles["prefill"], roles["decode"], on_stats, procs))
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.terminate()
-        for p in procs.values():
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_all(procs.values())
+
+
+def stop_all(procs, timeout_s: float = 10.0) -> None:
+    """SIGTERM every process still running, then wait; one that does not stop in time is killed."""
+    procs = list(procs)
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 def run_role(args) -> int:
