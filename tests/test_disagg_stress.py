@@ -20,6 +20,7 @@ import torch
 
 from ouro import LLM, SamplingParams
 from ouro.disagg.command import free_port_pair, stop_all
+from ouro.lab.serve_scenarios import wait_ready
 
 from serve_helpers import HERE, free_port
 
@@ -59,15 +60,7 @@ def test_200_requests_with_aborts_timeouts_and_a_prefill_worker_killed(tiny_chec
                              "--worker-timeout", "2"], log)
     base = f"http://127.0.0.1:{rp}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, log.seek(0) or log.read()
-            time.sleep(0.3)
+        wait_ready(procs["router"], base, 120, log)
         rng = random.Random(0)
         plan = [(rng.randrange(len(ref)), rng.random() < 0.15) for _ in range(N_REQUESTS)]
         results = [None] * N_REQUESTS
@@ -104,14 +97,7 @@ def test_200_requests_with_aborts_timeouts_and_a_prefill_worker_killed(tiny_chec
             while sent[0] < 2 * N_REQUESTS // 3:
                 time.sleep(0.01)
             procs["prefill"] = start(worker_args(tiny_checkpoint, "prefill", pp), log)
-            limit = time.monotonic() + 120
-            while time.monotonic() < limit:
-                try:
-                    if httpx.get(base + "/health", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.2)
+            wait_ready(procs["router"], base, 120, log)
             back.set()
 
         chaos_thread = threading.Thread(target=chaos)

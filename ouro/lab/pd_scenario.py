@@ -70,7 +70,7 @@ def pd(model_dir, prompt_len: int = PROMPT_LEN, rounds: int = 3, heartbeat: bool
         ask({"type": "hello"}, "ready")
         cfg = EngineConfig(max_memory=memory, page_size=64, max_num_seqs=4, max_num_batched_tokens=prompt_len)
         engine = LLMEngine(load_model(model_dir), None, cfg, verbose=False)
-        sides = {True: PrefillEngine(engine), False: None}
+        p = PrefillEngine(engine)
         params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
         ids = prompts(1, prompt_len, vocab=min(engine.model.config.vocab_size, 30000), seed=9)[0]
         times = {"alone": [], "overlap": [], "no_overlap": [], "handoff": []}
@@ -82,7 +82,6 @@ def pd(model_dir, prompt_len: int = PROMPT_LEN, rounds: int = 3, heartbeat: bool
                 engine.step()
 
         def handed(overlap: bool):
-            p = sides[True]
             p.overlap = overlap
             rid = f"pd-{n[0]}-{int(overlap)}"
             room = ask({"type": "reserve", "rid": rid, "prompt_token_ids": ids, "params": params_to_wire(params)},
@@ -122,7 +121,7 @@ def pd(model_dir, prompt_len: int = PROMPT_LEN, rounds: int = 3, heartbeat: bool
             times["overlap"].append(sent)
             times["handoff"].append(handoff)
         doc = {"traceEvents": spans.chrome_events(process_name="ouro prefill")}
-        sides[True].close()
+        p.close()
     finally:
         try:
             push.send(encode({"type": "shutdown"}))
