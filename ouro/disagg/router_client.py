@@ -31,15 +31,27 @@ class WorkerLink:
 
     def __init__(self, ctx, address: str, role: str, proc=None):
         self.address, self.role, self.proc = address, role, proc
-        host, port = address.rsplit(":", 1)
-        self.push, self.pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
-        self.push.setsockopt(zmq.LINGER, 0)
-        self.push.connect(f"tcp://{host}:{port}")
-        self.pull.connect(f"tcp://{host}:{int(port) + 1}")
+        self.pull = ctx.socket(zmq.PULL)
+        self.pull.connect(f"tcp://{self._host_port(1)}")
+        self.reset_push(ctx)
         self.info: dict = {}
         self.stats: dict = {}
         self.last_beat = 0.0
         self.dead: str | None = None
+
+    def _host_port(self, offset: int = 0) -> str:
+        host, port = self.address.rsplit(":", 1)
+        return f"{host}:{int(port) + offset}"
+
+    def reset_push(self, ctx) -> None:
+        """A fresh PUSH socket: ZeroMQ would otherwise keep what was sent to a dead worker and
+        hand it to the next process on that port, which would prefill requests long failed."""
+        old = getattr(self, "push", None)
+        if old is not None:
+            old.close(linger=0)
+        self.push = ctx.socket(zmq.PUSH)
+        self.push.setsockopt(zmq.LINGER, 0)
+        self.push.connect(f"tcp://{self._host_port()}")
 
     async def send(self, msg: dict) -> None:
         await self.push.send(encode(msg))
@@ -243,7 +255,9 @@ class DisaggClient:
                     await self._lost(link)
 
     async def _lost(self, link: WorkerLink) -> None:
-        """Every request through a dead worker fails now; rooms it would have filled are released."""
+        """Every request through a dead worker fails now; rooms it would have filled are released;
+        nothing queued for it reaches the worker that next starts on its address."""
+        link.reset_push(self.ctx)
         for rid, (p, d) in list(self.routes.items()):
             if link in (p, d):
                 await self._error(link, rid, link.dead, 503)
