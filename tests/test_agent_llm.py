@@ -4,14 +4,9 @@ text, an unknown tool and arguments that are not JSON are each counted and answe
 correction, never an exception; a 400 fails at once with the endpoint's message."""
 
 import json
-import socket
-import threading
-import time
 
 import pytest
-import uvicorn
-from fastapi import FastAPI
-from fastapi.responses import JSONResponse
+from scripted_llm import ScriptedEndpoint, reply
 
 from ouro.agent.llm import LLMClient
 
@@ -19,39 +14,11 @@ TOOLS = [{"type": "function", "function": {"name": "read_file", "description": "
                                            "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}}]
 
 
-def reply(content=None, calls=None, status=200):
-    if status != 200:
-        return status, {"error": {"message": f"scripted {status}", "type": "server_error"}}
-    msg = {"role": "assistant", "content": content}
-    if calls:
-        msg["tool_calls"] = [{"id": f"call_{i}", "type": "function", "function": {"name": n, "arguments": a}}
-                             for i, (n, a) in enumerate(calls)]
-    return 200, {"id": "x", "object": "chat.completion", "created": 0, "model": "scripted",
-                 "choices": [{"index": 0, "message": msg, "finish_reason": "tool_calls" if calls else "stop"}],
-                 "usage": {"prompt_tokens": 11, "completion_tokens": 7, "total_tokens": 18}}
-
-
 @pytest.fixture
 def scripted():
-    script, seen = [], []
-    app = FastAPI()
-
-    @app.post("/v1/chat/completions")
-    async def chat(body: dict):
-        seen.append(body)
-        status, doc = script.pop(0)
-        return JSONResponse(doc, status_code=status)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}/v1", script, seen
-    server.should_exit = True
-    thread.join(5)
+    e = ScriptedEndpoint()
+    yield e.url, e.script, e.seen
+    e.close()
 
 
 def test_tool_calls_retries_and_corrections(scripted):

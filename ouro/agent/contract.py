@@ -22,22 +22,40 @@ from pathlib import Path
 DEFAULT = '''# The Infra Agent's contract: `ouro agent` reads this before it changes anything.
 
 [goal]
-# "budget": make a budget of the lab pass; "metric": move one measurement in a direction.
+# "budget": make a budget of the lab pass; "metric": move one measurement in a direction;
+# "probe": make a lab probe's findings go away (what `ouro agent eval` sets for a planted fault).
 kind = "budget"
 budget = "prefill + KV transfer within 5% of prefill alone"   # a name in budgets/default.toml
 # kind = "metric"
 # metric = "decode_step_ms"     # a measurement of a lab scenario (ouro/lab/scenarios.py)
 # direction = "lower"
 # scenario = "decode"
-# model = "tiny"
+# kind = "probe"
+# probe = ["redundancy", "--model", "tiny"]      # the arguments of `ouro probe`
+model = "tiny"                  # the model every check and measurement runs
 
 [paths]
 # What the agent may edit (globs from the repository root).
 writable = ["ouro/ops/**", "ouro/layers/**", "ouro/engine/**", "ouro/disagg/**", "ouro/parallel/**"]
 # What it may read but never change: the tests, the naive references, the budgets, the lab
 # itself and its tolerance tables, the benchmarks' inputs and timers, and this file.
-frozen = ["tests/**", "budgets/**", "ouro/lab/**", "ouro/bench/**", "ouro/ops/**/naive*.py",
+frozen = ["tests/**", "budgets/**", "ouro/lab/**", "ouro/bench/**", "ouro/agent/**", "ouro/ops/**/naive*.py",
           "ouro/ops/**/reference*.py", "agent.toml", ".ci/**", "pyproject.toml"]
+
+[checks]
+# Before a change is kept: these tests (pytest arguments, run in the agent's worktree) ...
+tests = ["tests/test_ops_kda.py", "tests/test_ops_dsa.py", "tests/test_ops_moe.py", "tests/test_engine.py"]
+# ... and a held-out sweep: this many numerics probes of ouro against transformers, each with a
+# seed, a prompt length and a serving configuration drawn when the change is submitted.
+heldout = 2
+
+[bench]
+# The A/B benchmark: the agent's tree against the one it started from, interleaved, medians.
+# A "metric" or "budget" goal measures its own scenario; this one serves a "probe" goal.
+scenario = "decode"
+metric = "decode_step_ms"
+direction = "lower"
+repeats = 5
 
 [risk]
 # A change touching these needs a person's approval (`ouro agent review`): the paths it edits
@@ -50,12 +68,17 @@ production = ["ouro/serve/**", "ouro/engine/scheduler.py", "ouro/config.py", "ou
               "ouro/serve/messages.py"]
 
 [limits]
-iterations = 20          # hypothesis -> edit -> check -> measure rounds
+iterations = 20          # submitted changes (hypothesis -> edit -> check -> measure rounds)
 wall_seconds = 3600
 tokens = 2000000         # prompt + completion tokens of the LLM
+tool_seconds = 900       # the longest one tool run (tests, a probe, a benchmark) may take
 '''
 
 RISK_CLASSES = ("numerics", "async", "production")
+GOALS = {"budget": ("budget",), "metric": ("metric", "direction", "scenario"), "probe": ("probe",)}
+LIMITS = {"iterations": 20, "wall_seconds": 3600, "tokens": 2_000_000, "tool_seconds": 900}
+CHECKS = {"tests": [], "heldout": 2}
+BENCH = {"scenario": "decode", "metric": "decode_step_ms", "direction": "lower", "repeats": 5}
 
 
 class ContractError(ValueError):
@@ -78,6 +101,8 @@ class Contract:
     frozen: list[str]
     risk: dict[str, list[str]]
     limits: dict = field(default_factory=dict)
+    checks: dict = field(default_factory=dict)
+    bench: dict = field(default_factory=dict)
 
     @classmethod
     def load(cls, path) -> "Contract":
@@ -92,9 +117,9 @@ class Contract:
     @classmethod
     def from_dict(cls, doc: dict, where: str = "the contract") -> "Contract":
         goal = doc.get("goal", {})
-        if goal.get("kind") not in ("budget", "metric"):
-            raise ContractError(f"{where}: [goal] kind must be \"budget\" or \"metric\", got {goal.get('kind')!r}")
-        need = ("budget",) if goal["kind"] == "budget" else ("metric", "direction", "scenario")
+        if goal.get("kind") not in GOALS:
+            raise ContractError(f"{where}: [goal] kind must be one of {', '.join(GOALS)}, got {goal.get('kind')!r}")
+        need = GOALS[goal["kind"]]
         missing = [k for k in need if not goal.get(k)]
         if missing:
             raise ContractError(f"{where}: a {goal['kind']} goal needs {', '.join(missing)} in [goal]")
@@ -112,12 +137,25 @@ class Contract:
                     except re.error as e:
                         raise ContractError(f"{where}: [risk] {name} pattern {pat!r} is not a regular expression: {e}") \
                             from None
-        limits = doc.get("limits", {})
-        bad = [k for k in ("iterations", "wall_seconds", "tokens") if k in limits
-               and (not isinstance(limits[k], int) or isinstance(limits[k], bool) or limits[k] <= 0)]
-        if bad:
-            raise ContractError(f"{where}: [limits] {bad[0]} must be a positive integer")
-        return cls(goal, list(paths["writable"]), list(paths.get("frozen", [])), risk, limits)
+        if goal["kind"] == "probe" and not (isinstance(goal["probe"], list) and goal["probe"]):
+            raise ContractError(f"{where}: [goal] probe must be the argument list of `ouro probe`")
+        limits = {**LIMITS, **doc.get("limits", {})}
+        checks = {**CHECKS, **doc.get("checks", {})}
+        bench = {**BENCH, **doc.get("bench", {})}
+        for section, values, keys in (("limits", limits, LIMITS), ("checks", checks, ("heldout",)),
+                                      ("bench", bench, ("repeats",))):
+            bad = [k for k in keys if not isinstance(values[k], int) or isinstance(values[k], bool)
+                   or values[k] < (0 if k == "heldout" else 1)]
+            if bad:
+                raise ContractError(f"{where}: [{section}] {bad[0]} must be a positive integer")
+        if not isinstance(checks["tests"], list):
+            raise ContractError(f"{where}: [checks] tests must be a list of pytest arguments")
+        if bench["direction"] not in ("lower", "higher"):
+            raise ContractError(f"{where}: [bench] direction must be \"lower\" or \"higher\"")
+        return cls(goal, list(paths["writable"]), list(paths.get("frozen", [])), risk, limits, checks, bench)
+
+    def model(self) -> str:
+        return self.goal.get("model", "tiny")
 
     def check_edit(self, path: str) -> None:
         """Raise EditRefused unless the agent may edit `path` (repository-relative)."""

@@ -37,12 +37,12 @@ class Reply:
 
 class LLMClient:
     def __init__(self, endpoint: str, model: str, api_key_env: str = "OURO_AGENT_API_KEY", max_retries: int = 4,
-                 backoff_s: float = 0.5, timeout_s: float = 120.0):
+                 backoff_s: float = 0.5, timeout_s: float = 120.0, max_tokens: int | None = None):
         try:
             from openai import OpenAI
         except ImportError:
             raise ValueError("the agent's LLM client needs the openai package: pip install -e '.[agent]'") from None
-        self.model, self.max_retries, self.backoff_s = model, max_retries, backoff_s
+        self.model, self.max_retries, self.backoff_s, self.max_tokens = model, max_retries, backoff_s, max_tokens
         self.client = OpenAI(base_url=endpoint, api_key=os.environ.get(api_key_env) or "none", max_retries=0,
                              timeout=timeout_s)
         self.tokens = {"prompt": 0, "completion": 0}
@@ -87,7 +87,8 @@ class LLMClient:
         import openai
         for attempt in range(self.max_retries + 1):
             try:
-                return self.client.chat.completions.create(model=self.model, messages=messages, tools=tools)
+                extra = {"max_tokens": self.max_tokens} if self.max_tokens else {}
+                return self.client.chat.completions.create(model=self.model, messages=messages, tools=tools, **extra)
             except (openai.APIConnectionError, openai.RateLimitError, openai.InternalServerError) as e:
                 if attempt == self.max_retries:
                     raise RuntimeError(f"the LLM endpoint failed {attempt + 1} times: {e}") from None

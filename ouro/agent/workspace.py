@@ -111,6 +111,24 @@ class Workspace:
     def diff(self) -> str:
         return cut(self._git("diff") or "[no changes]", self.limit)
 
+    def full_diff(self, since: str | None = None) -> str:
+        """The whole diff, uncut: the working change, or everything since commit `since`."""
+        return self._git("diff", since) if since else self._git("diff")
+
+    def changed_files(self) -> list[str]:
+        return [l for l in self._git("diff", "--name-only").splitlines() if l]
+
+    def head(self) -> str:
+        return self._git("rev-parse", "HEAD").strip()
+
+    def commit(self, message: str) -> str:
+        """Keep the working change: a commit on the worktree's detached HEAD (the user's branches
+        never move); later diffs and reverts are against it."""
+        self._git("-c", "user.name=ouro agent", "-c", "user.email=agent@ouro.invalid", "commit", "-q", "-a",
+                  "--no-verify", "-m", message)
+        self.edits = []
+        return self.head()
+
     def revert(self, path: str | None = None) -> str:
         self._git("checkout", "--", path or ".")
         self.edits = [e for e in self.edits if path is not None and e["path"] != path]
@@ -118,9 +136,12 @@ class Workspace:
 
     # ---- running ----
     def run_tests(self, selection: list[str], timeout_s: float = 900.0) -> str:
-        obs = run_bounded([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *selection], cwd=self.root,
-                          timeout_s=timeout_s, limit=self.limit)
-        return obs.render()
+        return self.tests(selection, timeout_s).render()
+
+    def tests(self, selection: list[str], timeout_s: float = 900.0):
+        """pytest on `selection` in the worktree: the Observation (passed: state done, exit 0)."""
+        return run_bounded([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *selection], cwd=self.root,
+                           timeout_s=timeout_s, limit=self.limit, env=_env(self.root))
 
     def run_probe(self, args: list[str], timeout_s: float = 600.0) -> tuple[str, list[dict]]:
         """`ouro probe ARGS` in the workspace; (observation, findings)."""

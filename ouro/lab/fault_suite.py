@@ -67,13 +67,13 @@ def lab_tests(root: str) -> list[str]:
     return sorted(f"tests/{n}" for n in os.listdir(tests) if n.startswith("test_lab_")) if os.path.isdir(tests) else []
 
 
-def run_tests(root: str, timeout: float = 1800.0) -> dict:
-    """The sparse baseline: the default test suite on the copy, stopping at the first failure,
-    without the lab's own tests (they are dense feedback: each probe checks clean ouro, and the
-    fault suite's tests fail on a patched copy by construction)."""
+def run_tests(root: str, timeout: float = 1800.0, selection: list[str] | None = None) -> dict:
+    """The sparse baseline: the default test suite on the copy (or a selection of it), stopping
+    at the first failure, without the lab's own tests (they are dense feedback: each probe checks
+    clean ouro, and the fault suite's tests fail on a patched copy by construction)."""
     t0 = time.perf_counter()
     try:
-        p = _run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+        p = _run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *(selection or []),
                   *[f"--ignore={t}" for t in lab_tests(root)]], root, timeout)
     except subprocess.TimeoutExpired:
         return {"tests": "timeout", "tests_seconds": timeout}
