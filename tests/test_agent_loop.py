@@ -112,24 +112,36 @@ def test_a_run_fixes_a_planted_fault_end_to_end(endpoint, tmp_path):
     assert "fixed" in r["ended"] and "1/1 solved" in table
 
 
-def test_an_edit_that_breaks_correctness_is_reverted(endpoint, tmp_path):
+def test_edits_that_break_correctness_are_reverted(endpoint, tmp_path):
+    """One the contract's tests catch, and one they miss that the held-out sweep catches."""
     repo = make_repo(tmp_path)
     line = FAULTS["recurrent_step_beta_scaled"].replace[0][0]
+    mlp = "return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))"
     endpoint.script += [
         call("hypothesis", hypothesis="halving the update is free speed"),
         call("edit", path="ouro/ops/kda/recurrent.py", old=line, new=line.replace("u = beta", "u = 0.5 * beta")),
         call("submit", summary="cheaper update"),
         call("diff"),
+        call("hypothesis", hypothesis="the shared expert's output can be damped"),
+        call("edit", path="ouro/layers/moe.py", old=mlp, new=mlp.replace("return self", "return 0.9 * self")),
+        call("run_tests", tests=KDA_TESTS),
+        call("submit", summary="damped"),
         call("finish", summary="nothing else"),
     ]
-    out = AgentRun(repo, contract(DECODE_GOAL), LLMClient(endpoint.url, "scripted"), seed=1).run()
-    assert out.decisions == ["reverted"] and open(out.final_patch).read() == ""
-    verdict = json.loads(endpoint.tool_results()[2].split("\n[done")[0])
+    out = AgentRun(repo, contract(DECODE_GOAL, heldout=1), LLMClient(endpoint.url, "scripted"), seed=1).run()
+    results = endpoint.tool_results()
+    assert out.decisions == ["reverted", "reverted"] and open(out.final_patch).read() == ""
+    verdict = json.loads(results[2].split("\n[done")[0])
     assert verdict["decision"] == "reverted" and verdict["correctness"]["tests"] == "failed"
-    assert "failed" in endpoint.tool_results()[2]                      # the model sees the failing test
-    assert endpoint.tool_results()[3] == "[no changes]"                # the tree is back at the kept state
+    assert "failed" in results[2]                                      # the model sees the failing test
+    assert results[3] == "[no changes]"                                # the tree is back at the kept state
+    assert results[6].startswith("[done, exit 0")                      # the tests miss the second edit ...
+    verdict = json.loads(results[7].split("\n[{")[0])
+    held = verdict["correctness"]["heldout"]                           # ... the held-out sweep does not
+    assert verdict["correctness"]["tests"] == "passed" and not held["passed"] and held["cases"][0]["findings"]
+    assert "held-out" in verdict["why"] and verdict["measurement"] is None      # reverted before measuring
     rows = journal(out)
-    assert [x["decision"] for x in rows] == ["none", "reverted", "stopped"]
+    assert [x["decision"] for x in rows] == ["none", "reverted", "reverted", "stopped"]
     assert git(repo, "status", "--porcelain") == ""                   # the user's tree is untouched
 
 
@@ -202,3 +214,27 @@ def test_a_real_ouro_serve_whose_replies_are_not_tool_calls_ends_cleanly(tmp_pat
     assert [x["decision"] for x in rows] == ["none", "stopped"]
     assert rows[-1]["measurement"]["invalid_replies"] == 3
     assert git(repo, "status", "--porcelain") == "" and len(git(repo, "worktree", "list").splitlines()) == 1
+
+
+def test_sparse_feedback_through_the_cli_hides_the_lab(endpoint, tmp_path):
+    """`ouro agent run --feedback sparse`: no probe tool, and tests say only pass or fail."""
+    from ouro.agent.review import latest_run
+    from ouro.cli import main
+    repo = make_repo(tmp_path)
+    text = DEFAULT.replace('tests = ["tests/test_ops_kda.py", "tests/test_ops_dsa.py", "tests/test_ops_moe.py", '
+                           '"tests/test_engine.py"]', f"tests = {json.dumps(KDA_TESTS)}")
+    assert text != DEFAULT
+    (tmp_path / "agent.toml").write_text(text.replace("heldout = 2", "heldout = 0"))
+    endpoint.script += [call("run_probe", args=["redundancy", "--model", "tiny"]),
+                        call("run_tests", tests=KDA_TESTS), call("finish", summary="done")]
+    assert main(["agent", "run", "--endpoint", endpoint.url, "--model", "scripted", "--repo", repo,
+                 "--contract", str(tmp_path / "agent.toml"), "--feedback", "sparse", "--iterations", "2"]) == 0
+    names = {t["function"]["name"] for t in endpoint.seen[0]["tools"]}
+    assert "run_probe" not in names and {"run_tests", "run_benchmark", "submit", "edit"} <= names
+    assert "no tool 'run_probe'" in endpoint.seen[1]["messages"][-1]["content"]      # the correction
+    assert endpoint.tool_results() == ["tests: passed"]
+    start = endpoint.seen[0]["messages"][1]["content"]
+    assert "offline_tok_s" in start and "tests: passed" in start and "finding" not in start
+    rows = read(f"{latest_run(repo)}/journal.jsonl")
+    assert [x["decision"] for x in rows] == ["none", "stopped"] and rows[-1]["measurement"]["invalid_replies"] == 1
+    assert main(["agent", "review", "--repo", repo]) == 0

@@ -355,8 +355,11 @@ class AgentRun:
                     messages.append({"role": "tool", "tool_call_id": tc["id"], "content": reply.correction or
                                      "that call was not usable (unknown tool or arguments that are not a JSON object)"})
             for call in reply.calls:
-                self.say(f"tool {call.name}")
+                self.say(f"running {call.name}")
+                t = time.monotonic()
                 obs = box.call(call.name, call.arguments)
+                self.say(f"{call.name}: {'timed-out' if obs.startswith('[timed-out') else 'done'} "
+                         f"in {time.monotonic() - t:.1f} s")
                 messages.append({"role": "tool", "tool_call_id": call.id, "content": obs})
                 if self.done:
                     return self._stop(f"the model finished: {self.done}")
