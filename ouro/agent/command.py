@@ -9,6 +9,7 @@ eval     the agent against the lab's planted faults, with dense or sparse feedba
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -53,9 +54,10 @@ def add_agent_parser(sub) -> None:
     _endpoint_args(ev)
     ev.add_argument("--faults", action="store_true", required=True, help="evaluate on the lab's fault suite")
     ev.add_argument("--only", default=None, help="comma-separated fault names (default: all)")
-    ev.add_argument("--tests", nargs="*", default=None, help="the contract's test selection during each run")
-    ev.add_argument("--score-tests", nargs="*", default=None,
-                    help="the tests scored at the end (default: the whole default suite without the lab's)")
+    ev.add_argument("--tests", type=shlex.split, default=None,
+                    help='the contract\'s pytest selection during each run, one string: "tests/test_ops_kda.py -k step"')
+    ev.add_argument("--score-tests", type=shlex.split, default=None,
+                    help="the pytest selection scored at the end (default: the whole default suite without the lab's)")
     ev.add_argument("--json", default=None, metavar="FILE", help="write the rows as JSON")
     ev.add_argument("--timeout", type=float, default=300.0, help="seconds per scoring probe")
     ev.set_defaults(func=_cmd_eval)

@@ -103,6 +103,8 @@ def format_rows(rows: list[dict]) -> str:
     n = len(rows)
     lines.append(f"\n{sum(r['solved'] for r in rows)}/{n} solved; {sum(r['tokens'] for r in rows)} tokens, "
                  f"{sum(r['seconds'] for r in rows):.0f} s in all")
+    if rows:
+        lines.append(f"journals: {os.path.dirname(os.path.dirname(rows[0]['journal']))}/*/journal.md")
     return "\n".join(lines)
 
 

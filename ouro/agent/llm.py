@@ -36,7 +36,7 @@ class Reply:
 
 
 class LLMClient:
-    def __init__(self, endpoint: str, model: str, api_key_env: str = "OURO_AGENT_API_KEY", max_retries: int = 4,
+    def __init__(self, endpoint: str, model: str, api_key_env: str = "OURO_AGENT_API_KEY", max_retries: int = 6,
                  backoff_s: float = 0.5, timeout_s: float = 120.0, max_tokens: int | None = None):
         try:
             from openai import OpenAI
@@ -81,7 +81,9 @@ class LLMClient:
             self.invalid += 1
             why = "; ".join(problems) or "the reply called no tool"
             correction = f"That reply was not a usable tool call: {why}. Answer with one call to one of the tools."
-        return Reply(msg.content or "", calls, correction, message)
+        # a reasoning model's thinking comes apart from its content (GLM, DeepSeek): either says what it meant
+        said = msg.content or getattr(msg, "reasoning_content", None) or ""
+        return Reply(said, calls, correction, message)
 
     def _create(self, messages, tools):
         import openai
