@@ -183,6 +183,24 @@ class Contract:
                     break
         return out
 
+    def diff_risk_classes(self, diff: str) -> list[str]:
+        """The risk classes of a whole unified diff: each file by its path and its changed lines."""
+        return sorted({r for path, lines in changed_lines(diff).items() for r in self.risk_classes(path, lines)})
+
+
+def changed_lines(diff: str) -> dict[str, list[str]]:
+    """file -> the lines a unified diff adds or removes."""
+    out, path = {}, None
+    for line in diff.splitlines():
+        if line.startswith(("+++ ", "--- ")):
+            name = line[4:].strip()
+            if name != "/dev/null":
+                path = re.sub(r"^[ab]/", "", name)
+                out.setdefault(path, [])
+        elif path and line[:1] in "+-":
+            out[path].append(line[1:])
+    return out
+
 
 def write_default(path, force: bool = False) -> Path:
     p = Path(path)

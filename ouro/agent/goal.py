@@ -33,12 +33,14 @@ class Goal:
             return cls("probe", f"make `ouro probe {' '.join(g['probe'])}` report no warnings or errors, "
                        "without making the code slower", b["scenario"], b["metric"], b["direction"],
                        probe=list(g["probe"]))
-        from ..lab.budgets import default_path, load_budgets, names_in
+        import ast
+        from ..lab.budgets import default_path, load_budgets, names_in, parse_check
         budget = next((x for x in load_budgets(default_path()) if x["name"] == g["budget"]), None)
         if budget is None:
             raise ValueError(f"the contract's budget {g['budget']!r} is not in {default_path()}")
-        metric = names_in(budget["check"].split("<")[0].split(">")[0])[0]
-        direction = "lower" if "<" in budget["check"] else "higher"
+        check = parse_check(budget["check"]).body            # "left <= right": left is what to move
+        metric = names_in(ast.unparse(check.left))[0]
+        direction = "lower" if isinstance(check.ops[0], (ast.Lt, ast.LtE)) else "higher"
         return cls("budget", f"make the budget {budget['name']!r} pass: {budget['check']}",
                    budget["scenario"], metric, direction, check=budget["check"])
 

@@ -1,19 +1,11 @@
-"""The agent's loop: baseline -> hypothesis -> edits -> submit -> correctness -> measurement ->
-keep, revert or park, until the model finishes or a limit is reached.
+"""The agent's loop: baseline -> hypothesis -> edits -> submit -> keep, revert or park, until the
+model finishes or a limit is reached (docs/agent.md).
 
-The model works in a detached git worktree (`Workspace`); a second worktree holds the last kept
-state, which the A/B benchmark measures against. A submitted change is judged by the harness,
-never by the model:
-1. integrity: every changed file must be writable and not frozen (the tests, the lab, the
-   benchmarks' inputs and timer stay as they were);
-2. correctness: the contract's tests, then a held-out numerics sweep against transformers with
-   a seed, a prompt length and a configuration drawn now;
-3. measurement: the A/B benchmark and the goal's own check (the goal probe's findings, the
-   budget's check, the metric's verdict); a change that makes no progress is reverted;
-4. a change in a risk class (numerics, async, production) is parked for `ouro agent review`
-   with its patch and evidence, not kept; anything else is kept as a commit.
-Every step goes to the journal. Only the final state counts: `final.patch` in the run's folder
-is what the user may apply; the user's tree is never touched.
+The model works in a detached git worktree; a second one holds the last kept state, which the
+A/B benchmark measures against. The harness, never the model, judges a submission: integrity
+(writable, not frozen), the contract's tests, a held-out numerics sweep drawn now, the A/B
+benchmark and the goal's own check; a change in a risk class is parked, not kept. Only the final
+state counts: the run's `final.patch`. The user's tree is never touched.
 """
 
 from __future__ import annotations
@@ -21,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import sys
 import time
 import uuid
@@ -32,6 +23,7 @@ from .bounded import cut
 from .contract import Contract, EditRefused
 from .goal import Goal
 from .journal import Journal
+from .review import park
 from .review import runs_dir as runs_root
 from .measure import BenchError, ab_benchmark, draw_heldout, heldout_sweep, measure_once
 from .tools import Toolbox, schemas
@@ -65,20 +57,6 @@ class Outcome:
     invalid_replies: int = 0
     final_patch: str = ""
     parked: list = field(default_factory=list)
-
-
-def _changed_lines(diff: str) -> dict[str, list[str]]:
-    """file -> the lines a unified diff adds or removes."""
-    out, path = {}, None
-    for line in diff.splitlines():
-        if line.startswith("+++ ") or line.startswith("--- "):
-            name = line[4:].strip()
-            if name != "/dev/null":
-                path = re.sub(r"^[ab]/", "", name)
-                out.setdefault(path, [])
-        elif path and line[:1] in "+-" and not line.startswith(("+++", "---")):
-            out[path].append(line[1:])
-    return out
 
 
 class AgentRun:
@@ -194,8 +172,7 @@ class AgentRun:
         except EditRefused as e:
             self.ws.revert()
             return self._decide(entry, "refused", f"integrity: {e}", None, "reverted; frozen paths stay as they were")
-        risks = sorted({r for path, lines in _changed_lines(diff).items()
-                        for r in self.contract.risk_classes(path, lines)})
+        risks = self.contract.diff_risk_classes(diff)
         self.say(f"submission {self.iterations}: running the contract's tests")
         tests = self._tests(self.ws)
         correctness = {"tests": "passed" if tests["passed"] else "failed"}
@@ -219,20 +196,15 @@ class AgentRun:
             self.ws.revert()
             return self._decide(entry, "reverted", correctness, {"error": str(e)}, f"the benchmark failed: {e}")
         measurement = {"ab": {k: v for k, v in ab.items() if k != "medians"}}
-        progress, why = self._progress(ab, measurement)
+        progress, why, standing = self._progress(ab, measurement)
         measurement["progress"] = why
         if not progress:
             self.ws.revert()
             return self._decide(entry, "reverted", correctness, measurement, f"no progress ({why}); reverted")
         if risks:
-            n = len(self.parked) + 1
-            pdir = self.dir / "parked"
-            pdir.mkdir(exist_ok=True)
-            (pdir / f"{n}.patch").write_text(diff)
-            evidence = {"id": n, "status": "parked", "risk": risks, "summary": summary, "files": files,
-                        "base": self.ws.head(), "correctness": correctness, "measurement": measurement,
-                        "hypothesis": entry["hypothesis"]}
-            (pdir / f"{n}.json").write_text(json.dumps(evidence, indent=1))
+            n = park(self.dir, diff, {"risk": risks, "summary": summary, "files": files, "base": self.ws.head(),
+                                      "correctness": correctness, "measurement": measurement,
+                                      "hypothesis": entry["hypothesis"]})
             self.parked.append(n)
             self.ws.revert()
             return self._decide(entry, "parked", correctness, measurement,
@@ -240,35 +212,35 @@ class AgentRun:
                                 "the tree goes on without it")
         commit = self.ws.commit(f"agent: {summary or entry['hypothesis'] or 'change'}"[:200])
         self.base._git("checkout", "-q", "--detach", commit)
-        self.state.update(self._new_state)
+        self.state.update(standing)
         return self._decide(entry, "kept", correctness, measurement, f"kept ({why})")
 
-    def _progress(self, ab: dict, measurement: dict) -> tuple[bool, str]:
-        self._new_state = {"measurements": ab["medians"]["candidate"]}
+    def _progress(self, ab: dict, measurement: dict) -> tuple[bool, str, dict]:
+        new = {"measurements": ab["medians"]["candidate"]}
         if ab["verdict"] == "worse":
-            return False, f"slower: {ab['text']}"
+            return False, f"slower: {ab['text']}", new
         if self.feedback == "sparse":
             was = self.state.get("tests")
-            self._new_state["tests"] = True
+            new["tests"] = True
             if was is False:
-                return True, "the tests passed, which failed before"
-            return ab["verdict"] == "better", ab["text"]
+                return True, "the tests passed, which failed before", new
+            return ab["verdict"] == "better", ab["text"], new
         if self.goal.kind == "probe":
             self.say(f"submission {self.iterations}: the goal probe")
             now, before = self._probe_findings(self.ws), self.state.get("findings", [])
             measurement["probe"] = {"before": len(before), "after": len(now),
                                     "findings": [f"{f['severity']}: {f['summary']}" for f in now][:5]}
-            self._new_state["findings"] = now
+            new["findings"] = now
             if len(now) < len(before):
-                return True, f"the goal probe's warnings/errors went from {len(before)} to {len(now)}"
-            return ab["verdict"] == "better", f"the goal probe still reports {len(now)}; {ab['text']}"
+                return True, f"the goal probe's warnings/errors went from {len(before)} to {len(now)}", new
+            return ab["verdict"] == "better", f"the goal probe still reports {len(now)}; {ab['text']}", new
         if self.goal.kind == "budget":
             met = self.goal.met_by(ab["medians"]["candidate"])
-            self._new_state["met"] = met
+            new["met"] = met
             measurement["budget_met"] = met
             if met and not self.state.get("met"):
-                return True, f"the budget is met now; {ab['text']}"
-        return ab["verdict"] == "better", ab["text"]
+                return True, f"the budget is met now; {ab['text']}", new
+        return ab["verdict"] == "better", ab["text"], new
 
     def _decide(self, entry: dict, decision: str, correctness, measurement, told: str, detail: str = "") -> str:
         nxt = {"kept": "go on from the kept state", "parked": "go on without the parked change",

@@ -23,6 +23,9 @@ import time
 from ..lab.ab import verdict_from_times
 
 
+MIN_PAIRS = 3
+
+
 class BenchError(RuntimeError):
     """A side of the benchmark failed or did not answer in time."""
 
@@ -71,7 +74,6 @@ def ab_benchmark(base_root, cand_root, model_dir, scenario: str, metric: str, di
     measurement's own direction."""
     deadline = time.monotonic() + timeout_s
     sides = {"baseline": _Side(base_root, model_dir, "baseline"), "candidate": _Side(cand_root, model_dir, "candidate")}
-    values = {"baseline": [], "candidate": []}
     every = {"baseline": {}, "candidate": {}}      # every measurement of the scenario, for a budget's check
     try:
         for s in sides.values():
@@ -83,17 +85,19 @@ def ab_benchmark(base_root, cand_root, model_dir, scenario: str, metric: str, di
                 if metric not in m:
                     raise BenchError(f"scenario {scenario!r} measures {', '.join(sorted(m))}, not {metric!r}")
                 if i:
-                    values[name].append(float(m[metric]))
                     for k, x in m.items():
                         every[name].setdefault(k, []).append(float(x))
     finally:
         for s in sides.values():
             s.close()
+    values = {side: every[side][metric] for side in every}
     # the verdict helper compares times (lower is better): a "higher" measurement compares inverses
     key = (lambda x: x) if direction == "lower" else (lambda x: 1.0 / x if x else float("inf"))
     v = verdict_from_times([key(x) for x in values["baseline"]], [key(x) for x in values["candidate"]],
                            "baseline", "candidate", min_effect=min_effect)
-    word = {"faster": "better", "slower": "worse"}.get(v.verdict, "no difference")
+    # a bootstrap over one or two pairs is their range, not an interval: too few to tell a change from noise
+    word = {"faster": "better", "slower": "worse"}.get(v.verdict, "no difference") if repeats >= MIN_PAIRS \
+        else "no difference"
     base_med, cand_med = statistics.median(values["baseline"]), statistics.median(values["candidate"])
     return {"scenario": scenario, "metric": metric, "direction": direction, "baseline": base_med,
             "candidate": cand_med, "ratio": cand_med / base_med if base_med else None,

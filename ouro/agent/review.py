@@ -45,6 +45,16 @@ def show(run: Path) -> str:
     return "\n".join(lines)
 
 
+def park(run: Path, diff: str, evidence: dict) -> int:
+    """Keep a change in a risk class for a person: its patch and its evidence, as #N of the run."""
+    d = Path(run) / "parked"
+    d.mkdir(parents=True, exist_ok=True)
+    n = len(list(d.glob("*.json"))) + 1
+    (d / f"{n}.patch").write_text(diff)
+    (d / f"{n}.json").write_text(json.dumps({"id": n, "status": "parked", **evidence}, indent=1))
+    return n
+
+
 def _git_apply(repo, patch: Path) -> None:
     check = subprocess.run(["git", "apply", "--check", str(patch)], cwd=repo, capture_output=True, text=True)
     if check.returncode:
