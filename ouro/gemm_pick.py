@@ -12,6 +12,7 @@ dtype choice (`$OURO_CACHE/gemm_pick.json`). `OURO_GEMM_PICK=linear|transposed|p
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import time
@@ -22,6 +23,8 @@ import torch.nn.functional as F
 
 from . import machine_cache
 from .machine_cache import machine_key
+
+log = logging.getLogger(__name__)
 
 FORMS = ("linear", "transposed", "packed")
 GAIN = 1.15
@@ -48,9 +51,51 @@ def _count_packed_flops():
 
 
 def packable(weight) -> bool:
-    """oneDNN runs this weight: a 2-D float32/bfloat16 CPU tensor, in a torch built with it."""
+    """oneDNN runs this weight: a 2-D float32/bfloat16 CPU tensor, in a torch built with it, on a CPU
+    whose oneDNN build takes that dtype (`form_runs`: bf16 needs AVX-512 or AVX-NE-CONVERT)."""
     return (weight.device.type == "cpu" and weight.dim() == 2 and weight.dtype in (torch.float32, torch.bfloat16)
-            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and form_runs("packed", weight.dtype, str(weight.device)) is None)
+
+
+# (form, dtype, device) -> None where the form runs here and agrees with a float64 product, else why not
+_RUNS: dict = {}
+PROBE_SHAPE = (3, 40, 24)        # rows, in, out: odd sizes, so a kernel's tail handling runs too
+
+
+def form_runs(form: str, dtype, device: str = "cpu") -> str | None:
+    """None when `form` computes a small product in `dtype` on `device` on this machine and agrees
+    with a float64 product; otherwise the reason (the kernel's error, or its error against the
+    reference). Every form is checked this way before `available_forms` offers it: a torch build
+    can have a kernel that this CPU cannot run (oneDNN's bf16 reorder raises on an AVX2-only CPU),
+    and no choice is made on what a form's name promises. Checked once per process."""
+    key = (form, dtype, device)
+    if key not in _RUNS:
+        _RUNS[key] = _probe(form, dtype, device)
+        if _RUNS[key] is not None:
+            # said once: with bf16 on an AVX2-only CPU the products fall back to F.linear (slow, emulated)
+            log.warning("gemm_pick: the %s form is not offered for %s on this machine (%s); --dtype auto "
+                        "measures which dtype runs fast here", form, dtype, _RUNS[key])
+    return _RUNS[key]
+
+
+def _probe(form: str, dtype, device: str) -> str | None:
+    rows, k, n = PROBE_SHAPE
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(n, k, generator=gen).to(device=device, dtype=dtype)
+    x = torch.randn(rows, k, generator=gen).to(device=device, dtype=dtype)
+    try:
+        with torch.no_grad():
+            out = product(x, w, form, pack(w) if form == "packed" else None)
+    except Exception as e:                         # noqa: BLE001 - any failure means "not here"
+        cpu = torch.backends.cpu.get_cpu_capability() if device == "cpu" else device
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} (CPU capability {cpu})"
+    ref = x.double() @ w.double().T
+    err = ((out.double() - ref).norm() / ref.norm()).item()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    if not (out.shape == ref.shape and err < tol):     # NaN fails too
+        return f"wrong result: relative error {err:.3g} against float64 (limit {tol:g})"
+    return None
 
 
 def pack(weight):
@@ -159,7 +204,10 @@ def form_for(forms: list[str], rows: int) -> str:
 
 
 def available_forms(weight) -> tuple[str, ...]:
-    return FORMS if packable(weight) else tuple(f for f in FORMS if f != "packed")
+    """The forms offered for `weight`: `linear` (the fallback), and every other form that runs and
+    agrees with a reference here (`form_runs`; `packed` needs oneDNN too)."""
+    return tuple(f for f in FORMS if f == "linear" or (packable(weight) if f == "packed" else
+                                                        form_runs(f, weight.dtype, str(weight.device)) is None))
 
 
 def pick_forms(weight, timer=None, label: str = "") -> list[str]:

@@ -10,7 +10,9 @@ import torch
 from ouro import gemm_pick
 from ouro.layers.linear import Linear
 
-FORMS = [f for f in gemm_pick.FORMS if f != "packed" or gemm_pick.packable(torch.zeros(2, 2))]
+# the forms this machine runs, asked the way the code asks (no test assumes a CPU feature)
+FORMS = list(gemm_pick.available_forms(torch.zeros(2, 2)))
+BF16_FORMS = list(gemm_pick.available_forms(torch.zeros(2, 2, dtype=torch.bfloat16)))
 
 
 @pytest.mark.parametrize("form", FORMS)
@@ -29,6 +31,48 @@ def test_every_form_gives_the_linear_result_at_every_row_count(form, shape):
             err = ((out - ref).norm() / ref.norm()).item()
             assert err < 1e-6, (lead, form, err)
         assert layer(torch.randn(0, shape[0])).shape == (0, shape[1])
+
+
+@pytest.mark.parametrize("form", BF16_FORMS)
+def test_every_form_offered_for_bfloat16_runs_here(form):
+    """On a CPU whose oneDNN cannot take bf16 (AVX2 only) `packed` is not offered for bf16 weights;
+    what is offered runs and rounds like bf16 against a float64 product."""
+    torch.manual_seed(0)
+    layer = Linear(64, 40, bias=False).to(torch.bfloat16)
+    layer.forms = [form] * len(gemm_pick.ROWS)
+    with torch.no_grad():
+        for rows in (1, 5, 33):
+            x = torch.randn(rows, 64).to(torch.bfloat16)
+            ref = x.double() @ layer.weight.double().T
+            err = ((layer(x).double() - ref).norm() / ref.norm()).item()
+            assert err < 2e-2, (form, rows, err)
+
+
+def test_a_form_that_raises_here_is_not_offered_and_a_pin_falls_back(monkeypatch):
+    """A torch build can carry a kernel this CPU cannot run: oneDNN's bf16 reorder raises on an
+    AVX2-only CPU. The form is probed before it is offered, the reason is kept, nothing raises."""
+    def refuse(weight):
+        raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx512bw")
+    monkeypatch.setattr(gemm_pick, "_RUNS", {})
+    monkeypatch.setattr(gemm_pick, "pack", refuse)
+    w = torch.zeros(8, 4)
+    assert "packed" not in gemm_pick.available_forms(w) and not gemm_pick.packable(w)
+    assert "avx512bw" in gemm_pick.form_runs("packed", torch.float32)
+    monkeypatch.setenv("OURO_GEMM_PICK", "packed")
+    assert gemm_pick.pick_forms(w) == ["linear"] * len(gemm_pick.ROWS)
+
+
+def test_a_form_that_computes_wrongly_here_is_not_offered(monkeypatch):
+    real = gemm_pick.product
+
+    def off(x, weight, form, packed=None):
+        out = real(x, weight, form, packed)
+        return out * 1.01 if form == "transposed" else out     # a kernel that runs but miscomputes
+    monkeypatch.setattr(gemm_pick, "_RUNS", {})
+    monkeypatch.setattr(gemm_pick, "product", off)
+    assert "wrong result" in gemm_pick.form_runs("transposed", torch.float32)
+    assert "transposed" not in gemm_pick.available_forms(torch.zeros(8, 4))
+    assert gemm_pick.form_runs("linear", torch.float32) is None
 
 
 def test_packed_copy_follows_in_place_weight_changes():
