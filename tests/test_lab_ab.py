@@ -18,6 +18,20 @@ def test_verdicts_from_times():
     assert same.low <= 1.0 <= same.high
 
 
+def test_paired_rounds_see_through_a_drifting_machine():
+    """Each round runs both sides; the machine slows by rounds (0.5x to 2x). B costs 6% more in
+    every round: resampling rounds whole says so, resampling each side alone drowns it in the drift."""
+    drift = [0.5, 2.0, 0.7, 1.6, 1.0, 0.6, 1.8, 1.2, 0.9]
+    a = [d * 1.00 for d in drift]
+    b = [d * 1.06 for d in drift]
+    paired = verdict_from_times(a, b, paired=True)
+    loose = verdict_from_times(a, b)
+    assert paired.verdict == "slower" and paired.low == pytest.approx(1.06) == paired.high
+    assert loose.verdict == "no difference" and loose.low < 1 < loose.high
+    with pytest.raises(ValueError, match="as many times"):
+        verdict_from_times(a, b[:-1], paired=True)
+
+
 def test_small_effect_within_noise_is_no_difference():
     """A 1% shift inside 10% scatter is not a verdict; the same shift without scatter is below the
     minimum effect (2%) and is not one either."""

@@ -99,3 +99,33 @@ def test_default_budgets_load():
 def test_clean_ouro_passes_the_default_budgets():
     findings = budgets.check_budgets()
     assert [f.summary for f in findings if f.severity != "info"] == []
+
+
+def test_a_check_over_a_noisy_measurement_is_judged_on_its_whole_interval():
+    check = "pd_overhead <= 0.05"
+    assert budgets.interval_verdict(check, {"pd_overhead": 0.02}, {"pd_overhead": [0.01, 0.04]}) == "met"
+    assert budgets.interval_verdict(check, {"pd_overhead": 0.02}, {"pd_overhead": [-0.1, 0.12]}) == "inconclusive"
+    assert budgets.interval_verdict(check, {"pd_overhead": 0.08}, {"pd_overhead": [0.06, 0.1]}) == "failed"
+    assert budgets.interval_verdict(check, {"pd_overhead": 0.02}, {}) == "met"      # no interval: the value
+    two = "a <= 2 * b"                                                              # every corner counts
+    assert budgets.interval_verdict(two, {"a": 1, "b": 1}, {"a": [0.5, 1.5], "b": [0.8, 1.2]}) == "met"
+    assert budgets.interval_verdict(two, {"a": 1, "b": 1}, {"a": [0.5, 1.9], "b": [0.9, 1.2]}) == "inconclusive"
+
+
+@pytest.mark.parametrize("interval, verdict, severity", [([0.01, 0.04], "met", "info"),
+                                                         ([-0.12, 0.13], "inconclusive", "warning"),
+                                                         ([0.06, 0.11], "failed", "warning")])
+def test_a_budget_that_would_pass_by_chance_is_not_passed(tmp_path, monkeypatch, interval, verdict, severity):
+    """The finding carries the verdict, the interval and the scenario's A/B verdicts: a median
+    under the bound with an interval across it is inconclusive, not a pass."""
+    ab = {"pd_overhead": {"verdict": "no difference", "low": 1 + interval[0], "high": 1 + interval[1]}}
+
+    def fake(scenario, model_dir, url=None, api_key=None):
+        return {"measurements": {"pd_overhead": 0.03}, "intervals": {"pd_overhead": interval}, "verdicts": ab,
+                "trace": None, "seconds": 0.0}
+    monkeypatch.setattr(budgets, "measure", fake)
+    path = write(tmp_path, '[[budget]]\nname = "pd"\nscenario = "pd"\ncheck = "pd_overhead <= 0.05"\n')
+    (f,) = budgets.check_budgets(path, model="tiny")
+    assert f.severity == severity and f.evidence["verdict"] == verdict and f.evidence["ab"] == ab
+    assert f.measured["intervals"] == {"pd_overhead": interval} and verdict.split()[0] in f.summary.replace(
+        "passed", "met")

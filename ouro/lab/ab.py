@@ -40,17 +40,26 @@ def _mad(xs: list[float]) -> float:
 
 
 def verdict_from_times(times_a: list[float], times_b: list[float], label_a: str = "A", label_b: str = "B",
-                       min_effect: float = 0.02, resamples: int = 2000, seed: int = 0) -> Verdict:
+                       min_effect: float = 0.02, resamples: int = 2000, seed: int = 0, paired: bool = False) -> Verdict:
     """Verdict from measured times. B is called faster only when the whole 95% interval of the
-    ratio of medians lies below 1 - min_effect (slower: above 1 + min_effect)."""
+    ratio of medians lies below 1 - min_effect (slower: above 1 + min_effect). `paired`: times_a[i]
+    and times_b[i] were measured side by side (one round), so rounds are resampled whole and a
+    slow stretch of the machine, which slows both sides of its rounds, does not widen the interval."""
     if not times_a or not times_b:
         raise ValueError("an A/B verdict needs at least one time on each side")
+    if paired and len(times_a) != len(times_b):
+        raise ValueError(f"a paired verdict needs as many times on each side, got {len(times_a)} and {len(times_b)}")
     ma, mb = statistics.median(times_a), statistics.median(times_b)
     rng = random.Random(seed)
     ratios = []
     for _ in range(resamples):
-        ra = statistics.median(rng.choices(times_a, k=len(times_a)))
-        rb = statistics.median(rng.choices(times_b, k=len(times_b)))
+        if paired:
+            idx = rng.choices(range(len(times_a)), k=len(times_a))
+            ra = statistics.median(times_a[i] for i in idx)
+            rb = statistics.median(times_b[i] for i in idx)
+        else:
+            ra = statistics.median(rng.choices(times_a, k=len(times_a)))
+            rb = statistics.median(rng.choices(times_b, k=len(times_b)))
         ratios.append(rb / ra if ra > 0 else float("inf"))
     ratios.sort()
     low, high = ratios[int(0.025 * resamples)], ratios[int(0.975 * resamples) - 1]

@@ -9,7 +9,11 @@
 
 `check` is parsed with `ast` and may hold only measurement names, numbers, + - * / (and unary
 minus) and comparisons. Each scenario runs once per model with the span tracer on; a failing
-budget is a finding carrying the measurements and the scenario's worst intervals.
+budget is a finding carrying the measurements and the scenario's worst intervals. A scenario that
+repeats its measurement gives each measurement's 95% interval (`intervals`); a check over such
+measurements is `met` only where it holds over the whole interval, `failed` where it holds nowhere
+in it, and otherwise `inconclusive` (a finding too: a budget that passes by chance gates nothing).
+The verdict and the scenario's A/B verdicts are in the finding's evidence.
 
 With `--url URL` the serve scenario's measurements (ttft_p50_ms, tpot_ms) come from that running
 server (traced on demand by /start_trace and /stop_trace) instead of a server started here; the
@@ -207,20 +211,37 @@ def check_budgets(path: str | None = None, model: str | None = None, url: str | 
         r = results[key(b["scenario"], name)]
         used = {n: round(values[n], 4) if isinstance(values.get(n), float) else values.get(n)
                 for n in names_in(b["check"])}
-        ok = evaluate(b["check"], values)
+        intervals = {n: r2 for sc in needed for n, r2 in results[key(sc, name)].get("intervals", {}).items()
+                     if n in used}
+        verdict = interval_verdict(b["check"], values, intervals)
         both = sides(b["check"], values)
         measured = {**used, **({"left": round(both["left"], 4), "right": round(both["right"], 4)} if both else {})}
-        if ok:
+        if intervals:
+            measured["intervals"] = {n: [round(lo, 4), round(hi, 4)] for n, (lo, hi) in intervals.items()}
+        extra = {"verdict": verdict, **({"ab": r["verdicts"]} if r.get("verdicts") else {})}
+        if verdict == "met":
             passed.append(Finding(PROBE, "info", f"budget passed: {b['name']} ({b['check']})",
                                   measured=measured, expected=b["check"],
-                                  evidence={"scenario": b["scenario"], "model": name,
+                                  evidence={"scenario": b["scenario"], "model": name, **extra,
                                             **({"url": url} if url and b["scenario"] == "serve" else {})}))
             continue
-        failed.append(_failure(b, name, r, measured, path, url if b["scenario"] == "serve" else None))
+        failed.append(_failure(b, name, r, measured, path, url if b["scenario"] == "serve" else None, extra))
     return failed + passed
 
 
-def _failure(b: dict, model: str, r: dict, measured: dict, path: str, url: str | None = None) -> Finding:
+def interval_verdict(text: str, values: dict, intervals: dict) -> str:
+    """`met` when the check holds at every corner of its measurements' intervals (a measurement
+    without one counts at its value), `failed` when it holds at none, else `inconclusive`: the
+    noise spans the bound, and a budget that would pass or fail by chance gates nothing."""
+    import itertools
+    names = sorted(intervals)
+    corners = [dict(values, **dict(zip(names, c))) for c in itertools.product(*(intervals[n] for n in names))]
+    held = [bool(evaluate(text, c)) for c in corners] or [bool(evaluate(text, values))]
+    return "met" if all(held) else "failed" if not any(held) else "inconclusive"
+
+
+def _failure(b: dict, model: str, r: dict, measured: dict, path: str, url: str | None = None,
+             extra: dict | None = None) -> Finding:
     from .timeline import analyse_doc
     findings = analyse_doc(r["trace"]) if r.get("trace") else []
     top = [{"severity": f.severity, "summary": f.summary, "where": f.where} for f in findings[:3]]
@@ -228,9 +249,11 @@ def _failure(b: dict, model: str, r: dict, measured: dict, path: str, url: str |
     where = next((f.where for f in findings if f.severity != "info" and f.where), None)
     if where is None and longest:
         where = {"thread": longest[0]["thread"], "interval": longest[0]["interval"]}
-    return Finding(PROBE, b.get("severity", "warning"), f"budget failed: {b['name']} ({b['check']})",
+    extra = extra or {"verdict": "failed"}
+    state = "failed" if extra["verdict"] == "failed" else "inconclusive (the interval spans the bound)"
+    return Finding(PROBE, b.get("severity", "warning"), f"budget {state}: {b['name']} ({b['check']})",
                    where=where or {}, measured=measured, expected=b["check"],
-                   evidence={"scenario": b["scenario"], "model": model, "measurements": r["measurements"],
+                   evidence={"scenario": b["scenario"], "model": model, **extra, "measurements": r["measurements"],
                              "worst_intervals": longest, "timeline": top, "trace_path": r.get("trace_path"),
                              "seconds": round(r["seconds"], 1), **({"url": url} if url else {})},
                    next=(f"ouro probe timeline --url {url} --trace-out t.json" if url else

@@ -2,15 +2,16 @@
 
 A real decode worker (`ouro serve --role decode`, its own process, the KV receiver on loopback
 TCP) and a prefill engine in this process (`PrefillEngine`, the transfer thread beside the
-compute). In interleaved rounds, medians:
+compute). In ROUNDS rounds, each running the three variants in a turning order, medians:
 - `pd_prefill_ms`: the prompt prefilled here alone (the first token sampled, nothing sent);
 - `pd_with_transfer_ms`: the same prefill while its state streams layer by layer into the
   decode worker's room, until the transfer's last frame is out (the prefill side is free then);
 - `pd_no_overlap_ms`: the same, with every layer sent only after the prefill (no overlap).
 `pd_overhead = pd_with_transfer_ms / pd_prefill_ms - 1` (the reference stack's budget: <= 0.05),
-`pd_overhead_no_overlap` likewise, `pd_send_overlap`: the share of the transfer thread's send time
-that falls inside the prefill's compute, from the run's spans, and `pd_handoff_ms`: until the
-decode worker's first output arrives. The trace of the last overlapped round comes back for the
+`pd_overhead_no_overlap` likewise, each with its 95% interval (a bootstrap over whole rounds: a
+budget passes only where the whole interval does) and the A/B verdict of the two variants;
+`pd_send_overlap`: the share of the transfer thread's send time that falls inside the prefill's
+compute, from the run's spans, and `pd_handoff_ms`: until the decode worker's first output arrives. The trace of the last overlapped round comes back for the
 timeline (heartbeat on: a transfer thread holding the GIL shows as starvation there).
 """
 
@@ -23,9 +24,10 @@ import sys
 import time
 
 PROMPT_LEN = 2048
+ROUNDS = 9          # one round: each variant once; medians and a paired bootstrap interval over rounds
 
 
-def pd(model_dir, prompt_len: int = PROMPT_LEN, rounds: int = 3, heartbeat: bool = True, timeout: float = 180.0) -> dict:
+def pd(model_dir, prompt_len: int = PROMPT_LEN, rounds: int = ROUNDS, heartbeat: bool = True, timeout: float = 180.0) -> dict:
     import zmq
 
     from ..config import EngineConfig
@@ -100,26 +102,30 @@ def pd(model_dir, prompt_len: int = PROMPT_LEN, rounds: int = 3, heartbeat: bool
 
         alone()                                            # warm-up (also picks the GEMM forms)
         handed(True)
+        variants = {"alone": alone, "no_overlap": lambda: handed(False)[0], "overlap": None}
         for r in range(rounds):
             n[0] += 1
             last = r == rounds - 1
-            t = time.perf_counter()
-            alone()
-            times["alone"].append(time.perf_counter() - t)
-            times["no_overlap"].append(handed(False)[0])
-            if last:                                       # the overlapped round the trace shows
-                spans.clear(), hb.clear()
-                spans.enable()
-                if heartbeat:
-                    hb.start()
-            try:
-                sent, handoff = handed(True)
-            finally:
-                if last:
-                    hb.stop()
-                    spans.disable()
-            times["overlap"].append(sent)
-            times["handoff"].append(handoff)
+            # the order turns each round, so a drift of the machine hits every variant alike
+            for name in ORDER[r % len(ORDER)]:
+                if name != "overlap":
+                    t = time.perf_counter()
+                    out = variants[name]()
+                    times[name].append(time.perf_counter() - t if name == "alone" else out)
+                    continue
+                if last:                                   # the overlapped round the trace shows
+                    spans.clear(), hb.clear()
+                    spans.enable()
+                    if heartbeat:
+                        hb.start()
+                try:
+                    sent, handoff = handed(True)
+                finally:
+                    if last:
+                        hb.stop()
+                        spans.disable()
+                times["overlap"].append(sent)
+                times["handoff"].append(handoff)
         doc = {"traceEvents": spans.chrome_events(process_name="ouro prefill")}
         p.close()
     finally:
@@ -133,13 +139,31 @@ def pd(model_dir, prompt_len: int = PROMPT_LEN, rounds: int = 3, heartbeat: bool
             worker.wait(10)
         except subprocess.TimeoutExpired:
             worker.kill()
+    return summarise(times, doc)
+
+
+# every order of the three variants, in turn: each comes first, second and last as often
+ORDER = (("alone", "overlap", "no_overlap"), ("overlap", "no_overlap", "alone"), ("no_overlap", "alone", "overlap"),
+         ("alone", "no_overlap", "overlap"), ("no_overlap", "overlap", "alone"), ("overlap", "alone", "no_overlap"))
+
+
+def summarise(times: dict, doc: dict) -> dict:
+    """Medians, the overheads as paired ratios of medians with their bootstrap interval and the
+    lab's A/B verdict (`ab.verdict_from_times`, rounds resampled whole), and the send overlap."""
+    from .ab import verdict_from_times
     med = {k: 1e3 * statistics.median(v) for k, v in times.items()}
+    verdicts, intervals = {}, {}
+    for name, key in (("pd_overhead", "overlap"), ("pd_overhead_no_overlap", "no_overlap")):
+        v = verdict_from_times(times["alone"], times[key], "prefill alone", f"prefill + transfer ({key})", paired=True)
+        verdicts[name] = v.to_dict()
+        intervals[name] = [v.low - 1, v.high - 1]
     return {"measurements": {"pd_prefill_ms": med["alone"], "pd_with_transfer_ms": med["overlap"],
                              "pd_no_overlap_ms": med["no_overlap"], "pd_handoff_ms": med["handoff"],
                              "pd_overhead": med["overlap"] / med["alone"] - 1,
                              "pd_overhead_no_overlap": med["no_overlap"] / med["alone"] - 1,
                              "pd_send_overlap": send_overlap(doc)},
-            "trace": doc}
+            "intervals": intervals, "verdicts": verdicts, "rounds": len(times["alone"]),
+            "times_ms": {k: [round(1e3 * t, 2) for t in v] for k, v in times.items()}, "trace": doc}
 
 
 def _await_output(pull, rid, decode, timeout) -> None:
