@@ -97,9 +97,10 @@ def probe_numerics(model: str, a: str | Config = "dtype=float64", b: str | Confi
 
 
 def ouro_names(rec: Recording | None, model_dir=None) -> dict:
-    """ouro module name -> (kind, source): from an ouro run's taps, else from a loaded model."""
+    """ouro module, op and sub-computation key -> (kind, source): from an ouro run's taps, else
+    (modules only) from a loaded model."""
     if rec is not None:
-        return {k: (rec.kinds[k], rec.sources.get(k)) for k in rec.kinds if k not in rec.ops}
+        return {k: (rec.kinds[k], rec.sources.get(k)) for k in rec.kinds}
     if model_dir is None:
         return {}
     from .run_configs import load_ouro
@@ -136,7 +137,7 @@ def compare(ra: Recording, rb: Recording, col: str) -> list[dict]:
         ia = {p: i for i, p in enumerate(sa[0])}
         ib = {p: i for i, p in enumerate(sb[0])}
         ta, tb = sa[1][[ia[p] for p in common]], sb[1][[ib[p] for p in common]]
-        if ta.shape != tb.shape:
+        if ta[0].numel() != tb[0].numel():   # rows may differ in layout only ([H, v] against [H * v])
             continue
         kind = ra.kinds.get(key, "other")
         err = position_errors(ta, tb, kind)
@@ -144,7 +145,7 @@ def compare(ra: Recording, rb: Recording, col: str) -> list[dict]:
         offending = err > tol
         out.append(dict(key=key, kind=kind, positions=common, err=err, tol=tol, offending=offending,
                         diverges=float(offending.float().mean()) > ALLOWED_FRACTION[col],
-                        worst=float(err.max()), op=key in ra.ops))
+                        worst=float(err.max()), op=key in ra.ops or key in rb.ops))
     return out
 
 

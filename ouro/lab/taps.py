@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from ..layers.context import ForwardContext
+from .sub_taps import OP_ROLES, OURO_PARTS, parts, wrap_methods
 from .tolerances import kind_of_module, kind_of_op
 
 # op functions that return no per-token rows (weights, per-pool keys, KCP summaries, conv windows)
@@ -31,9 +32,6 @@ NOT_PER_TOKEN = {"absorb_weights", "pool_keys", "slice_summary", "chain_states",
 OP_CALL_SITES = ("ouro.parallel.cp_kda",)
 # ops whose padded output is channels-first [B, C, T] (shape alone cannot tell when C == T)
 CHANNELS_FIRST = {"causal_conv1d"}
-# ops that play one role by different routes are recorded under one name, so a decode run (the
-# recurrent step) lines up with a prefill run (the chunked kernel) at the op, not one module later
-OP_ROLES = {"kda_chunk": "kda_kernel", "kda_recurrent_step": "kda_kernel"}
 
 
 @dataclass
@@ -145,8 +143,8 @@ def _source(fn):
         return None
 
 
-def _find_local(name: str, kind, depth: int = 14):
-    f = sys._getframe(2)
+def _find_local(name: str, kind, depth: int = 14, start: int = 2):
+    f = sys._getframe(start)
     for _ in range(depth):
         if f is None:
             return None
@@ -209,6 +207,7 @@ class OuroTaps:
         self.handles.append(self.model.register_forward_pre_hook(self._pre))
         self.handles.append(self.model.register_forward_hook(self._post))
         self._wrap_ops()
+        self.patched += wrap_methods(lambda owner, method, fn, out: self._record_op(owner, method, method, fn, out))
         return self
 
     def __exit__(self, *exc):
@@ -238,7 +237,12 @@ class OuroTaps:
 
     def _module_hook(self, name, mod):
         def hook(m, args, out):
-            self._record(name, out, _find_local("ctx", ForwardContext))
+            ctx = _find_local("ctx", ForwardContext)
+            for suffix, t in parts(type(m).__name__, out, OURO_PARTS):   # e.g. a hyper-connection's comb
+                self.rec.kinds.setdefault(f"{name}.{suffix}", self.rec.kinds[name])
+                self.rec.sources.setdefault(f"{name}.{suffix}", self.rec.sources[name])
+                self._record(f"{name}.{suffix}", t, ctx)
+            self._record(name, out, ctx)
         return hook
 
     def _wrap_ops(self):
@@ -255,15 +259,19 @@ class OuroTaps:
         def wrapped(*args, **kwargs):
             out = fn(*args, **kwargs)
             owner = _find_local("self", torch.nn.Module, depth=3)   # a CP hook calls ops 2 frames below the layer
-            ctx = _find_local("ctx", ForwardContext)
-            name = self.names.get(id(owner))
-            if name is not None:
-                key = f"{name}.{OP_ROLES.get(op, op)}"
-                self.rec.ops.add(key)
-                self.rec.kinds[key] = kind_of_op(op)
-                self.rec.sources[key] = self.rec.op_sources[op] = source_of(fn)
-                pos = self._record(key, out, ctx, op in CHANNELS_FIRST)
-                if pos is not None:
-                    self.rec.op_at.setdefault(key, {}).update(dict.fromkeys(pos.tolist(), op))
+            self._record_op(owner, op, OP_ROLES.get(op, op), fn, out)
             return out
         return wrapped
+
+    def _record_op(self, owner, op, role, fn, out):
+        """An op (or a tapped method, `sub_taps.METHODS`) of module `owner`, under `owner.role`."""
+        name = self.names.get(id(owner))
+        if name is None:
+            return
+        key = f"{name}.{role}"
+        self.rec.ops.add(key)
+        self.rec.kinds[key] = kind_of_op(op)
+        self.rec.sources[key] = self.rec.op_sources[op] = source_of(fn)
+        pos = self._record(key, out, _find_local("ctx", ForwardContext, start=3), op in CHANNELS_FIRST)
+        if pos is not None:
+            self.rec.op_at.setdefault(key, {}).update(dict.fromkeys(pos.tolist(), op))

@@ -25,6 +25,7 @@ TOLERANCES: dict[str, tuple[float, float, float]] = {
     "hc": (1e-9, 5e-5, 0.1),            # hyper-connection weights / block input
     "conv": (1e-9, 5e-5, 0.1),          # KDA short conv (before activation)
     "kda": (1e-9, 5e-5, 0.1),           # KDA layer output
+    "kda_gate": (1e-9, 5e-5, 0.1),      # KDA forget gate (per-channel log-decay)
     "kda_kernel": (1e-9, 5e-5, 0.1),    # chunked / recurrent delta rule
     "attention": (1e-9, 5e-5, 0.1),     # sparse MLA
     "dsa": (1e-9, 5e-5, 0.1),
@@ -53,6 +54,7 @@ OP_KINDS = {
     "kda_chunk": "kda_kernel", "kda_recurrent_step": "kda_kernel", "kda_naive": "kda_kernel",
     "causal_conv1d": "conv", "route": "router", "experts_grouped": "experts", "sparse_mla": "attention",
     "index_select": "selection", "hc_weights": "hc", "clamped_swiglu": "mlp",
+    "forget_gate": "kda_gate", "mix": "hc",     # tapped methods (`sub_taps.METHODS`)
 }
 
 

@@ -31,8 +31,9 @@ class HyperConnection(KeepFloat32):
         """streams [T, n, D] -> (block input [T, D], post [T, n], comb [T, n, n])."""
         return hc_pre(streams, self.fn, self.base, self.scale, self.norm_eps, self.hc_eps, self.iters)
 
-    @staticmethod
-    def merge(block_out, streams, post, comb):
-        """new stream i = post_i * block_out + sum_j comb[j, i] * stream j."""
+    def mix(self, block_out, streams, post, comb):
+        """The block's output written back: new stream i = post_i * block_out + sum_j comb[j, i] *
+        stream j. A method of the hyper-connection, so each mix is tapped under its own name
+        (`layers.N.attn_hc.mix`, `layers.N.ffn_hc.mix`)."""
         dt = streams.dtype
         return post.to(dt).unsqueeze(-1) * block_out.unsqueeze(1) + comb.to(dt).transpose(-1, -2) @ streams

@@ -31,10 +31,10 @@ class DecoderLayer(nn.Module):
             out = self.self_attn(x, ctx)
         else:
             out, selection = self.self_attn(x, ctx, selection)
-        streams = HyperConnection.merge(out, streams, post, comb)
+        streams = self.attn_hc.mix(out, streams, post, comb)
         x, post, comb = self.ffn_hc(streams)
         out = self.mlp(self.post_attention_layernorm(x))
-        return HyperConnection.merge(out, streams, post, comb), selection
+        return self.ffn_hc.mix(out, streams, post, comb), selection
 
 
 class Glm5NextModel(nn.Module):

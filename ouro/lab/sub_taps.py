@@ -1,0 +1,108 @@
+"""The sub-computations a layer does inside one forward, tapped on both sides under one key, so
+`numerics` against transformers names the forget gate, the hyper-connection mix or the attention
+core itself, not the next module the two models share (a layer's `o_norm`, `o_proj`, the layer).
+
+    key (under its owner)      ouro                                      transformers
+    self_attn.forget_gate      KDAttention.forget_gate()                 module self_attn.forget_gate
+    self_attn.causal_conv1d    op causal_conv1d (before the SiLU)        causal_conv1d_fn / _update, activation off
+    self_attn.attention_core   ops kda_chunk / kda_recurrent_step;       input of self_attn.o_norm (KDA);
+                               op sparse_mla                             input of self_attn.o_proj (DSA)
+    attn_hc.post, attn_hc.comb HyperConnection output [1], [2]           HyperConnection output [0], [1]
+    attn_hc.mix                HyperConnection.mix() after attention     input of the layer's ffn_hc
+    ffn_hc.mix                 HyperConnection.mix() after the FFN       the decoder layer's output
+
+ouro's methods are wrapped on their class while taps are on; transformers' are read with module
+hooks and, for the conv, wrappers around its module-level functions. Layers import nothing here.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+
+import torch
+
+# ouro: methods recorded like ops (key = owner + "." + method name)
+METHODS = (("ouro.layers.kda", "KDAttention", "forget_gate"), ("ouro.layers.mhc", "HyperConnection", "mix"))
+# ouro: op functions that play one role under one name (a decode run's recurrent step lines up with
+# a prefill run's chunked kernel, and both with the reference's attention)
+OP_ROLES = {"kda_chunk": "attention_core", "kda_recurrent_step": "attention_core", "sparse_mla": "attention_core"}
+# parts of a module's tuple output recorded under their own key: class -> ((key suffix, index), ...)
+OURO_PARTS = {"HyperConnection": (("post", 1), ("comb", 2))}
+HF_PARTS = {"HyperConnection": (("post", 0), ("comb", 1))}
+# transformers: (owner class suffix, child module or "" for the owner, "in" | "out", index, key suffix)
+HF_POINTS = (
+    ("DecoderLayer", "ffn_hc", "in", 0, "attn_hc.mix"),
+    ("DecoderLayer", "", "out", 0, "ffn_hc.mix"),
+    ("LinearAttention", "o_norm", "in", 0, "attention_core"),
+    ("TextAttention", "o_proj", "in", 0, "attention_core"),
+)
+HF_CONV = ("causal_conv1d_fn", "causal_conv1d_update")   # module-level functions of the reference
+HF_MODULE = "transformers.models.glm5_next.modeling_glm5_next"
+
+
+def wrap_methods(done) -> list:
+    """Wrap each of METHODS on its class; `done(owner, method, fn, out)` sees every call. Returns
+    (class, name, original) for the caller to restore."""
+    import importlib
+    patched = []
+    for module, cls_name, method in METHODS:
+        cls = getattr(importlib.import_module(module), cls_name)
+        fn = cls.__dict__[method]
+
+        def wrapped(self, *args, __fn=fn, __name=method, **kwargs):
+            out = __fn(self, *args, **kwargs)
+            done(self, __name, __fn, out)
+            return out
+        setattr(cls, method, functools.wraps(fn)(wrapped))
+        patched.append((cls, method, fn))
+    return patched
+
+
+def parts(class_name: str, out, table) -> list:
+    """(key suffix, tensor) of a module's tuple output that `table` names for its class (by suffix:
+    transformers' class is `Glm5NextTextHyperConnection`)."""
+    picks = next((v for k, v in table.items() if class_name.endswith(k)), ())
+    return [(suffix, out[i]) for suffix, i in picks if isinstance(out, (tuple, list))
+            and len(out) > i and isinstance(out[i], torch.Tensor)]
+
+
+def hf_points(names: dict) -> list:
+    """(module name to hook, "in" | "out", index, key) for transformers' modules {name: module}."""
+    out = []
+    for name, mod in names.items():
+        cls = type(mod).__name__
+        for owner_cls, child, read, index, suffix in HF_POINTS:
+            if cls.endswith(owner_cls):
+                target = f"{name}.{child}" if child else name
+                if target in names:
+                    out.append((target, read, index, f"{name}.{suffix}"))
+    return out
+
+
+def wrap_hf_conv(owner_of, record) -> list:
+    """Wrap the reference's conv functions: each call also records the conv's output before the
+    activation (computed on a copy of the conv state, so the model's own call is unchanged) under
+    `owner_of(frame-local modules) + ".causal_conv1d"`, channels-first [B, C, L]."""
+    module = sys.modules.get(HF_MODULE)
+    if module is None:
+        return []
+    patched = []
+    for name in HF_CONV:
+        fn = getattr(module, name, None)
+        if fn is None:
+            continue
+
+        def wrapped(*args, __fn=fn, __name=name, **kwargs):
+            owner = owner_of()
+            if owner is not None:
+                call = inspect.signature(getattr(__fn, "forward", __fn)).bind(*args, **kwargs)   # a kernels Func module
+                call.arguments["activation"] = None
+                if "conv_state" in call.arguments:       # the decode update writes the state in place
+                    call.arguments["conv_state"] = call.arguments["conv_state"].clone()
+                record(f"{owner}.causal_conv1d", __fn(*call.args, **call.kwargs))
+            return __fn(*args, **kwargs)
+        setattr(module, name, wrapped)
+        patched.append((module, name, fn))
+    return patched
