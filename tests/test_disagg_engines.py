@@ -162,3 +162,58 @@ def test_a_prefix_the_decode_side_holds_is_not_sent_again(ckpt):
     finally:
         p_eng.close()
         d.close()
+
+
+def test_the_worker_loop_sleeps_while_a_room_waits_and_wakes_on_its_event(ckpt, monkeypatch):
+    """A decode worker whose room waits for its prefill sleeps in one poll on its messages and
+    the rooms' events: it steps only at POLL_MS ticks (it woke every 2 ms before, taking CPU from
+    the prefill beside it), and a room's event wakes it at once, not at the next tick."""
+    import threading
+    import zmq
+    from ouro.disagg import worker as worker_mod
+    from ouro.serve.messages import decode, encode, params_to_wire
+    monkeypatch.setattr(worker_mod, "POLL_MS", 1000)       # ticks a second apart: a wake-up is an event's
+    d = DecodeEngine(LLMEngine(load_model(ckpt), None, EngineConfig(**KW), verbose=False))
+    steps, woken = [], threading.Event()
+    real_step = d.step
+
+    def counted():
+        steps.append(time.monotonic())
+        if not d.events.empty():
+            woken.set()
+        return real_step()
+    d.step = counted
+    ctx = zmq.Context()
+    inbox, out_pull = ctx.socket(zmq.PULL), ctx.socket(zmq.PULL)
+    port = inbox.bind_to_random_port("tcp://127.0.0.1")
+    push = ctx.socket(zmq.PUSH)
+    push.connect(f"tcp://127.0.0.1:{port}")
+    outbox = ctx.socket(zmq.PUSH)
+    out_port = outbox.bind_to_random_port("tcp://127.0.0.1")
+    out_pull.connect(f"tcp://127.0.0.1:{out_port}")
+    sender = worker_mod.OutputSender(outbox, encode, lambda o: o)
+    loop = threading.Thread(target=worker_mod._loop, args=("decode", d, inbox, sender, decode, {"type": "ready"}, False))
+    loop.start()
+    try:
+        push.send(encode({"type": "reserve", "rid": "r", "prompt_token_ids": prompts()[1],
+                          "params": params_to_wire(SamplingParams(max_tokens=2))}))
+        deadline = time.monotonic() + 10
+        while "r" not in d.reserved and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert "r" in d.reserved
+        time.sleep(0.1)
+        n0 = len(steps)
+        time.sleep(1.5)
+        assert len(steps) - n0 <= 3, len(steps) - n0          # a tick a second, not a 2 ms spin (750)
+        t = time.monotonic()
+        d.events.put(("ignored", type("R", (), {"rid": "nobody"})(), None))  # an event from a receiver thread
+        assert woken.wait(5) and steps[-1] - t < 0.3, steps[-1] - t          # woken by it, not by a tick
+    finally:
+        push.send(encode({"type": "shutdown"}))
+        loop.join(10)
+        for s in (push, inbox, outbox, out_pull):
+            s.close(0)
+        ctx.term()
+        d.abort("r")
+        d.close()
+    assert not loop.is_alive()

@@ -28,6 +28,7 @@ from ..lab.spans import span
 from . import shared_cache
 from .kv_receiver import KVReceiver
 from .prefill_engine import set_generator_state
+from .wake_queue import WakeQueue
 
 
 class NoRoom(RuntimeError):
@@ -44,7 +45,7 @@ class DecodeEngine:
             from .mooncake_backend import MooncakeTarget
             self.target = MooncakeTarget(engine.runner.cache, address.rsplit(":", 1)[0])   # kept: its engine listens
             self.spec = self.target.spec
-        self.events: queue.Queue = queue.Queue()
+        self.events = WakeQueue()          # the receiver threads' events; its fd wakes the worker's poll
         self.kv = KVReceiver(engine.runner.cache, engine.model.config, lambda *e: self.events.put(e), address,
                              backend, self.spec)
         self.reserved: dict[str, Request] = {}
@@ -106,6 +107,10 @@ class DecodeEngine:
 
     def has_work(self) -> bool:
         return self.engine.has_unfinished() or bool(self.reserved) or not self.events.empty()
+
+    def wakeups(self) -> WakeQueue:
+        """What the worker's loop sleeps on beside its messages: the rooms' events."""
+        return self.events
 
     def runnable(self) -> bool:
         """Work a step can do now (reserved rooms only wait for their prefill worker)."""
@@ -171,5 +176,6 @@ class DecodeEngine:
 
     def close(self) -> None:
         self.kv.close()
+        self.events.close()
         if self.spec and self.kv.backend == "shm":
             shared_cache.unlink(self.spec)

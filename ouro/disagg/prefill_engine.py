@@ -20,6 +20,7 @@ import torch
 
 from ..engine.request import Request
 from .kv_sender import KVSender
+from .wake_queue import WakeQueue
 
 
 def generator_state(gen: torch.Generator | None) -> str | None:
@@ -40,7 +41,7 @@ class PrefillEngine:
         self.engine, self.overlap = engine, overlap
         self._deferred: dict[str, list] = {}    # overlap off: each request's layer jobs until its prefill ends
         self.rooms: dict[str, dict] = {}       # rid -> its decode room, while this side has it
-        self.released: queue.Queue = queue.Queue()
+        self.released = WakeQueue()        # the transfer thread's endings; its fd wakes the worker's poll
         self.outcomes: dict[str, str] = {}      # rid -> how its transfer ended (for the caller)
         self.kv = KVSender(engine.runner.cache, engine.model.config, self._on_released, timeout_s)
         self._rows: list = []
@@ -99,6 +100,10 @@ class PrefillEngine:
     def has_work(self) -> bool:
         return self.engine.has_unfinished() or bool(self.engine.scheduler.held)
 
+    def wakeups(self) -> WakeQueue:
+        """What the worker's loop sleeps on beside its messages: the transfer thread's endings."""
+        return self.released
+
     def runnable(self) -> bool:
         """Work a step can do now (held requests only wait for the transfer thread)."""
         return self.engine.has_unfinished() or not self.released.empty()
@@ -107,6 +112,7 @@ class PrefillEngine:
         for h in self._handles:
             h.remove()
         self.kv.close()
+        self.released.close()
 
     # ---- the transfer thread's callback (not the engine thread) ----
     def _on_released(self, rid: str, outcome: str) -> None:

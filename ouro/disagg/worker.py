@@ -26,8 +26,7 @@ from ..serve.engine_process import OutputSender, on_trace_message
 
 log = logging.getLogger("ouro.disagg.worker")
 HEARTBEAT_S = 0.25
-POLL_MS = 20          # idle: how long a wait for messages lasts
-WAIT_POLL_MS = 2      # rooms or transfers in flight: checked this often (a spin here would take a core)
+POLL_MS = 20          # the longest sleep: rooms' deadlines and heartbeats are checked this often
 
 
 def run_worker(role: str, model_dir: str, engine_kwargs: dict, host: str, port: int, backend: str = "tcp",
@@ -121,11 +120,18 @@ def _stats(role, worker) -> dict:
 
 
 def _loop(role, worker, inbox, sender, decode, info, exit_with_parent) -> None:
+    import zmq
     last_beat, parent = 0.0, os.getppid()
+    # sleep until a message or a transfer thread's event (`wakeups`, a WakeQueue): a loop that
+    # woke every 2 ms while a room waited took CPU from the prefill beside it on a 2-core machine
+    wakeups = worker.wakeups()
+    poller = zmq.Poller()
+    poller.register(inbox, zmq.POLLIN)
+    poller.register(wakeups.fileno(), zmq.POLLIN)
     while True:
-        timeout = 0 if worker.runnable() else WAIT_POLL_MS if worker.has_work() else POLL_MS
-        while inbox.poll(timeout):
-            timeout = 0
+        poller.poll(0 if worker.runnable() else POLL_MS)
+        wakeups.drain_wakeups()
+        while inbox.poll(0):
             if not _handle(role, worker, decode(inbox.recv()), sender, info):
                 return
         try:

@@ -75,57 +75,58 @@ def pd(model_dir, prompt_len: int = PROMPT_LEN, rounds: int = ROUNDS, heartbeat:
         p = PrefillEngine(engine)
         params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
         ids = prompts(1, prompt_len, vocab=min(engine.model.config.vocab_size, 30000), seed=9)[0]
-        times = {"alone": [], "overlap": [], "no_overlap": [], "handoff": []}
+        times = {k: [] for k in ("alone", "overlap", "no_overlap", "handoff", "cpu_alone", "cpu_overlap",
+                                 "cpu_no_overlap")}
         n = [0]
 
         def alone():
+            t, c = time.perf_counter(), time.thread_time()
             engine.add_request({"prompt_token_ids": ids}, params, f"alone-{n[0]}")
             while engine.has_unfinished():
                 engine.step()
+            return time.perf_counter() - t, time.thread_time() - c
 
         def handed(overlap: bool):
             p.overlap = overlap
             rid = f"pd-{n[0]}-{int(overlap)}"
             room = ask({"type": "reserve", "rid": rid, "prompt_token_ids": ids, "params": params_to_wire(params)},
                        "reserved", rid)["room"]
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.thread_time()
             p.add(rid, ids, params, room)
             while rid not in p.outcomes:
                 p.step()
                 if not p.runnable():
-                    time.sleep(0.0005)     # the transfer thread finishes: no spinning beside it
-            sent = time.perf_counter() - t
+                    p.released.wait(0.05)  # the transfer thread finishes: sleep until it says so
+            sent, cpu = time.perf_counter() - t, time.thread_time() - c
             _await_output(pull, rid, decode, timeout)
             if p.outcomes.pop(rid) != "done":
                 raise RuntimeError(f"the transfer of {rid} did not complete")
-            return sent, time.perf_counter() - t
+            if overlap:
+                times["handoff"].append(time.perf_counter() - t)
+            return sent, cpu
 
         alone()                                            # warm-up (also picks the GEMM forms)
         handed(True)
-        variants = {"alone": alone, "no_overlap": lambda: handed(False)[0], "overlap": None}
+        times["handoff"].clear()
         for r in range(rounds):
             n[0] += 1
             last = r == rounds - 1
             # the order turns each round, so a drift of the machine hits every variant alike
             for name in ORDER[r % len(ORDER)]:
-                if name != "overlap":
-                    t = time.perf_counter()
-                    out = variants[name]()
-                    times[name].append(time.perf_counter() - t if name == "alone" else out)
-                    continue
-                if last:                                   # the overlapped round the trace shows
+                traced = last and name == "overlap"        # the overlapped round the trace shows
+                if traced:
                     spans.clear(), hb.clear()
                     spans.enable()
                     if heartbeat:
                         hb.start()
                 try:
-                    sent, handoff = handed(True)
+                    wall, cpu = alone() if name == "alone" else handed(name == "overlap")
                 finally:
-                    if last:
+                    if traced:
                         hb.stop()
                         spans.disable()
-                times["overlap"].append(sent)
-                times["handoff"].append(handoff)
+                times[name].append(wall)
+                times["cpu_" + name].append(cpu)
         doc = {"traceEvents": spans.chrome_events(process_name="ouro prefill")}
         p.close()
     finally:
@@ -158,6 +159,8 @@ def summarise(times: dict, doc: dict) -> dict:
         verdicts[name] = v.to_dict()
         intervals[name] = [v.low - 1, v.high - 1]
     return {"measurements": {"pd_prefill_ms": med["alone"], "pd_with_transfer_ms": med["overlap"],
+                             # the compute thread's own CPU time: work added on it, not waiting or preemption
+                             "pd_compute_cpu_overhead": med["cpu_overlap"] / med["cpu_alone"] - 1,
                              "pd_no_overlap_ms": med["no_overlap"], "pd_handoff_ms": med["handoff"],
                              "pd_overhead": med["overlap"] / med["alone"] - 1,
                              "pd_overhead_no_overlap": med["no_overlap"] / med["alone"] - 1,
