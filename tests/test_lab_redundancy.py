@@ -1,7 +1,9 @@
-"""The redundancy probe: clean ouro gives no new warning; planted recomputation, host syncs and
-a decode path that expands the MLA latent per head are each named by the top finding."""
+"""The redundancy probe: clean ouro gives no new warning; planted recomputation, host syncs, a
+decode path that expands the MLA latent per head and a small block far above its floor are each
+named by the top finding."""
 
 import argparse
+from pathlib import Path
 
 import pytest
 import torch
@@ -110,3 +112,42 @@ def test_decode_work_growing_with_context_is_the_top_finding(model, monkeypatch)
     top = top_finding(probe(model))
     assert top.severity == "warning" and "grows with context" in top.summary, top.summary
     assert top.where["module"] == "layers.3.self_attn" and top.where["op"] == "mm"
+
+
+def test_far_above_floor_is_a_warning_whatever_its_share(monkeypatch):
+    """A block at 5x its floor's work warns though its excess is 0.3% of the step; at 3.9x it does not."""
+    from types import SimpleNamespace as NS
+    from ouro.lab import redundancy_report as report
+    from ouro.lab.module_floor import BlockCost
+    for ratio, severity in ((5.0, "warning"), (3.9, None)):
+        rec = {"layers.0.mlp": BlockCost(bytes=1.5e6, core_bytes=1.5e6, ops=9),
+               "layers.0.attn_hc": BlockCost(bytes=ratio * 1e3, core_bytes=ratio * 1e3, ops=9)}
+        rec["layers.0.attn_hc"].top_core = rec["layers.0.attn_hc"].top_bytes = NS(
+            frame=("ouro/layers/mhc.py", "forward", 30), module="layers.0.attn_hc", op="_to_copy", bytes=1e3,
+            matmul_flops=0.0)
+        monkeypatch.setattr(report, "recorded_by_block", lambda ops, rec=rec: rec)
+        monkeypatch.setattr(report, "block_floors", lambda *a: {"layers.0.mlp": (0.0, 1e6), "layers.0.attn_hc": (0.0, 1e3)})
+        steps = [NS(label=f"decode@{c}", context=c, ops=[], io_bytes={}) for c in (64, 256)]
+        found = [f for f in report.floor_findings(None, steps, 1, redundancy.CostModel()) if f.severity == "warning"]
+        assert [f.where["module"] for f in found] == (["layers.0.attn_hc"] if severity else []), [f.summary for f in found]
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_weight_copied_per_call_in_a_small_block_is_the_top_finding(model, batch):
+    """The planted fault: each hyper-connection copies its projection weight to float64 per call,
+    ~6.7x its floor's work (all bytes ~7x: under the 8x that the share-gated rule asks)."""
+    from ouro.lab.fault_patch import applied_in_process
+    from ouro.lab.fault_scoring import score
+    from ouro.lab.faults import all_faults
+    fault = {f.name: f for f in all_faults()}["hc_weight_through_float64"]
+    with applied_in_process(fault, str(Path(__file__).resolve().parent.parent)):
+        found = sort_findings(redundancy.probe_model(model, prompt_len=24, context=48, batch=batch))
+    s = score(found, fault.localised)
+    assert s["detected"] and s["localised"], s["top"]
+    top = top_finding(found)
+    assert "floor's work" in top.summary and all("floor's work" in r for r in top.evidence["reasons"]), top.evidence
+
+
+def test_clean_ouro_has_no_floor_warning_at_batch_4(model):
+    findings = redundancy.probe_model(model, prompt_len=24, context=48, batch=4)
+    assert not [f.summary for f in findings if f.severity != "info" and "floor" in f.summary]

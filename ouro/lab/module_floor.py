@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from ..bench.step_cost import ROUTED, attended_rows, expected_distinct
 from ..layers.context import ModelCache
+from .op_record import GATHER_LIKE, SCATTER_LIKE
 
 SELECT_PASSES = 16   # int64/fp32 passes over a query's pools that selection and addressing make
 
@@ -25,10 +26,20 @@ def block_of(module: str) -> str:
 class BlockCost:
     flops: float = 0.0           # matmul-like FLOPs
     bytes: float = 0.0
+    core_bytes: float = 0.0      # bytes of the kind of work the floor counts (`core`)
     ops: int = 0
     top_bytes: object = None     # OpRecord with the most bytes
     top_flops: object = None     # OpRecord with the most matmul FLOPs
+    top_core: object = None      # the `core` OpRecord with the most bytes
     modules: set = field(default_factory=set)
+
+
+def core(op) -> bool:
+    """Does the op do the kind of work a floor counts: read weights (or tensors computed from them
+    alone: a cast or copy of a weight), a matmul, or a gather / scatter of rows (the caches)? The
+    element-wise chains over activations in between are not: eager PyTorch makes 2-8 passes where a
+    fused kernel makes one, more with the batch (the ops-per-step finding and fusion's business)."""
+    return op.weights or op.matmul_flops > 0 or op.op in GATHER_LIKE or op.op in SCATTER_LIKE
 
 
 def recorded_by_block(ops) -> dict[str, BlockCost]:
@@ -39,6 +50,10 @@ def recorded_by_block(ops) -> dict[str, BlockCost]:
         b = out.setdefault(block_of(o.module), BlockCost())
         b.flops += o.matmul_flops
         b.bytes += o.bytes
+        if core(o):
+            b.core_bytes += o.bytes
+            if b.top_core is None or o.bytes > b.top_core.bytes:
+                b.top_core = o
         b.ops += 1
         b.modules.add(o.module)
         if b.top_bytes is None or o.bytes > b.top_bytes.bytes:

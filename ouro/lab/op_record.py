@@ -49,6 +49,7 @@ class OpRecord:
     bytes: float
     compute: bool                # False for views/metadata/allocation
     inputs_from: tuple = ()      # indices of the ops that last wrote its input tensors' storage
+    weights: bool = False        # reads a parameter, a buffer, or a tensor computed from them alone
 
     @property
     def frame(self):
@@ -127,6 +128,7 @@ class OpRecorder(TorchDispatchMode):
         self.param_storages |= {b.untyped_storage().data_ptr() for b in model.buffers()}
         self.ops: list[OpRecord] = []
         self._writer: dict[int, int] = {}   # storage -> index of the op that last wrote it
+        self._weights = set(self.param_storages)   # + storages last written from weights alone (casts, copies)
         self.listeners = []      # callables(func_name, args, kwargs, out, record) for other probes
         self.modules = None
 
@@ -172,12 +174,18 @@ class OpRecorder(TorchDispatchMode):
         index = len(self.ops)
         sources = {self._writer.get(_storage(t)) for t in _tensors(args)}
         sources.discard(None)
+        weight_in = [t.layout != torch.strided or _storage(t) in self._weights for t in _tensors(args) if t.numel()]
         rec = OpRecord(index, name, self.modules.current, ouro_stack(), key,
                        flops, mm_flops, _bytes(name, args, kwargs, out) if compute else 0.0, compute,
-                       tuple(sorted(sources)))
+                       tuple(sorted(sources)), any(weight_in))
         if compute:   # views keep their storage's writer; computing ops (in-place ones too) become it
+            derived = bool(weight_in) and all(weight_in)
             for t in _tensors(out):
                 self._writer[_storage(t)] = index
+                if derived:
+                    self._weights.add(_storage(t))
+                elif _storage(t) not in self.param_storages:   # a storage freed and reused for activations
+                    self._weights.discard(_storage(t))
         self.ops.append(rec)
         for listen in self.listeners:
             listen(name, args, kwargs, out, rec)
