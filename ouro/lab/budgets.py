@@ -218,7 +218,8 @@ def check_budgets(path: str | None = None, model: str | None = None, url: str | 
         measured = {**used, **({"left": round(both["left"], 4), "right": round(both["right"], 4)} if both else {})}
         if intervals:
             measured["intervals"] = {n: [round(lo, 4), round(hi, 4)] for n, (lo, hi) in intervals.items()}
-        extra = {"verdict": verdict, **({"ab": r["verdicts"]} if r.get("verdicts") else {})}
+        extra = {"verdict": verdict, **({"ab": r["verdicts"]} if r.get("verdicts") else {}),
+                 **({"thread_cpu_ms": r["thread_cpu_ms"]} if r.get("thread_cpu_ms") else {})}
         if verdict == "met":
             passed.append(Finding(PROBE, "info", f"budget passed: {b['name']} ({b['check']})",
                                   measured=measured, expected=b["check"],

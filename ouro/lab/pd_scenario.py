@@ -38,7 +38,7 @@ def pd(model_dir, prompt_len: int = PROMPT_LEN, rounds: int = ROUNDS, heartbeat:
     from ..models.loader import load_model
     from ..serve.messages import decode, encode, params_to_wire
     from . import heartbeat as hb
-    from . import spans
+    from . import spans, thread_cpu
     from .scenarios import prompts
 
     port = free_port_pair()
@@ -78,6 +78,7 @@ def pd(model_dir, prompt_len: int = PROMPT_LEN, rounds: int = ROUNDS, heartbeat:
         times = {k: [] for k in ("alone", "overlap", "no_overlap", "handoff", "cpu_alone", "cpu_overlap",
                                  "cpu_no_overlap")}
         n = [0]
+        threads: dict[str, list] = {}       # variant -> per round: {process: {thread: CPU s}}
 
         def alone():
             t, c = time.perf_counter(), time.thread_time()
@@ -119,14 +120,17 @@ def pd(model_dir, prompt_len: int = PROMPT_LEN, rounds: int = ROUNDS, heartbeat:
                     spans.enable()
                     if heartbeat:
                         hb.start()
+                before = _threads(worker.pid)
                 try:
                     wall, cpu = alone() if name == "alone" else handed(name == "overlap")
                 finally:
                     if traced:
                         hb.stop()
                         spans.disable()
+                after = _threads(worker.pid)
                 times[name].append(wall)
                 times["cpu_" + name].append(cpu)
+                threads.setdefault(name, []).append({k: thread_cpu.delta(before[k], after[k]) for k in before})
         doc = {"traceEvents": spans.chrome_events(process_name="ouro prefill")}
         p.close()
     finally:
@@ -140,7 +144,22 @@ def pd(model_dir, prompt_len: int = PROMPT_LEN, rounds: int = ROUNDS, heartbeat:
             worker.wait(10)
         except subprocess.TimeoutExpired:
             worker.kill()
-    return summarise(times, doc)
+    return summarise(times, doc, threads)
+
+
+def _threads(worker_pid: int) -> dict:
+    from .thread_cpu import snapshot
+    return {"prefill": snapshot(), "decode worker": snapshot(worker_pid)}
+
+
+def thread_medians(rounds: list[dict]) -> dict:
+    """{process: {thread: [median CPU ms, median run-queue wait ms]}} over the rounds (a thread
+    absent in a round counts 0)."""
+    def med(p, t, i):
+        return round(1e3 * statistics.median(r.get(p, {}).get(t, (0.0, 0.0))[i] for r in rounds), 1)
+    procs = sorted({p for r in rounds for p in r})
+    return {p: {t: [med(p, t, 0), med(p, t, 1)] for t in sorted({t for r in rounds for t in r.get(p, {})})}
+            for p in procs}
 
 
 # every order of the three variants, in turn: each comes first, second and last as often
@@ -148,7 +167,7 @@ ORDER = (("alone", "overlap", "no_overlap"), ("overlap", "no_overlap", "alone"),
          ("alone", "no_overlap", "overlap"), ("no_overlap", "overlap", "alone"), ("overlap", "alone", "no_overlap"))
 
 
-def summarise(times: dict, doc: dict) -> dict:
+def summarise(times: dict, doc: dict, threads: dict | None = None) -> dict:
     """Medians, the overheads as paired ratios of medians with their bootstrap interval and the
     lab's A/B verdict (`ab.verdict_from_times`, rounds resampled whole), and the send overlap."""
     from .ab import verdict_from_times
@@ -166,7 +185,9 @@ def summarise(times: dict, doc: dict) -> dict:
                              "pd_overhead_no_overlap": med["no_overlap"] / med["alone"] - 1,
                              "pd_send_overlap": send_overlap(doc)},
             "intervals": intervals, "verdicts": verdicts, "rounds": len(times["alone"]),
-            "times_ms": {k: [round(1e3 * t, 2) for t in v] for k, v in times.items()}, "trace": doc}
+            "times_ms": {k: [round(1e3 * t, 2) for t in v] for k, v in times.items()},
+            # who ran during each variant: every thread of both processes (OpenMP workers as native:)
+            "thread_cpu_ms": {k: thread_medians(v) for k, v in (threads or {}).items()}, "trace": doc}
 
 
 def _await_output(pull, rid, decode, timeout) -> None:
