@@ -168,3 +168,10 @@ def test_logprobs_are_raw_and_top_sorted():
 def test_sample_rejects_mismatched_inputs():
     with pytest.raises(ValueError, match="len"):
         Sampler().sample(torch.zeros(2, 5), [SamplingParams()], [None, None])
+
+
+def test_top_k_past_int64_is_off():
+    logits = torch.randn(3, 50)
+    huge, off = Sampler().keep_mask(logits, [SamplingParams(top_k=10 ** 22)] * 3), Sampler().keep_mask(
+        logits, [SamplingParams()] * 3)
+    assert torch.equal(huge, off)

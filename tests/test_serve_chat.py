@@ -120,6 +120,10 @@ def test_named_tool_choice_forces_that_call(client):
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=None, messages=user("x"), tools=TOOLS, max_tokens=5,
                                        tool_choice={"type": "function", "function": {"name": "nope"}})
+    # logprobs of a forced tag: the ruled-out tokens' -inf is written as JSON can (-9999, as vLLM)
+    r = client.chat.completions.create(model=None, messages=user("x"), tools=TOOLS, max_tokens=4, logprobs=True,
+                                       top_logprobs=2, tool_choice="required")
+    assert r.choices[0].logprobs.content[0].top_logprobs[1].logprob == -9999.0
 
 
 def test_thinking_off_parses_as_content(client):
@@ -159,6 +163,8 @@ def test_chat_bad_input(server):
     import httpx
     for body, words in [({"messages": []}, "messages"), ({"messages": [{"role": "wizard", "content": "x"}]}, "role"),
                         ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, "logprobs"),
-                        ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "tools")]:
+                        ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "tools"),
+                        ({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"tools": []}},
+                         "cannot set tools")]:
         r = httpx.post(server.base + "/v1/chat/completions", json=body, timeout=30)
         assert r.status_code == 400 and words in r.json()["message"], (body, r.text)

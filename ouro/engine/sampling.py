@@ -148,7 +148,7 @@ class Sampler:
     def _row_params(params: list[SamplingParams], logits: torch.Tensor):
         vocab, dev = logits.shape[-1], logits.device
         temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=dev)
-        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev)
+        top_k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], device=dev)  # any int
         top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=dev)
         min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype, device=dev)
         return temps, top_k, top_p, min_p

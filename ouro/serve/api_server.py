@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -21,7 +21,9 @@ from ..engine.sampling import SamplingParams
 from ..lab import spans
 from . import formats
 from .generation import Generation, GenerationError
+from .methods import Methods
 from .metrics import Metrics
+from .openapi import STREAMED, openapi
 from .protocol import ChatCompletionRequest, CompletionRequest, error_body
 from .protocol import ServeError as ApiError
 from .trace_routes import add_trace_routes
@@ -133,8 +135,9 @@ def build_app(state: ServerState) -> FastAPI:
     app.state.ouro = state
     m = state.metrics
 
+    app.add_middleware(Methods, routes=app.routes)   # inside the Guard: the API key comes first
     app.add_middleware(Guard, state=state)
-    app.openapi = lambda: _openapi(app)
+    app.openapi = lambda: openapi(app, state)
 
     @app.exception_handler(ApiError)
     async def api_error(_, e: ApiError):
@@ -163,7 +166,8 @@ def build_app(state: ServerState) -> FastAPI:
             return error(503, state.client.dead_reason or "starting")
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"description": "Prometheus text exposition format 0.0.4"}})
     async def metrics():
         m.in_flight.set(state.in_flight)
         m.engine_up.set(1 if state.client.healthy else 0)
@@ -176,11 +180,11 @@ def build_app(state: ServerState) -> FastAPI:
 
     add_trace_routes(app, state)
 
-    @app.post("/v1/completions", response_model=None)
+    @app.post("/v1/completions", response_model=None, responses=STREAMED)
     async def completions(request: Request, body: CompletionRequest):
         return await _serve(request, body, chat=False)
 
-    @app.post("/v1/chat/completions", response_model=None)
+    @app.post("/v1/chat/completions", response_model=None, responses=STREAMED)
     async def chat_completions(request: Request, body: ChatCompletionRequest):
         return await _serve(request, body, chat=True)
 
@@ -264,7 +268,9 @@ async def _collect_or_disconnect(request: Request, gens) -> None:
 
 
 def _check_length(state: ServerState, ids: list[int], body) -> None:
-    want = getattr(body, "max_completion_tokens", None) or body.max_tokens
+    # both limits must fit when a chat request gives both (max_completion_tokens is the one used)
+    want = max((w for w in (getattr(body, "max_completion_tokens", None), body.max_tokens) if w is not None),
+               default=None)
     if not ids:
         raise ApiError(400, "the prompt is empty")
     bad = [t for t in ids if not 0 <= t < state.vocab_size]
@@ -283,37 +289,6 @@ def _check_length(state: ServerState, ids: list[int], body) -> None:
                             f"{state.capacity_tokens} tokens; lower max_tokens")
 
 
-ERROR_STATUSES = {"400": "Invalid request (JSON, types, ranges, unknown model, prompt too long)",
-                  "401": "Missing or wrong API key (--api-key)", "413": "Request body too large",
-                  "429": "Waiting queue full (--max-queued-requests)", "503": "Draining, or the engine is not running"}
-
-
-def _openapi(app: FastAPI) -> dict:
-    """The generated schema, with the errors this server really returns (400, not FastAPI's 422)."""
-    if app.openapi_schema:
-        return app.openapi_schema
-    from fastapi.openapi.utils import get_openapi
-    spec = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
-    schemas = spec.setdefault("components", {}).setdefault("schemas", {})
-    schemas["ErrorBody"] = {"type": "object", "required": ["object", "message", "type", "code"], "properties": {
-        "object": {"type": "string", "enum": ["error"]}, "message": {"type": "string"}, "type": {"type": "string"},
-        "param": {"type": "string", "nullable": True}, "code": {"type": "integer"}}}
-    for schema in ("HTTPValidationError", "ValidationError"):
-        schemas.pop(schema, None)
-    ref = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}}
-    for path, ops in spec["paths"].items():
-        for method, op in ops.items():
-            responses = op.setdefault("responses", {})
-            responses.pop("422", None)
-            codes = ["401"] if path != "/health" else ["503"]
-            if method == "post":
-                codes = list(ERROR_STATUSES)
-            for code in codes:
-                responses[code] = {"description": ERROR_STATUSES[code], **ref}
-    app.openapi_schema = spec
-    return spec
-
-
 def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -328,15 +303,6 @@ def _describe(errors) -> str:
 
 def sampling_for(body, max_tokens: int, logprobs: int | None, stop_token_ids=None) -> SamplingParams:
     """The engine params of one request (stop strings stay in the frontend)."""
-    # accepted OpenAI fields that ouro does not implement are refused, never silently ignored
-    if body.presence_penalty or body.frequency_penalty:
-        raise ApiError(400, "presence_penalty and frequency_penalty are not supported (use 0)")
-    if body.logit_bias:
-        raise ApiError(400, "logit_bias is not supported")
-    if body.response_format and body.response_format.get("type", "text") != "text":
-        raise ApiError(400, "response_format other than 'text' (structured output) is not supported")
-    if getattr(body, "echo", False):
-        raise ApiError(400, "echo is not supported")
     try:
         return SamplingParams(n=body.n, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                               min_p=body.min_p, seed=body.seed, max_tokens=max_tokens,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .chat_template import TEMPLATE_VARIABLES
 from .glm_parser import CALL, END_THINK, GlmReplyParser, ReplyFormat
 
 
@@ -41,6 +42,9 @@ class ChatFormat:
                 raise ValueError(f"tool_choice names the function {name!r}, which is not in tools")
         if choice in ("required",) and not tools:
             raise ValueError("tool_choice 'required' needs tools")
+        clash = sorted(set(kwargs) & set(TEMPLATE_VARIABLES))
+        if clash:
+            raise ValueError(f"chat_template_kwargs cannot set {', '.join(clash)}: the request itself does")
         text = self.template.render(messages, tools, add_generation_prompt=body.add_generation_prompt, **kwargs)
         fmt = ReplyFormat.for_request(text, tools, choice if isinstance(choice, str) else "auto",
                                       id_prefix="call_")

@@ -38,6 +38,7 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+TEMPLATE_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt")   # render() sets these; kwargs may not
 _NAMED_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 

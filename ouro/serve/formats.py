@@ -32,6 +32,11 @@ def _stops(body) -> list[str]:
     return [body.stop] if isinstance(body.stop, str) else list(body.stop)
 
 
+def _json(logprob: float) -> float:
+    """-inf (a token a forced tool-call tag ruled out) as vLLM writes it: JSON has no infinity."""
+    return max(logprob, -9999.0)
+
+
 def _children(body, params) -> list:
     return [params.child(k) for k in range(body.n)]
 
@@ -119,17 +124,17 @@ class ResponseView:
             return None
         tok = self.state.tokenizer
         if self.chat:
-            return {"content": [{"token": tok.decode([t], skip_special_tokens=False), "logprob": lp,
-                                 "bytes": list(tok.decode([t], skip_special_tokens=False).encode()),
-                                 "top_logprobs": [{"token": tok.decode([i], skip_special_tokens=False), "logprob": v,
-                                                   "bytes": list(tok.decode([i], skip_special_tokens=False).encode())}
-                                                  for i, v in (top or [])]} for t, lp, top in entries]}
+            def entry(t, lp):
+                text = tok.decode([t], skip_special_tokens=False)
+                return {"token": text, "logprob": _json(lp), "bytes": list(text.encode())}
+            return {"content": [{**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in (top or [])]}
+                                for t, lp, top in entries]}
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for t, lp, top in entries:
             s = tok.decode([t])
             out["tokens"].append(s)
-            out["token_logprobs"].append(lp)
-            out["top_logprobs"].append({tok.decode([i]): v for i, v in (top or [])} or None)
+            out["token_logprobs"].append(_json(lp))
+            out["top_logprobs"].append({tok.decode([i]): _json(v) for i, v in (top or [])} or None)
             out["text_offset"].append(offset)
             offset += len(s)
         return out

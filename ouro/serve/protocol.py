@@ -1,13 +1,27 @@
-"""OpenAI request bodies (pydantic) and the error body. Ranges are checked here, so a bad
-value is a 400 naming the field, never an exception deeper in."""
+"""OpenAI request bodies (pydantic) and the error body. Every refusal a body can earn by its own
+content is declared here, so the published schema (`openapi.py`) is what the server takes:
+ranges, non-empty prompts and lists, the one value an accepted-but-unimplemented OpenAI field
+may have, and the cross-field rules JSON Schema can state (`if`/`then`, `RULES`). A bad value is
+a 400 naming the field, never an exception deeper in.
+
+Limits that are the server's own (its vocabulary, context length, model name) are marked with
+`bound(kind)`: `openapi.py` writes the number into the schema and `api_server` refuses beyond it
+with OpenAI's messages. What JSON Schema cannot state (a prompt's tokens plus max_tokens within
+the context; a named tool_choice naming one of the tools; a forced tool call's tag within
+max_tokens) is said in the field's description, and a past tool call's string arguments being the
+JSON text of an object in `contentMediaType`/`contentSchema` (annotations validators skip)."""
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WithJsonSchema,
+                      WrapValidator, model_validator)
 
 from ..engine.sampling import MAX_LOGPROBS
+from .chat_template import TEMPLATE_VARIABLES
+
+BOUND = "x-ouro-bound"   # kinds: token_id, prompt_tokens, max_tokens, model (filled in by openapi.py)
 
 
 class ServeError(Exception):
@@ -19,77 +33,202 @@ class ServeError(Exception):
 
 
 def error_body(message: str, status: int, type_: str | None = None) -> dict:
-    kinds = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 413: "BadRequestError",
-             429: "RateLimitError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+    kinds = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError",
+             413: "BadRequestError", 429: "RateLimitError", 500: "InternalServerError",
+             503: "ServiceUnavailableError"}
     return {"object": "error", "message": message, "type": type_ or kinds.get(status, "Error"), "param": None,
             "code": status}
 
 
-class StreamOptions(BaseModel):
+class Body(BaseModel):
+    """A JSON body as the schema types it: no coercion (`0` is not `false`, `"5"` is not `5`)."""
+    model_config = ConfigDict(strict=True)
+
+
+def _integral(v):
+    return int(v) if isinstance(v, float) and v.is_integer() else v
+
+
+def integer(**bounds):
+    """A JSON Schema integer (2.0 is one; "2" and true are not) within `bounds` (bounds first, so that
+    `integer(...) | None` publishes them as minimum/maximum)."""
+    return Annotated[int, Field(**bounds), BeforeValidator(_integral)]
+
+
+Count, TopK = integer(ge=1), integer(ge=0, le=MAX_LOGPROBS)
+
+
+def bound(kind: str) -> dict:
+    """json_schema_extra of a field whose limit is this server's own (see BOUND)."""
+    return {BOUND: kind}
+
+
+def only(type_, schema: dict, ok, why: str):
+    """An OpenAI field ouro does not implement: the schema names the one value it takes (`schema`),
+    and any other is a 400 saying why, never silently ignored."""
+    def check(v):
+        if not ok(v):
+            raise ValueError(why)
+        return v
+    return Annotated[type_, Field(json_schema_extra=schema), AfterValidator(check)]
+
+
+def one_error(why: str) -> WrapValidator:
+    """One plain 400 for a union that failed, instead of every member's complaint."""
+    def wrap(v, handler):
+        try:
+            return handler(v)
+        except ValidationError:
+            raise ValueError(why) from None
+    return WrapValidator(wrap)
+
+
+def unicode_text(data):
+    """JSON's \\u escapes can spell a lone surrogate, which is no Unicode text (RFC 8259 8.2): refused
+    here with a 400 for the whole body, rather than by the tokenizer with an exception."""
+    stack = [data]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError(f"{v[:40]!a} is not Unicode text (a lone surrogate)") from None
+        elif isinstance(v, dict):
+            stack += [*v, *v.values()]
+        elif isinstance(v, list):
+            stack += v
+    return data
+
+
+def rule(if_: dict, then: dict) -> dict:
+    """A cross-field rule as JSON Schema: when the body matches `if_` (properties given), `then` holds."""
+    return {"if": {"properties": if_, "required": list(if_)}, "then": then}
+
+
+TokenId = integer(ge=0, json_schema_extra=bound("token_id"))
+TokenIds = Annotated[list[TokenId], Field(min_length=1, json_schema_extra=bound("prompt_tokens"))]
+Text = Annotated[str, Field(min_length=1)]
+NoPenalty = only(float, {"const": 0}, lambda v: v == 0, "presence_penalty and frequency_penalty are not supported "
+                                                           "(use 0)")
+NoLogitBias = only(dict[str, float] | None, {"maxProperties": 0}, lambda v: not v, "logit_bias is not supported")
+TextFormat = only(dict[str, Any] | None, {"properties": {"type": {"const": "text"}}},
+                  lambda v: not v or v.get("type", "text") == "text",
+                  "response_format other than 'text' (structured output) is not supported")
+NoEcho = only(bool, {"const": False}, lambda v: not v, "echo is not supported")
+MAX_TOKENS = ("at most the context length less the prompt's tokens (the schema's maximum is for a one-token "
+              "prompt); unset: up to the context length")
+
+
+class StreamOptions(Body):
     include_usage: bool = False
 
 
-class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    model: str | None = None
+class _Sampling(Body):
+    _unicode = model_validator(mode="before")(unicode_text)
+    model: str | None = Field(None, json_schema_extra=bound("model"))
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: Count | None = Field(None, description=MAX_TOKENS, json_schema_extra=bound("max_tokens"))
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1)
+    top_k: integer(ge=-1) = -1
     min_p: float = Field(0.0, ge=0.0, le=1.0)
-    seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 64)
-    n: int = Field(1, ge=1, le=128)
+    seed: integer(ge=-(1 << 63), lt=1 << 64) | None = None
+    n: integer(ge=1, le=128) = 1
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[integer(ge=0)] | None = None
     ignore_eos: bool = False
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: NoPenalty = 0.0
+    frequency_penalty: NoPenalty = 0.0
     user: str | None = None
-    logit_bias: dict[str, float] | None = None
-    response_format: dict[str, Any] | None = None
+    logit_bias: NoLogitBias = None
+    response_format: TextFormat = None
 
 
 class CompletionRequest(_Sampling):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
+    prompt: Annotated[Union[Text, Annotated[list[Text], Field(min_length=1)], TokenIds,
+                            Annotated[list[TokenIds], Field(min_length=1)]], one_error(
+        "the prompt must be a non-empty string or a non-empty list of non-empty strings, of token ids (>= 0) or of "
+        "non-empty lists of token ids")]
+    logprobs: TopK | None = None
+    echo: NoEcho = False
 
 
-class FunctionDef(BaseModel):
+class FunctionDef(Body):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
 
 
-class Tool(BaseModel):
+class Tool(Body):
     type: Literal["function"] = "function"
     function: FunctionDef
 
 
-class NamedToolChoice(BaseModel):
+class NamedFunction(Body):
+    name: str
+
+
+class NamedToolChoice(Body):
     type: Literal["function"] = "function"
-    function: dict[str, str]
+    function: NamedFunction = Field(description="names one of the request's tools")
 
 
-class ChatMessage(BaseModel):
+# a past tool call's arguments: an object, or its JSON text (blank: no arguments)
+JSON_OBJECT_TEXT = {"type": "string", "pattern": r"^[ \t\n\r]*\{", "contentMediaType": "application/json",
+                    "contentSchema": {"type": "object"}}
+ARGUMENTS = {"anyOf": [{"type": "object"}, JSON_OBJECT_TEXT, {"type": "string", "pattern": r"^\s*$"}, {"type": "null"}]}
+
+
+class CalledFunction(Body):
     model_config = ConfigDict(extra="allow")
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] | None = None
+    name: Text
+    arguments: Annotated[Any, WithJsonSchema(ARGUMENTS)] = None
+
+
+class ToolCall(Body):
+    model_config = ConfigDict(extra="allow")
+    function: CalledFunction
+
+
+class ContentPart(Body):
+    model_config = ConfigDict(extra="allow", json_schema_extra=rule(   # a text part has its text
+        {"type": {"const": "text"}}, {"properties": {"text": {"type": "string"}}, "required": ["text"]}))
+    type: Annotated[Any, WithJsonSchema({"not": {"type": "null"}})]
+    text: Any = None
+
+
+class ChatMessage(Body):
+    model_config = ConfigDict(extra="allow", json_schema_extra={   # only assistant messages carry tool calls
+        "if": {"properties": {"role": {"const": "assistant"}}},
+        "else": {"properties": {"tool_calls": {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}]}}}})
+    role: Literal["system", "developer", "user", "assistant", "tool"]   # chat_template.ROLES
+    content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
 
 
+RULES = [rule({"top_logprobs": {"type": "integer", "minimum": 1}},
+              {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}),
+         rule({"tool_choice": {"anyOf": [{"const": "required"}, {"type": "object"}]}},
+              {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]})]
+
+
 class ChatCompletionRequest(_Sampling):
+    model_config = ConfigDict(json_schema_extra={"allOf": RULES})
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: Count | None = Field(None, description=MAX_TOKENS,
+                                              json_schema_extra=bound("max_tokens"))
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: TopK | None = None
     tools: list[Tool] | None = None
-    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
-    chat_template_kwargs: dict[str, Any] | None = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = Field(
+        None, description="'required' or a named function needs tools; a forced tool call needs max_tokens "
+                          "above the tokens of its opening tag and name")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, json_schema_extra={"propertyNames": {"not": {"enum": list(TEMPLATE_VARIABLES)}}})
     reasoning_effort: str | None = None
     add_generation_prompt: bool = True
