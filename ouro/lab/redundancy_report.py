@@ -21,6 +21,9 @@ MATERIAL_SHARE = {"decode": 0.01, "prefill": 0.03}
 # 3.4x (batch 1: the MoE's gathered copy of its experts' weights; batch 16: `small`'s DSA gathering all
 # index_topk + kpool - 1 selection slots at context 64); a weight copied through float64 per step: 6.7x.
 FAR_RATIO = 4.0
+# ... or whose matmul FLOPs are FAR_FLOPS times its floor's, hidden under its memory time or not (the
+# MoE's padded experts do 6.6x at batch 4 on `small`, by design; K/V expanded per head over the cache: 17x)
+FAR_FLOPS = 10.0
 # all bytes (element-wise chains included) this many times the floor, when the excess is this share
 # of the step's bytes: eager chains alone reach 2.7x at batch 1, 4.5x at 16 and 6.8x at 64 (tiny)
 FLOOR_RATIO_BYTES, FLOOR_SHARE = 8.0, 0.02
@@ -176,6 +179,9 @@ def floor_findings(model, decodes, batch, cost) -> list[Finding]:
                 reasons.append(f"{step.label}: {t / t_floor:.1f}x its floor's work "
                                f"({'matmul FLOPs' if bound_by_flops else 'bytes of weights, cache rows and matmuls'})")
                 excess, compute = max(excess, t - t_floor), compute or bound_by_flops
+            elif ff > 0 and r.flops >= FAR_FLOPS * ff:
+                reasons.append(f"{step.label}: {r.flops / ff:.1f}x its floor FLOPs")
+                excess, compute = max(excess, (r.flops - ff) / cost.flops_per_s), True
             if r.bytes > FLOOR_RATIO_BYTES * fb and (r.bytes - fb) > FLOOR_SHARE * tot[step.label][1]:
                 reasons.append(f"{step.label}: {r.bytes / fb:.1f}x its floor bytes")
                 excess = max(excess, (r.bytes - fb) / cost.bytes_per_s)

@@ -18,6 +18,7 @@ hooks and, for the conv, wrappers around its module-level functions. Layers impo
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 import sys
 
@@ -45,7 +46,6 @@ HF_MODULE = "transformers.models.glm5_next.modeling_glm5_next"
 def wrap_methods(done) -> list:
     """Wrap each of METHODS on its class; `done(owner, method, fn, out)` sees every call. Returns
     (class, name, original) for the caller to restore."""
-    import importlib
     patched = []
     for module, cls_name, method in METHODS:
         cls = getattr(importlib.import_module(module), cls_name)
@@ -94,7 +94,7 @@ def wrap_hf_conv(owner_of, record) -> list:
         if fn is None:
             continue
 
-        def wrapped(*args, __fn=fn, __name=name, **kwargs):
+        def wrapped(*args, __fn=fn, **kwargs):
             owner = owner_of()
             if owner is not None:
                 call = inspect.signature(getattr(__fn, "forward", __fn)).bind(*args, **kwargs)   # a kernels Func module
