@@ -189,7 +189,8 @@ def op_names() -> set[str]:
 
 
 class OuroTaps:
-    """Hooks on every named submodule of an ouro `Glm5NextModel`, wrappers on its layers' ops.
+    """Hooks on every named submodule of an ouro `Glm5NextModel`, wrappers on its layers' ops and
+    on the methods `sub_taps.METHODS` names.
     `slots()` returns the KDA state slots of the probed sequence's requests right now. While
     installed the model computes every row's logits (the caller still gets the rows it asked)."""
 
