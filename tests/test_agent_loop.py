@@ -112,6 +112,7 @@ def test_a_run_fixes_a_planted_fault_end_to_end(endpoint, tmp_path):
     assert "fixed" in r["ended"] and "1/1 solved" in table
 
 
+@pytest.mark.slow
 def test_edits_that_break_correctness_are_reverted(endpoint, tmp_path):
     """One the contract's tests catch, and one they miss that the held-out sweep catches."""
     repo = make_repo(tmp_path)
@@ -166,6 +167,7 @@ def test_edits_of_frozen_files_are_refused(endpoint, tmp_path):
     assert git(repo, "status", "--porcelain") == ""
 
 
+@pytest.mark.slow
 def test_a_change_touching_precision_is_parked_for_review(endpoint, tmp_path):
     from ouro.cli import main
     fault = FAULTS["tf32_kda_state_matmul"]
@@ -199,6 +201,7 @@ def test_a_change_touching_precision_is_parked_for_review(endpoint, tmp_path):
     assert doc["status"] == "applied" and doc["risk"] == ["numerics"] and doc["correctness"]["tests"] == "passed"
 
 
+@pytest.mark.slow
 def test_a_real_ouro_serve_whose_replies_are_not_tool_calls_ends_cleanly(tmp_path, tiny_checkpoint):
     from serve_helpers import Server
     repo = make_repo(tmp_path)
@@ -216,6 +219,7 @@ def test_a_real_ouro_serve_whose_replies_are_not_tool_calls_ends_cleanly(tmp_pat
     assert git(repo, "status", "--porcelain") == "" and len(git(repo, "worktree", "list").splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_sparse_feedback_through_the_cli_hides_the_lab(endpoint, tmp_path):
     """`ouro agent run --feedback sparse`: no probe tool, and tests say only pass or fail."""
     from ouro.agent.review import latest_run

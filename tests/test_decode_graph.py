@@ -80,6 +80,7 @@ def test_graph_decode_equals_eager_and_leaves_the_same_cache():
     assert len(graphs) == 1, f"{len(graphs)} graphs traced: a batch size or table width was specialised"
 
 
+@pytest.mark.slow
 def test_padding_rows_writing_a_real_slot_is_caught():
     """The check above can fail: padding rows pointed at a real sequence's state slot corrupt it."""
     worst, same, _, _ = graph_matches_eager("aot_eager", scratch_slot_override=1)
@@ -92,6 +93,7 @@ def test_graph_decode_equals_eager_inductor():
     assert worst < 1e-4 and same and len(graphs) == 1
 
 
+@pytest.mark.slow
 def test_engine_with_compile_generates_what_eager_does(monkeypatch):
     """LLM(compile=True) warms up every bucket, runs its decode steps through the graph (aot_eager
     here) and its greedy tokens are eager's; prefill steps stay eager."""
@@ -110,6 +112,7 @@ def test_engine_with_compile_generates_what_eager_does(monkeypatch):
     assert len(back.graphs) == 1
 
 
+@pytest.mark.slow
 def test_probe_reports_one_graph_and_names_a_planted_host_read(monkeypatch):
     """`ouro probe redundancy --graph`: clean, one graph (info); with a host read planted in the
     decode path, an error naming the planted line."""

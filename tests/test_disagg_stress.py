@@ -17,6 +17,7 @@ import threading
 import time
 
 import httpx
+import pytest
 import torch
 
 from ouro import LLM, SamplingParams
@@ -56,6 +57,7 @@ def health(base):
         return None
 
 
+@pytest.mark.slow
 def test_200_requests_with_aborts_timeouts_and_a_prefill_worker_killed(tiny_checkpoint, tmp_path):
     ref = [o.text for o in LLM(str(tiny_checkpoint), dtype="float32", max_memory=64 << 20, page_size=16).generate(
         [{"prompt_token_ids": p} for p in prompts()], SamplingParams(temperature=0, max_tokens=MAX_TOKENS))]

@@ -239,6 +239,7 @@ def test_only_the_indexer_loss_trains_the_indexer_and_the_bias_balances(corpus, 
     assert moved == []
 
 
+@pytest.mark.slow
 def test_smoke_training_through_the_cli_learns_and_ouro_loads_it_exactly(corpus, tmp_path):
     """A few dozen steps on a corpus slice: held-out bits/byte falls, the exported checkpoint
     (MTP layer included) loads in ouro and gives transformers' logits."""
