@@ -10,9 +10,14 @@ compute). In ROUNDS rounds, each running the three variants in a turning order, 
 `pd_overhead = pd_with_transfer_ms / pd_prefill_ms - 1` (the reference stack's budget: <= 0.05),
 `pd_overhead_no_overlap` likewise, each with its 95% interval (a bootstrap over whole rounds: a
 budget passes only where the whole interval does) and the A/B verdict of the two variants;
+`pd_wait_overhead`: what the transfer adds to the compute thread as waiting (wall minus its CPU
+time, against the same round's prefill alone: the machine's jitter, which slows compute on and off
+the core alike, cancels, so this one resolves a few per cent in nine rounds where the wall-clock
+ratio cannot); `pd_compute_cpu_overhead`: the compute thread's own CPU time, likewise;
 `pd_send_overlap`: the share of the transfer thread's send time that falls inside the prefill's
-compute, from the run's spans, and `pd_handoff_ms`: until the decode worker's first output arrives. The trace of the last overlapped round comes back for the
-timeline (heartbeat on: a transfer thread holding the GIL shows as starvation there).
+compute, from the run's spans, and `pd_handoff_ms`: until the decode worker's first output
+arrives. The trace of the last overlapped round comes back for the timeline (heartbeat on: a
+transfer thread holding the GIL shows as starvation there).
 """
 
 from __future__ import annotations
@@ -97,7 +102,7 @@ def pd(model_dir, prompt_len: int = PROMPT_LEN, rounds: int = ROUNDS, heartbeat:
             while rid not in p.outcomes:
                 p.step()
                 if not p.runnable():
-                    p.released.wait(0.05)  # the transfer thread finishes: sleep until it says so
+                    time.sleep(0.0005)     # the transfer thread finishes: a short sleep, no spin
             sent, cpu = time.perf_counter() - t, time.thread_time() - c
             _await_output(pull, rid, decode, timeout)
             if p.outcomes.pop(rid) != "done":
@@ -177,7 +182,14 @@ def summarise(times: dict, doc: dict, threads: dict | None = None) -> dict:
         v = verdict_from_times(times["alone"], times[key], "prefill alone", f"prefill + transfer ({key})", paired=True)
         verdicts[name] = v.to_dict()
         intervals[name] = [v.low - 1, v.high - 1]
+    # the waiting the transfer adds to the compute thread (wall minus its CPU time: the GIL, a
+    # core, the tail after its last layer), per round against that round's prefill alone: the
+    # machine's jitter (the same prefill took 3.4..4.6 s here, on and off the core alike) cancels
+    waits = [((wo - co) - (wa - ca)) / wa for wo, co, wa, ca in
+             zip(times["overlap"], times["cpu_overlap"], times["alone"], times["cpu_alone"])]
+    intervals["pd_wait_overhead"] = median_interval(waits)
     return {"measurements": {"pd_prefill_ms": med["alone"], "pd_with_transfer_ms": med["overlap"],
+                             "pd_wait_overhead": statistics.median(waits),
                              # the compute thread's own CPU time: work added on it, not waiting or preemption
                              "pd_compute_cpu_overhead": med["cpu_overlap"] / med["cpu_alone"] - 1,
                              "pd_no_overlap_ms": med["no_overlap"], "pd_handoff_ms": med["handoff"],
@@ -188,6 +200,14 @@ def summarise(times: dict, doc: dict, threads: dict | None = None) -> dict:
             "times_ms": {k: [round(1e3 * t, 2) for t in v] for k, v in times.items()},
             # who ran during each variant: every thread of both processes (OpenMP workers as native:)
             "thread_cpu_ms": {k: thread_medians(v) for k, v in (threads or {}).items()}, "trace": doc}
+
+
+def median_interval(values: list[float], resamples: int = 2000, seed: int = 0) -> list[float]:
+    """95% bootstrap interval of the median of `values` (one per round)."""
+    import random
+    rng = random.Random(seed)
+    meds = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
+    return [meds[int(0.025 * resamples)], meds[int(0.975 * resamples) - 1]]
 
 
 def _await_output(pull, rid, decode, timeout) -> None:

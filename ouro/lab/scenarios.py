@@ -148,4 +148,4 @@ MEASURES = {"offline_s": "offline", "offline_tok_s": "offline", "decode_step_ms"
             "ops_per_decode_step": "decode", "prefill_ms": "prefill", "offline_prefill_ms": "prefill",
             "leaked_pages": "leaks", "leaked_slots": "leaks", "ttft_p50_ms": "serve", "tpot_ms": "serve",
             **dict.fromkeys(("pd_prefill_ms", "pd_with_transfer_ms", "pd_no_overlap_ms", "pd_handoff_ms", "pd_overhead",
-                             "pd_overhead_no_overlap", "pd_send_overlap", "pd_compute_cpu_overhead"), "pd")}
+                             "pd_overhead_no_overlap", "pd_send_overlap", "pd_compute_cpu_overhead", "pd_wait_overhead"), "pd")}
