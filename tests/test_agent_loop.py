@@ -74,6 +74,7 @@ def journal(out):
     return rows
 
 
+@pytest.mark.slow
 def test_a_run_fixes_a_planted_fault_end_to_end(endpoint, tmp_path):
     from ouro.agent.eval import format_rows, run_eval
     fault = FAULTS["recurrent_step_beta_scaled"]

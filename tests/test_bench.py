@@ -115,6 +115,7 @@ def test_prefill_bench(tiny_checkpoint):
     shown(r"floor +([\d.]+) s", text, r["floor_s"])
 
 
+@pytest.mark.slow
 def test_prefill_cp_bench_times_both_sides_after_checking_them(tiny_checkpoint):
     """`ouro bench prefill --cp 2`: real ranks on both sides, a peak per rank, and the CP logits
     checked against one rank's before a ratio is printed."""

@@ -17,6 +17,7 @@ def worktrees():
     return subprocess.run(["git", "worktree", "list"], cwd=SOURCE_ROOT, capture_output=True, text=True).stdout
 
 
+@pytest.mark.slow
 def test_baseline_head_runs_both_sides_and_cleans_up():
     before = worktrees()
     flags = ["--num-prompts", "2", "--input-len", "16", "--output-len", "4", "--max-concurrency", "2",

@@ -88,6 +88,7 @@ def test_1p1d_answers_as_one_engine(tiny_checkpoint, tmp_path, reference, backen
         server.stop()
 
 
+@pytest.mark.slow
 def test_refusals_carry_their_status_and_reserve_nothing(tiny_checkpoint, tmp_path):
     server = Server(tiny_checkpoint, "--served-model-name", "tiny", "--disagg", "1P1D", "--dtype", "float32",
                     "--max-model-len", "200", tmp_path=tmp_path)

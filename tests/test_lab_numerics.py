@@ -115,6 +115,7 @@ def test_indexer_tail_off_by_one_found_against_transformers(monkeypatch):
     assert f.where["module"] == "layers.3.self_attn.indexer" and f.where["op"] == "index_select"
 
 
+@pytest.mark.slow
 def test_context_parallel_runs_compare_position_by_position():
     """cp=N runs N real ranks (gloo), each tapping its slice at global positions: fp32 and tf32x3
     agree with one rank; tf32 is found in the first KDA layer's kernel, as an error."""

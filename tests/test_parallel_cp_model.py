@@ -150,6 +150,7 @@ def test_two_ranks_equal_one_rank(two_ranks, case):
     check(results, refs, case)
 
 
+@pytest.mark.slow
 def test_three_ranks_equal_one_rank(checkpoints):
     cases = ["several-sequences", "shared-indexers"]
     results = launch(rank_work, 3, checkpoints, cases, timeout_s=300)

@@ -189,6 +189,7 @@ async def _stream_one(base, i, disconnect_after):
     return ("done", got)
 
 
+@pytest.mark.slow
 def test_100_streams_a_third_disconnecting(server):
     rng = random.Random(0)
     plan = [rng.randrange(1, 30) if i % 3 == 0 else None for i in range(100)]

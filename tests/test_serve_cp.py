@@ -6,6 +6,7 @@ import os
 import threading
 import time
 
+import pytest
 import torch
 
 from ouro.engine.llm_engine import LLMEngine
@@ -64,6 +65,7 @@ def helper_pids():
     return out
 
 
+@pytest.mark.slow
 def test_killing_a_rank_mid_prefill_fails_that_request_and_the_server_serves_on(tiny_checkpoint, tmp_path):
     before = set(helper_pids())
     server = Server(tiny_checkpoint, "--served-model-name", "tiny", "--cp", "2", "--cp-threshold", str(THRESHOLD), "--dtype", "float32",

@@ -79,6 +79,7 @@ def test_engine_killed_mid_load_gives_errors_not_hangs(small_server):
     assert s.proc.poll() is None                     # the frontend itself stays up and answers
 
 
+@pytest.mark.slow
 def test_sigterm_during_load_drains_and_exits_in_time(model_dir, tmp_path):
     s = Server(model_dir, "--shutdown-timeout", "3", "--logits-processors", "paced_steps:PacedSteps",
                tmp_path=tmp_path)                   # paced: the long ones cannot finish in time on any machine
