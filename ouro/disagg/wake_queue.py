@@ -40,12 +40,6 @@ class WakeQueue(queue.Queue):
         except (BlockingIOError, OSError):
             pass
 
-    def wait(self, timeout_s: float) -> None:
-        """Sleep until a put (or `timeout_s`), for a loop without a poller of its own."""
-        import select
-        select.select([self._r], [], [], timeout_s)
-        self.drain_wakeups()
-
     def close(self) -> None:
         for fd in (self._r, self._w):
             try:
