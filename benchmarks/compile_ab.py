@@ -1,5 +1,5 @@
 """A/B of `--compile` on decode steps: one engine, steps alternating between the eager forward and
-the compiled decode graph (interleaved, medians, `ouro.lab.ab` verdict), the aten ops an eager
+the compiled decode graph (interleaved, medians, `ouro.measure.ab` verdict), the aten ops an eager
 step dispatches, and the start-up time with the compile.
 
     python benchmarks/compile_ab.py --model small --batch 16 --prompt-len 128 --steps 24
@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from ouro.config import EngineConfig  # noqa: E402
 from ouro.engine.llm_engine import LLMEngine  # noqa: E402
 from ouro.engine.sampling import SamplingParams  # noqa: E402
-from ouro.lab.ab import verdict_from_times  # noqa: E402
+from ouro.measure.ab import verdict_from_times  # noqa: E402
 from ouro.models.loader import load_model  # noqa: E402
 from ouro.models.resolve import load_tokenizer, resolve_model  # noqa: E402
 

@@ -22,8 +22,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from ouro.bench.roofline import Roofline  # noqa: E402
-from ouro.bench.step_cost import decode_cost  # noqa: E402
+from ouro.measure.roofline import Roofline  # noqa: E402
+from ouro.measure.step_cost import decode_cost  # noqa: E402
 from ouro.config import EngineConfig  # noqa: E402
 from ouro.engine.llm_engine import LLMEngine  # noqa: E402
 from ouro.engine.sampling import SamplingParams  # noqa: E402

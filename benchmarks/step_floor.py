@@ -1,4 +1,4 @@
-"""The itemised roofline floor of a decode step and of a prefill (`ouro.bench.step_cost`), at the
+"""The itemised roofline floor of a decode step and of a prefill (`ouro.measure.step_cost`), at the
 machine rates given (e.g. the ones a benchmark run reported) or measured now.
 
     python benchmarks/step_floor.py --model small --batch 32 --context 290 --flops-per-s 327e9 --bytes-per-s 26.5e9
@@ -16,8 +16,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from ouro.bench.roofline import Roofline  # noqa: E402
-from ouro.bench.step_cost import decode_cost, prefill_cost  # noqa: E402
+from ouro.measure.roofline import Roofline  # noqa: E402
+from ouro.measure.step_cost import decode_cost, prefill_cost  # noqa: E402
 from ouro.layers.context import ModelCache  # noqa: E402
 from ouro.models.loader import load_model  # noqa: E402
 from ouro.models.resolve import resolve_model  # noqa: E402

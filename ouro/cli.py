@@ -16,9 +16,7 @@ if "OMP_WAIT_POLICY" not in os.environ:
     os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
     os.environ["OURO_SET_OMP_WAIT_POLICY"] = "1"
 
-# the model `serve`, `bench` and `eval` use when none is named (a preset name or a directory)
-DEFAULT_MODEL = "tiny-py"   # the trained built-in model: serve, generate and eval use it
-BENCH_MODEL = "small"       # benchmarks keep the larger random-init shape
+from .models.resolve import BENCH_MODEL, DEFAULT_MODEL  # noqa: E402  (after the OpenMP policy)
 
 
 def _cmd_make_model(args) -> int:
@@ -287,7 +285,7 @@ def build_parser(argv=None) -> argparse.ArgumentParser:
     bench.add_argument("--output-json", default=None)
     bench.add_argument("--device", default="cpu", help="offline: cpu or cuda (both systems run there)")
     bench.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="offline: auto (the fastest native GEMM dtype of this machine, timed once and cached)")
-    from .lab.spans import TraceToFile
+    from .measure.spans import TraceToFile
     bench.add_argument("--trace", default=None, metavar="FILE", action=TraceToFile,
                        help="record the run's spans into FILE (Chrome trace, written at exit)")
     add_bench_serve_options(bench)

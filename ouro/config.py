@@ -119,6 +119,19 @@ class ModelConfig:
     def linear_dim(self) -> int:
         return self.linear_num_heads * self.linear_head_dim
 
+    def cache_bytes_per_token(self, dtype) -> int:
+        """Paged bytes one token of context costs across all DSA layers (`layers.context.ModelCache`'s
+        layout: latent row, indexer key and gate in `dtype`, the fp32 compressed key per pool)."""
+        e = dtype.itemsize
+        idx = len(self.indexer_layers) * self.index_head_dim
+        return e * (len(self.dsa_layers) * self.kv_lora_rank + 2 * idx) + 4 * idx // self.index_kpool
+
+    @property
+    def state_bytes_per_slot(self) -> int:
+        """Bytes of one KDA state slot (fp32 conv window and recurrent state of every KDA layer)."""
+        per_layer = 3 * self.linear_dim * (self.linear_conv_kernel_dim - 1) + self.linear_num_heads * self.linear_head_dim ** 2
+        return 4 * len(self.kda_layers) * per_layer
+
     @property
     def eos_token_ids(self) -> list[int]:
         e = self.eos_token_id

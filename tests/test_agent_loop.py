@@ -12,7 +12,7 @@ import subprocess
 import tomllib
 
 import pytest
-from scripted_llm import ScriptedEndpoint, call, reply
+from scripted_llm import ScriptedEndpoint, call
 
 from ouro.agent.contract import DEFAULT, Contract
 from ouro.agent.journal import FIELDS, read

@@ -11,8 +11,8 @@ import re
 import pytest
 
 from ouro.bench.offline import decode_floor
-from ouro.bench.roofline import Roofline
-from ouro.bench.step_cost import prefill_cost
+from ouro.measure.roofline import Roofline
+from ouro.measure.step_cost import prefill_cost
 from ouro.cli import main
 from ouro.models.loader import load_model
 

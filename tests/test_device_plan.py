@@ -54,3 +54,16 @@ def test_bad_input_is_refused_with_the_option_named():
     with pytest.raises(ValueError, match="memory size"):
         parse_bytes("lots")
     assert parse_bytes("141GB") == 141 * 10**9 and parse_bytes("80GiB") == 80 * 2**30 and parse_bytes("1e9") == 10**9
+
+
+@pytest.mark.parametrize("preset", ["tiny", "small", "tiny-py"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_config_cache_sizes_are_what_a_model_cache_allocates(preset, dtype):
+    """`ModelConfig.cache_bytes_per_token` / `state_bytes_per_slot` (what measure/step_cost and the
+    planners count without importing the layers) against a real ModelCache's tensors."""
+    c = PRESETS[preset]
+    pages, page_size, slots = 3, 64, 2
+    cache = ModelCache(c, n_slots=slots, n_pages=pages, page_size=page_size, dtype=dtype)
+    paged = sum(t.nbytes for t in (cache.latent, cache.index_keys, cache.index_gates, cache.index_pooled))
+    assert paged == pages * page_size * c.cache_bytes_per_token(dtype)
+    assert cache.conv.nbytes + cache.recurrent.nbytes == slots * c.state_bytes_per_slot

@@ -4,7 +4,6 @@ aborts and failing forwards."""
 import random
 
 import pytest
-import torch
 
 from ouro.config import EngineConfig
 from ouro.engine.llm_engine import LLMEngine

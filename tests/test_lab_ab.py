@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from ouro.lab.ab import ab_compare, verdict_from_times
+from ouro.measure.ab import ab_compare, verdict_from_times
 
 
 def test_verdicts_from_times():

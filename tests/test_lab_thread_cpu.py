@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from ouro.lab import thread_cpu
+from ouro.measure import thread_cpu
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="per-thread times come from Linux /proc")
 

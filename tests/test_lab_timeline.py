@@ -7,8 +7,8 @@ import threading
 import pytest
 import zmq
 
-from ouro.lab import heartbeat, spans
-from ouro.lab.chrome_trace import heartbeats_of, merge, spans_of
+from ouro.measure import heartbeat, spans
+from ouro.measure.chrome_trace import heartbeats_of, merge, spans_of
 from ouro.lab.findings import sort_findings
 from ouro.lab.timeline import timeline
 from ouro.lab.timeline_analysis import analyse, overlap

@@ -12,9 +12,9 @@ import time
 import httpx
 import pytest
 
-from ouro.lab import spans
+from ouro.measure import spans
 from ouro.lab.budgets import check_budgets
-from ouro.lab.chrome_trace import heartbeats_of, spans_of
+from ouro.measure.chrome_trace import heartbeats_of, spans_of
 from ouro.lab.scenarios import prompts, stream_completions
 from serve_helpers import Server, post
 

@@ -1,7 +1,6 @@
 """Checkpoint reading and writing: layout round trips, sharding, and clear errors."""
 
 import json
-import shutil
 
 import pytest
 import torch

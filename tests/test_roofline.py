@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from ouro.bench.offline import decode_floor
-from ouro.bench.roofline import Roofline, count_flops
-from ouro.bench.step_cost import expected_distinct, prefill_cost
+from ouro.measure.roofline import Roofline, count_flops
+from ouro.measure.step_cost import expected_distinct, prefill_cost
 from ouro.config import ModelConfig
 from ouro.models.glm5_next import Glm5NextModel
 

@@ -104,7 +104,7 @@ def test_killing_a_rank_mid_prefill_fails_that_request_and_the_server_serves_on(
 def test_timeline_shows_every_ranks_compute_and_exchange(tiny_checkpoint):
     """With tracing on, a CP prefill leaves the helper's spans on a lane of its own beside the
     engine's: both ranks compute at the same time and both take part in the exchange."""
-    from ouro.lab import spans
+    from ouro.measure import spans
     engine = LLMEngine(load_model(tiny_checkpoint), None,
                        EngineConfig(context_parallel_size=2, cp_threshold=THRESHOLD, max_memory=32 << 20,
                                     page_size=16, dtype="float32"), verbose=False, model_dir=str(tiny_checkpoint))

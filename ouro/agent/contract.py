@@ -39,7 +39,7 @@ model = "tiny"                  # the model every check and measurement runs
 writable = ["ouro/ops/**", "ouro/layers/**", "ouro/engine/**", "ouro/disagg/**", "ouro/parallel/**"]
 # What it may read but never change: the tests, the naive references, the budgets, the lab
 # itself and its tolerance tables, the benchmarks' inputs and timers, and this file.
-frozen = ["tests/**", "budgets/**", "ouro/lab/**", "ouro/bench/**", "ouro/agent/**", "ouro/ops/**/naive*.py",
+frozen = ["tests/**", "budgets/**", "ouro/lab/**", "ouro/measure/**", "ouro/bench/**", "ouro/agent/**", "ouro/ops/**/naive*.py",
           "ouro/ops/**/reference*.py", "agent.toml", ".ci/**", "pyproject.toml"]
 
 [checks]

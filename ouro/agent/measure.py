@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 
-from ..lab.ab import verdict_from_times
+from ..measure.ab import verdict_from_times
 
 
 MIN_PAIRS = 3

@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ..lab.ab import verdict_from_times
+from ..measure.ab import verdict_from_times
 
 SOURCE_ROOT = Path(__file__).resolve().parents[2]      # holds ouro/
 

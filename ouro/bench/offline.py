@@ -13,11 +13,11 @@ import time
 
 import torch
 
-from ..lab.ab import verdict_from_times
-from ..lab.spans import span
+from ..measure.ab import verdict_from_times
+from ..measure.spans import span
 from .offline_report import format_offline  # noqa: F401  (the CLI imports it from here)
-from .roofline import Roofline, count_flops
-from .step_cost import decode_cost, prefill_cost
+from ..measure.roofline import Roofline, count_flops
+from ..measure.step_cost import decode_cost, prefill_cost
 
 
 def make_prompts(n, length, vocab, seed):

@@ -7,10 +7,10 @@ import time
 
 import torch
 
-from ..lab.ab import verdict_from_times
-from ..lab.spans import span
-from .roofline import Roofline, count_flops
-from .step_cost import prefill_cost
+from ..measure.ab import verdict_from_times
+from ..measure.spans import span
+from ..measure.roofline import Roofline, count_flops
+from ..measure.step_cost import prefill_cost
 
 
 def bench_prefill(model_dir, input_len: int = 1024, repeats: int = 3, compare: bool = True, seed: int = 0,

@@ -11,7 +11,7 @@ import os
 import statistics
 import time
 
-from ..lab.spans import span
+from ..measure.spans import span
 from .load_gen import FALLBACK_VOCAB_RANGE, make_prompts, run_load, served_model
 
 LATENCIES = (("ttft", "Time to First Token", "TTFT"), ("tpot", "Time per Output Token (excl. 1st token)", "TPOT"),

@@ -36,7 +36,7 @@ def add_worker_flags(sv) -> None:
 
 
 def add_router_parser(sub) -> None:
-    from ..cli import DEFAULT_MODEL
+    from ..models.resolve import DEFAULT_MODEL
     r = sub.add_parser("router", help="OpenAI-compatible front over prefill and decode workers")
     r.add_argument("--prefill", action="append", required=True, metavar="HOST:PORT", help="a prefill worker (repeatable)")
     r.add_argument("--decode", action="append", required=True, metavar="HOST:PORT", help="a decode worker (repeatable)")

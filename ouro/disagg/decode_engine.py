@@ -24,7 +24,7 @@ from ..engine.detokenizer import IncrementalDetokenizer
 from ..engine.page_pool import OutOfPages
 from ..engine.request import Request, Status
 from ..engine.sampling import make_generator
-from ..lab.spans import span
+from ..measure.spans import span
 from . import shared_cache
 from .kv_receiver import KVReceiver
 from .prefill_engine import set_generator_state

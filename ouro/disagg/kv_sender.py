@@ -20,7 +20,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from ..lab.spans import span
+from ..measure.spans import span
 from .shared_cache import attach
 from .state_pieces import gather, layer_pieces, page_segments
 from .transfer import Sender, TransferError

@@ -24,7 +24,7 @@ import threading
 
 import torch
 
-from ..lab.spans import span
+from ..measure.spans import span
 
 MAGIC = b"OURO"
 _HEAD = struct.Struct("!4sI")

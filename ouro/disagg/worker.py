@@ -21,7 +21,7 @@ import os
 import time
 
 from ..engine.request import RequestFailed
-from ..lab import spans
+from ..measure import spans
 from ..serve.engine_process import OutputSender, on_trace_message
 
 log = logging.getLogger("ouro.disagg.worker")

@@ -10,12 +10,12 @@ import sys
 import torch
 
 from ..config import EngineConfig
-from ..lab.spans import span
+from ..measure.spans import span
 from .detokenizer import IncrementalDetokenizer
 from .memory import available_bytes, plan_memory
 from .model_runner import ModelRunner
 from .page_pool import PagePool, SlotPool
-from .request import Request, RequestFailed, RequestOutput, Status
+from .request import Request, RequestFailed, RequestOutput
 from .sampling import Sampler, SamplingParams, make_generator
 from .scheduler import Scheduler
 

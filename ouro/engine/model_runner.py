@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ..lab.spans import span
+from ..measure.spans import span
 from ..layers.context import ForwardContext, ModelCache
 from .memory import MemoryPlan
 from .request import RequestFailed

@@ -8,7 +8,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from ..lab.spans import span
+from ..measure.spans import span
 from .page_pool import OutOfPages, PagePool, SlotPool
 from .request import Request, Status
 

@@ -157,7 +157,8 @@ def measure(scenario: str, model_dir: str | None, url: str | None = None, api_ke
     """Run one scenario with the tracer on; returns measurements, trace doc and seconds. With
     `url`, the serve scenario runs against that server."""
     import torch
-    from . import scenarios, spans
+    from . import scenarios
+    from ..measure import spans
     t = time.perf_counter()
     if scenario == "serve" and url:
         r = scenarios.serve_url(url, heartbeat=False, api_key=api_key)
@@ -267,7 +268,7 @@ def _longest_spans(doc, n: int = 3) -> list[dict]:
     """The scenario's longest spans (not windows), each with its interval from the trace start."""
     if not doc:
         return []
-    from .chrome_trace import spans_of
+    from ..measure.chrome_trace import spans_of
     spans = [s for s in spans_of(doc) if s["cat"] not in ("pending", "request")]
     if not spans:
         return []

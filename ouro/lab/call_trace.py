@@ -9,13 +9,14 @@ from contextlib import contextmanager
 
 PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # .../ouro
 REPO_DIR = os.path.dirname(PACKAGE_DIR)
-LAB_DIR = os.path.join(PACKAGE_DIR, "lab")
+# the observers' own frames (the lab, and the tracer's wrappers in measure/) are not the code observed
+OBSERVER_DIRS = tuple(os.path.join(PACKAGE_DIR, d) + os.sep for d in ("lab", "measure"))
 
 
-def repo_path(filename: str) -> str | None:
-    """'ouro/engine/scheduler.py' for a file of this ouro package (lab excluded), else None."""
+def repo_path(filename: str, skip_observers: bool = True) -> str | None:
+    """'ouro/engine/scheduler.py' for a file of this ouro package (the observers excluded), else None."""
     f = os.path.abspath(filename)
-    if not f.startswith(PACKAGE_DIR + os.sep) or f.startswith(LAB_DIR + os.sep):
+    if not f.startswith(PACKAGE_DIR + os.sep) or (skip_observers and f.startswith(OBSERVER_DIRS)):
         return None
     return os.path.relpath(f, REPO_DIR)
 

@@ -8,7 +8,7 @@ import inspect
 import os
 import statistics
 
-from .ab import verdict_from_times
+from ..measure.ab import verdict_from_times
 from .findings import Finding
 from .kernel_cases import KernelCase
 

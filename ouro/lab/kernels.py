@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from ..bench.roofline import Roofline
+from ..measure.roofline import Roofline
 from .findings import Finding
 from .kernel_cases import CASES, DEFAULT_OPS, KernelCase
 from .kernel_refs import Phase

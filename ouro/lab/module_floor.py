@@ -1,5 +1,5 @@
 """What each block of the model must read and compute in one decode step (its floor), against what
-the recorded ops did. The per-block split of `ouro.bench.step_cost`: weights read once (routed
+the recorded ops did. The per-block split of `ouro.measure.step_cost`: weights read once (routed
 experts: only the ones the batch's tokens touch), the cache rows attention reads (DSA: the
 attended latent rows and the pool keys the indexer scores; KDA: the state slot read and written),
 plus the block's own inputs and outputs."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..bench.step_cost import ROUTED, attended_rows, expected_distinct
+from ..measure.step_cost import ROUTED, attended_rows, expected_distinct
 from ..layers.context import ModelCache
 from .op_record import GATHER_LIKE, SCATTER_LIKE
 

@@ -11,15 +11,12 @@ from __future__ import annotations
 import hashlib
 import sys
 from dataclasses import dataclass
-from pathlib import Path
-
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-OURO_DIR = Path(__file__).resolve().parent.parent        # the ouro package (also in a patched copy)
-REPO_DIR = OURO_DIR.parent
-LAB_DIR = Path(__file__).resolve().parent
+from .call_trace import repo_path
+
 STACK_DEPTH = 8
 DIGEST_MAX_NUMEL = 1 << 18      # larger mutable tensors are named by storage + version instead
 
@@ -57,13 +54,13 @@ class OpRecord:
 
 
 def ouro_stack(skip_lab: bool = True, depth: int = STACK_DEPTH) -> tuple:
-    """The calling frames inside the ouro package (not ouro/lab), innermost first."""
+    """The calling frames inside the ouro package (not the lab's or the tracer's), innermost first."""
     out = []
     f = sys._getframe(1)
     while f is not None and len(out) < depth:
-        path = f.f_code.co_filename
-        if path.startswith(str(OURO_DIR)) and not (skip_lab and path.startswith(str(LAB_DIR))):
-            out.append((str(Path(path).relative_to(REPO_DIR)), f.f_code.co_name, f.f_lineno))
+        path = repo_path(f.f_code.co_filename, skip_observers=skip_lab)
+        if path is not None:
+            out.append((path, f.f_code.co_name, f.f_lineno))
         f = f.f_back
     return tuple(out)
 

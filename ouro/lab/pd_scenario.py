@@ -42,9 +42,9 @@ def pd(model_dir, prompt_len: int = PROMPT_LEN, rounds: int = ROUNDS, heartbeat:
     from ..engine.sampling import SamplingParams
     from ..models.loader import load_model
     from ..serve.messages import decode, encode, params_to_wire
-    from . import heartbeat as hb
-    from . import spans, thread_cpu
-    from .scenarios import prompts
+    from ..measure import heartbeat as hb
+    from ..measure import spans, thread_cpu
+    from .workload import prompts
 
     port = free_port_pair()
     memory = 6 * prompt_len * 64 * 1024 + (64 << 20)
@@ -153,7 +153,7 @@ def pd(model_dir, prompt_len: int = PROMPT_LEN, rounds: int = ROUNDS, heartbeat:
 
 
 def _threads(worker_pid: int) -> dict:
-    from .thread_cpu import snapshot
+    from ..measure.thread_cpu import snapshot
     return {"prefill": snapshot(), "decode worker": snapshot(worker_pid)}
 
 
@@ -175,7 +175,7 @@ ORDER = (("alone", "overlap", "no_overlap"), ("overlap", "no_overlap", "alone"),
 def summarise(times: dict, doc: dict, threads: dict | None = None) -> dict:
     """Medians, the overheads as paired ratios of medians with their bootstrap interval and the
     lab's A/B verdict (`ab.verdict_from_times`, rounds resampled whole), and the send overlap."""
-    from .ab import verdict_from_times
+    from ..measure.ab import verdict_from_times
     med = {k: 1e3 * statistics.median(v) for k, v in times.items()}
     verdicts, intervals = {}, {}
     for name, key in (("pd_overhead", "overlap"), ("pd_overhead_no_overlap", "no_overlap")):
@@ -224,7 +224,7 @@ def _await_output(pull, rid, decode, timeout) -> None:
 
 def send_overlap(doc: dict) -> float:
     """The share of `kv send` time inside `forward` spans (1.0: every send overlapped compute)."""
-    from .chrome_trace import spans_of
+    from ..measure.chrome_trace import spans_of
     ss = spans_of(doc)
     compute = [(s["start_ms"], s["end_ms"]) for s in ss if s["name"] == "forward"]
     sends = [(s["start_ms"], s["end_ms"]) for s in ss if s["name"] == "kv send"]

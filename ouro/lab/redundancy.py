@@ -33,7 +33,7 @@ class CostModel:
 
     @classmethod
     def measure(cls) -> "CostModel":
-        from ..bench.roofline import Roofline, median_time
+        from ..measure.roofline import Roofline, median_time
         r = Roofline.measure()
         a, b = torch.ones(8), torch.ones(8)
         overhead = median_time(lambda: [torch.add(a, b) for _ in range(200)], repeats=5) / 200

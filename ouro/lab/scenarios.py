@@ -17,8 +17,7 @@ import time
 
 from .serve_scenarios import (LOAD_SECONDS, SERVE_MAIN, free_port, serve, serve_url,  # noqa: F401 (re-exported)
                               stream_completions, wait_ready)
-
-PROMPT_LEN, MAX_TOKENS = 48, 8   # serve_scenarios.py's defaults say 8 too
+from .workload import MAX_TOKENS, PROMPT_LEN, prompts  # noqa: F401 (re-exported)
 _engines: dict = {}
 
 
@@ -36,12 +35,6 @@ def _engine(model_dir: str, max_num_seqs: int = 8):
     return _engines[key]
 
 
-def prompts(n: int, length: int = PROMPT_LEN, vocab: int = 300, seed: int = 0) -> list[list[int]]:
-    import random
-    rng = random.Random(seed)
-    return [[rng.randrange(10, vocab) for _ in range(length)] for _ in range(n)]
-
-
 def _drain(engine) -> None:
     while engine.has_unfinished():
         engine.step()
@@ -50,8 +43,8 @@ def _drain(engine) -> None:
 def offline(model_dir, requests: int = 4, max_tokens: int = MAX_TOKENS, heartbeat: bool = True) -> dict:
     """Traced generate of `requests` prompts; returns measurements and the trace (Chrome JSON doc)."""
     from ..engine.sampling import SamplingParams
-    from . import heartbeat as hb
-    from . import spans
+    from ..measure import heartbeat as hb
+    from ..measure import spans
     engine = _engine(model_dir)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     engine.add_request({"prompt_token_ids": prompts(1)[0]}, SamplingParams(temperature=0, max_tokens=2))
@@ -77,8 +70,8 @@ def offline(model_dir, requests: int = 4, max_tokens: int = MAX_TOKENS, heartbea
 
 
 def decode(model_dir, batch: int = 4, steps: int = 6) -> dict:
-    from ..bench.roofline import Roofline
-    from ..bench.step_cost import decode_cost
+    from ..measure.roofline import Roofline
+    from ..measure.step_cost import decode_cost
     from ..engine.sampling import SamplingParams
     engine = _engine(model_dir)
     for p in prompts(batch, seed=2):
@@ -114,7 +107,7 @@ def _count_ops(fn) -> int:
 
 def prefill(model_dir, length: int = PROMPT_LEN, repeats: int = 3) -> dict:
     import torch
-    from ..bench.roofline import median_time
+    from ..measure.roofline import median_time
     from ..engine.sampling import SamplingParams
     from ..engine.simple_runner import SimpleRunner
     engine = _engine(model_dir)
@@ -140,7 +133,7 @@ def leaks(model_dir) -> dict:
     return {"measurements": {f"leaked_{k}": sum(r["lost"].get(k, 0) for r in results) for k in ("pages", "slots")}}
 
 
-from .pd_scenario import pd  # noqa: E402 (its own file; it uses prompts above)
+from .pd_scenario import pd  # noqa: E402 (its own file)
 
 SCENARIOS = {"offline": offline, "decode": decode, "prefill": prefill, "leaks": leaks, "serve": serve, "pd": pd}
 # which scenario measures each name (a check may combine measurements of several scenarios)

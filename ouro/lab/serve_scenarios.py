@@ -16,8 +16,8 @@ import time
 def serve(model_dir, requests: int = 4, max_tokens: int = 8, trace_out: str | None = None,
           heartbeat: bool = True, timeout: float = 120.0) -> dict:
     """A real `ouro serve --trace FILE` on 127.0.0.1; streamed completions give TTFT and TPOT."""
-    from .scenarios import prompts
-    from .chrome_trace import load
+    from .workload import prompts
+    from ..measure.chrome_trace import load
     port = free_port()
     tmp = tempfile.mkdtemp(prefix="ouro-timeline-")
     trace = trace_out or os.path.join(tmp, "trace.json")
@@ -54,7 +54,7 @@ def serve_url(base: str, requests: int = 4, max_tokens: int = 8, trace_out: str 
 
     import httpx
 
-    from .scenarios import prompts
+    from .workload import prompts
     base = base.rstrip("/")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     stream_completions(base, prompts(1, seed=5), 2, LOAD_SECONDS, headers)          # warm-up, untraced

@@ -179,7 +179,7 @@ def probed_rows(t: torch.Tensor, ctx: ForwardContext, slots: set, channels_first
 def op_names() -> set[str]:
     """Names of the functions `ouro.ops` defines: a layer global of that name is an op call site
     (whatever it is bound to now, e.g. a patched replacement)."""
-    import ouro.ops as ops
+    from .. import ops
     names = set()
     for info in pkgutil.walk_packages(ops.__path__, "ouro.ops."):
         module = importlib.import_module(info.name)
@@ -247,7 +247,7 @@ class OuroTaps:
         return hook
 
     def _wrap_ops(self):
-        import ouro.layers as layers
+        from .. import layers
         ops = op_names()
         sites = [f"ouro.layers.{info.name}" for info in pkgutil.iter_modules(layers.__path__)] + list(OP_CALL_SITES)
         for module in map(importlib.import_module, sites):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 
-from .chrome_trace import heartbeats_of, load, spans_of
+from ..measure.chrome_trace import heartbeats_of, load, spans_of
 from .findings import Finding
 from .timeline_analysis import analyse
 

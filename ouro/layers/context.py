@@ -48,16 +48,12 @@ class ModelCache:
     @staticmethod
     def bytes_per_token(config: ModelConfig, dtype=torch.float32) -> int:
         """Paged bytes one token of context costs across all DSA layers."""
-        e = torch.empty(0, dtype=dtype).element_size()
-        raw = e * (len(config.dsa_layers) * config.kv_lora_rank + 2 * len(config.indexer_layers) * config.index_head_dim)
-        return raw + 4 * len(config.indexer_layers) * config.index_head_dim // config.index_kpool
+        return config.cache_bytes_per_token(dtype)
 
     @staticmethod
     def bytes_per_slot(config: ModelConfig) -> int:
         """Bytes of one KDA state slot (all KDA layers), independent of context length."""
-        c = config
-        per_layer = 3 * c.linear_dim * (c.linear_conv_kernel_dim - 1) + c.linear_num_heads * c.linear_head_dim ** 2
-        return 4 * len(c.kda_layers) * per_layer
+        return config.state_bytes_per_slot
 
     def poison(self):
         """Fill everything with NaN so a read of never-written memory shows up in outputs."""

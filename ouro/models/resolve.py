@@ -8,6 +8,10 @@ from ..config import CheckpointError
 from ..machine_cache import cache_root
 from .presets import BUILTIN_DIR, CONFIG_ONLY, PRESETS, TRAINED
 
+# the model a command uses when none is named (a preset name or a directory)
+DEFAULT_MODEL = "tiny-py"   # the trained built-in model: serve, generate and eval use it
+BENCH_MODEL = "small"       # benchmarks keep the larger random-init shape
+
 
 def resolve_model(name_or_dir: str, progress: bool = True) -> Path:
     """A directory is used as is; a preset name is written once under $OURO_CACHE (default

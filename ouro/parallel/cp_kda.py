@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..lab.spans import span
+from ..measure.spans import span
 from ..ops.conv1d import last_columns, last_inputs
 from ..ops.kda.chunk import kda_chunk
 from ..ops.kda.cp import _mm, chain_states, slice_summary, start_state

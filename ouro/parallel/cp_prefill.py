@@ -24,8 +24,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from ..lab import spans
-from ..lab.spans import span
+from ..measure import spans
+from ..measure.spans import span
 from .cp_forward import cp_forward
 from .groups import _free_port, init
 

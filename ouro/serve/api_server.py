@@ -14,11 +14,9 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..engine.sampling import SamplingParams
-from ..lab import spans
+from ..measure import spans
 from . import formats
 from .generation import Generation, GenerationError
 from .methods import Methods
@@ -299,14 +297,3 @@ def _describe(errors) -> str:
         loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
         parts.append(f"{loc or 'body'}: {e.get('msg', 'invalid')}")
     return "invalid request: " + "; ".join(parts)
-
-
-def sampling_for(body, max_tokens: int, logprobs: int | None, stop_token_ids=None) -> SamplingParams:
-    """The engine params of one request (stop strings stay in the frontend)."""
-    try:
-        return SamplingParams(n=body.n, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                              min_p=body.min_p, seed=body.seed, max_tokens=max_tokens,
-                              stop_token_ids=list(stop_token_ids or []) or None, ignore_eos=body.ignore_eos,
-                              logprobs=logprobs)
-    except (ValueError, ValidationError) as e:
-        raise ApiError(400, str(e)) from None

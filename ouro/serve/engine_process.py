@@ -14,8 +14,8 @@ import queue
 import threading
 import time
 
-from ..lab import spans
-from ..lab.spans import span
+from ..measure import spans
+from ..measure.spans import span
 from ..engine.request import RequestFailed
 
 log = logging.getLogger("ouro.engine_process")
@@ -116,7 +116,7 @@ def run_engine(model_dir: str, engine_kwargs: dict, in_addr: str, out_addr: str,
 def on_trace_message(msg: dict, sender) -> None:
     """Tracing on demand (the frontend's /start_trace and /stop_trace): between two steps, so
     requests in flight carry on; the events go back as one message, encoded on the sender thread."""
-    from ..lab import heartbeat
+    from ..measure import heartbeat
     if msg["type"] == "start_trace":
         spans.clear()
         heartbeat.clear()

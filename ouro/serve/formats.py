@@ -8,7 +8,10 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 
-from . import chat as chat_mod
+from pydantic import ValidationError
+
+from ..engine.sampling import SamplingParams
+from .protocol import ServeError as ApiError
 
 
 @dataclass
@@ -37,12 +40,22 @@ def _json(logprob: float) -> float:
     return max(logprob, -9999.0)
 
 
+def sampling_for(body, max_tokens: int, logprobs: int | None, stop_token_ids=None) -> SamplingParams:
+    """The engine params of one request (stop strings stay in the frontend)."""
+    try:
+        return SamplingParams(n=body.n, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                              min_p=body.min_p, seed=body.seed, max_tokens=max_tokens,
+                              stop_token_ids=list(stop_token_ids or []) or None, ignore_eos=body.ignore_eos,
+                              logprobs=logprobs)
+    except (ValueError, ValidationError) as e:
+        raise ApiError(400, str(e)) from None
+
+
 def _children(body, params) -> list:
     return [params.child(k) for k in range(body.n)]
 
 
 def completion_jobs(state, body) -> list[Job]:
-    from .api_server import ApiError, sampling_for
     p = body.prompt
     if isinstance(p, str):
         prompts = [p]
@@ -63,7 +76,6 @@ def completion_jobs(state, body) -> list[Job]:
 
 
 def chat_jobs(state, body) -> list[Job]:
-    from .api_server import ApiError, sampling_for
     if state.chat is None:
         raise ApiError(400, "this checkpoint has no chat template; use /v1/completions")
     try:

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..engine.detokenizer import IncrementalDetokenizer
-from ..lab.spans import span
+from ..measure.spans import span
 from .engine_client import EngineUnavailable
 from .protocol import ServeError as GenerationError
 

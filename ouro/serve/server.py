@@ -47,7 +47,7 @@ def serve(args, make_client=None) -> int:
     from .engine_client import EngineClient, EngineUnavailable
     from .metrics import Metrics
 
-    from ..lab import spans
+    from ..measure import spans
     trace = getattr(args, "trace", None) or spans.trace_path_from_env()
     if trace:   # the engine process reads the same switch and writes FILE.engine.json
         spans.set_env(trace)
@@ -122,8 +122,8 @@ def serve(args, make_client=None) -> int:
 def _merge_trace(path: str) -> None:
     """The frontend's and the engine process's (or the prefill and decode workers') traces, merged
     into one Chrome trace at `path`."""
-    from ..lab import spans
-    from ..lab.chrome_trace import merge
+    from ..measure import spans
+    from ..measure.chrome_trace import merge
     spans.save_once(path + ".frontend.json", "ouro frontend")
     merge([path + ".frontend.json", path + ".engine.json", path + ".prefill.json", path + ".decode.json"], path)
     print(f"ouro: wrote the trace {path} (open it in https://ui.perfetto.dev)", file=sys.stderr, flush=True)

@@ -21,8 +21,8 @@ import time
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from ..lab import heartbeat, spans
-from ..lab.chrome_trace import combine
+from ..measure import heartbeat, spans
+from ..measure.chrome_trace import combine
 from .engine_client import EngineUnavailable
 from .protocol import ServeError, error_body
 

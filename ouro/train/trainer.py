@@ -20,7 +20,7 @@ from ..config import ModelConfig
 from ..eval.corpus import load_split
 from . import data
 from .balance import RouterBalance
-from .hf_model import build_model, dsa_attentions, forward_with_mtp, mtp_block, use_ouro_kda
+from .hf_model import build_model, dsa_attentions, forward_with_mtp, use_ouro_kda
 from .indexer_distill import LayerInputs, distill
 from .trainer_config import TrainConfig
 

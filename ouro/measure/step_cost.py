@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..layers.context import ModelCache
 
 ROUTED = ("experts.gate_up_proj", "experts.down_proj")   # stacked routed-expert weights
 
@@ -58,7 +57,7 @@ def step_cost(model, query_lens: list[int], start_pos: list[int], logits_rows: i
     Bytes: every parameter except the embedding and the routed experts, read once; the embedding
     rows looked up (one per new token, at most the vocabulary); per MoE layer the routed experts the
     step's tokens touch, by `expected_distinct`. Cache: each new token's paged row written
-    (`ModelCache.bytes_per_token`); per sequence and DSA layer the latent rows its queries attend
+    (`ModelConfig.cache_bytes_per_token`); per sequence and DSA layer the latent rows its queries attend
     to (decode: `attended_rows`; a prefill chunk: its whole context, each row once), per indexer
     layer its fp32 pool keys when it scores them; the KDA state slot written, and read unless the
     sequence starts in this step.
@@ -94,14 +93,14 @@ def step_cost(model, query_lens: list[int], start_pos: list[int], logits_rows: i
                "embedding_rows": float(min(T, c.vocab_size) * emb.shape[1] * emb.element_size()),
                "routed_experts": n_moe * distinct * per_expert_bytes}
     e = emb.element_size()   # the cache holds the model's dtype (pool keys: fp32)
-    cache = {"written": float(T * ModelCache.bytes_per_token(c, emb.dtype)), "latent_read": 0.0,
+    cache = {"written": float(T * c.cache_bytes_per_token(emb.dtype)), "latent_read": 0.0,
              "pool_keys_read": 0.0, "kda_state": 0.0}
     for q, s in zip(query_lens, start_pos):
         ctx = s + q
         cache["latent_read"] += len(c.dsa_layers) * r * e * (attended_rows(c, ctx) if q == 1 else ctx)
         if ctx // c.index_kpool > keep:
             cache["pool_keys_read"] += len(c.indexer_layers) * 4 * c.index_head_dim * (ctx // c.index_kpool)
-        cache["kda_state"] += ModelCache.bytes_per_slot(c) * (1 if s == 0 else 2)
+        cache["kda_state"] += c.state_bytes_per_slot * (1 if s == 0 else 2)
     return StepCost(flops=sum(flops.values()), weight_bytes=sum(weights.values()), cache_bytes=sum(cache.values()),
                     parts={"flops": flops, "weight_bytes": weights, "cache_bytes": cache,
                            "distinct_experts_per_layer": distinct})
