@@ -112,13 +112,13 @@ def _cmd_eval_ppl(args) -> int:
     root = args.corpus if args.corpus is not None else default_root()
     docs = load_split("held_out", root, max_bytes=args.max_bytes)     # a bad corpus fails before any load
     directory = resolve_model(args.model, progress=not args.json)
-    llm = LLM(str(directory), device=args.device, dtype=args.dtype)
+    llm = LLM(str(directory), device=args.device, dtype=args.dtype, quantization=args.quantization)
     if llm.engine.tokenizer is None:
         raise CheckpointError(f"checkpoint {directory} has no tokenizer.json: bits/byte needs one")
     r = evaluate_bits_per_byte(llm, llm.engine.tokenizer, docs, args.context_len)
     out = {"model": args.model, "corpus": str(root), "split": "held_out", "context_len": args.context_len,
-           "dtype": args.dtype, "device": args.device, "ouro": asdict(r)}
-    lines = [format_result(r, "ouro", args.dtype)]
+           "dtype": args.dtype, "device": args.device, "quantization": args.quantization, "ouro": asdict(r)}
+    lines = [format_result(r, "ouro" + (f" {args.quantization}" if args.quantization else ""), args.dtype)]
     if args.compare_transformers:
         del llm
         t = transformers_bits_per_byte(directory, None, docs, args.context_len, args.dtype, args.device,
@@ -142,6 +142,7 @@ def add_eval_parser(sub) -> None:
     ppl.add_argument("--max-bytes", type=int, default=None, help="score only the first files fitting this size")
     ppl.add_argument("--context-len", type=int, default=1024, help="tokens of context per scoring window")
     ppl.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    add_quantization_flag(ppl)
     ppl.add_argument("--device", default="cpu")
     ppl.add_argument("--compare-transformers", action="store_true",
                      help="also score the same windows with transformers and print the difference")
@@ -168,6 +169,12 @@ def add_compile_flag(p) -> None:
                    help="with --compile: the largest decode batch the graph runs (larger batches run eagerly)")
 
 
+def add_quantization_flag(p) -> None:
+    p.add_argument("--quantization", default=None, choices=["w8a8"],
+                   help="w8a8: int8 weights (per channel) and activations (per token) for the projections and "
+                        "experts, exact int32 products (ouro's kernel, built on first use)")
+
+
 def add_serve_parser(sub) -> None:
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default: the trained tiny-py model on 127.0.0.1:8000)")
     sv.add_argument("--model", default=DEFAULT_MODEL,
@@ -189,6 +196,7 @@ def add_serve_parser(sub) -> None:
     sv.add_argument("--page-size", type=int, default=64)
     sv.add_argument("--enable-prefix-caching", action="store_true")
     add_compile_flag(sv)
+    add_quantization_flag(sv)
     sv.add_argument("--cp", "--context-parallel-size", dest="cp", type=int, default=1,
                     help="ranks of a context-parallel prefill: the engine plus N-1 helper processes, each holding the "
                          "model; prompts of --cp-threshold tokens or more are prefilled across them, decode stays on the engine")
@@ -253,6 +261,7 @@ def build_parser(argv=None) -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--device", default="cpu")
     gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="auto (the fastest native GEMM dtype of this machine, timed once and cached), float32, bfloat16")
+    add_quantization_flag(gen)
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-p", type=float, default=1.0)

@@ -216,8 +216,11 @@ class EngineConfig:
     context_parallel_size: int = 1     # ranks of a context-parallel prefill (ouro.parallel.cp_prefill)
     cp_threshold: int = 4096           # prompts of at least this many tokens take the CP prefill
     cp_precision: str = "auto"         # the KDA state chain's precision; auto: fp32 on a CPU, tf32x3 on CUDA
+    quantization: str | None = None    # w8a8: int8 projections and experts (ouro.quant), applied to the built model
+    quantization_ignore: tuple | None = None   # module name patterns kept unquantised; None: ouro.quant's default
 
     DTYPES = ("auto", "float32", "bfloat16", "float16")
+    QUANTIZATIONS = ("w8a8",)
 
     def __post_init__(self):
         self.validate()
@@ -233,6 +236,10 @@ class EngineConfig:
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "kda_chunk_size", "torch_compile_max_bs",
                      "context_parallel_size", "cp_threshold"):
             count(name)
+        if self.quantization is not None and self.quantization not in self.QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(self.QUANTIZATIONS)} or None, got {self.quantization!r}")
+        if self.quantization_ignore is not None and not all(isinstance(p, str) for p in self.quantization_ignore):
+            raise ValueError(f"quantization_ignore must be module name patterns (strings), got {self.quantization_ignore!r}")
         if self.cp_precision not in ("auto", "fp32", "tf32", "tf32x3"):
             raise ValueError(f"cp_precision must be one of auto, fp32, tf32, tf32x3, got {self.cp_precision!r}")
         count("max_model_len", optional=True)

@@ -194,12 +194,12 @@ def choose(times: dict[str, list[float]]) -> list[str]:
     return out
 
 
-def form_for(forms: list[str], rows: int) -> str:
-    """The decision of the measured row count nearest to `rows` in log scale (ties to the
-    smaller): 256 rows follow 512's decision, not 64's (the fp32 experts' prefill ran the
+def form_for(forms: list[str], rows: int, grid: tuple = ROWS) -> str:
+    """The decision of the measured row count (of `grid`) nearest to `rows` in log scale (ties to
+    the smaller): 256 rows follow 512's decision, not 64's (the fp32 experts' prefill ran the
     per-expert packed loop 1.5x faster at 256 rows than the path chosen at 64)."""
     x = math.log2(max(rows, 1))
-    i = min(range(len(ROWS)), key=lambda j: (abs(math.log2(ROWS[j]) - x), j))
+    i = min(range(len(grid)), key=lambda j: (abs(math.log2(grid[j]) - x), j))
     return forms[i]
 
 

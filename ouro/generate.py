@@ -11,7 +11,8 @@ def generate_cli(args) -> int:
     from .engine.llm import LLM
     from .engine.sampling import SamplingParams
     llm = LLM(args.model, device=args.device, dtype=args.dtype, max_memory=args.max_memory,
-              memory_fraction=args.mem_fraction_static, verbose=True)
+              memory_fraction=args.mem_fraction_static, verbose=True,
+              quantization=getattr(args, "quantization", None))
     engine = llm.engine
     if args.prompt_token_ids:
         try:

@@ -96,6 +96,8 @@ def worker_argv(args, role: str, port: int) -> list[str]:
         argv += ["--max-memory", str(args.max_memory)]
     if args.enable_prefix_caching:
         argv += ["--enable-prefix-caching"]
+    if getattr(args, "quantization", None):
+        argv += ["--quantization", args.quantization]     # both sides run the same products
     if args.max_model_len:
         argv += ["--max-model-len", str(args.max_model_len)]
     return argv

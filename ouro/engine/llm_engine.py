@@ -61,6 +61,12 @@ class LLMEngine:
             from ..parallel.cp_prefill import CPPrefill
             self.cp = CPPrefill(model_dir, model, config.context_parallel_size, config.chain_precision(),
                                 config.dtype, config.device, config.kda_chunk_size)
+        self.quantized = None
+        if config.quantization:
+            from ..quant.w8a8 import DEFAULT_IGNORE, quantize_model
+            # in place, before the runner measures its products: the engine runs what it was built with
+            ignore = DEFAULT_IGNORE if config.quantization_ignore is None else config.quantization_ignore
+            self.quantized = quantize_model(model, config.quantization, ignore)
         self.runner = ModelRunner(model, self.plan, config.device,
                                   min(config.torch_compile_max_bs, config.max_num_seqs) if config.compile else 0,
                                   cp=self.cp)
@@ -97,6 +103,9 @@ class LLMEngine:
         config.check_device()
         if isinstance(checkpoint_interval, bool) or not isinstance(checkpoint_interval, int) or checkpoint_interval < 1:
             raise ValueError(f"prefix checkpoint_interval must be an integer >= 1 (pages), got {checkpoint_interval!r}")
+        if config.quantization and config.context_parallel_size > 1:
+            raise ValueError("--quantization with --cp is not supported yet: the helper ranks run the unquantised "
+                             "model; drop one of them")
         if config.page_size % mc.index_kpool:
             raise ValueError(f"page_size must be a multiple of the model's index_kpool ({mc.index_kpool}), "
                              f"got {config.page_size}")

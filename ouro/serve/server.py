@@ -19,6 +19,7 @@ def engine_kwargs(args) -> dict:
             "torch_compile_max_bs": getattr(args, "torch_compile_max_bs", 32),
             "context_parallel_size": getattr(args, "cp", 1), "cp_threshold": getattr(args, "cp_threshold", 4096),
             "cp_precision": getattr(args, "cp_precision", "auto"),
+            "quantization": getattr(args, "quantization", None),
             "enable_prefix_caching": args.enable_prefix_caching,
             "prefix_checkpoint_interval": args.prefix_checkpoint_interval}
 

@@ -42,7 +42,7 @@ def experts_grouped(x, weights, experts, gate_up, down, limit: float):
     E = gate_up.shape[0]
     if 4 * T * k <= E:     # a few tokens, most experts idle: read only the chosen ones
         return _experts_gathered(x, weights, experts, gate_up, down, limit)
-    flat, order, counts, x_sorted = _by_expert(x, experts, E)
+    flat, order, counts, x_sorted = by_expert(x, experts, E)
     rows = None
     if reads_host(counts):
         busiest = int(counts.max())
@@ -53,7 +53,7 @@ def experts_grouped(x, weights, experts, gate_up, down, limit: float):
         y_sorted = _experts_padded(x_sorted, flat[order], counts, rows, gate_up, down, limit)
     else:
         y_sorted = _per_expert(x_sorted, counts, lambda h, e: h @ gate_up[e].T, lambda h, e: h @ down[e].T, limit)
-    return _combine(y_sorted, order, weights, T, k, x.dtype)
+    return combine(y_sorted, order, weights, T, k, x.dtype)
 
 
 def experts_looped(x, weights, experts, up, down, limit: float, num_experts: int):
@@ -61,11 +61,11 @@ def experts_looped(x, weights, experts, up, down, limit: float, num_experts: int
     down(h, e) = h @ down[e].T (a caller with pre-packed weights runs its own kernel). Exact rows,
     no padding; reads the per-expert counts on the host."""
     T, k = experts.shape
-    _, order, counts, x_sorted = _by_expert(x, experts, num_experts)
-    return _combine(_per_expert(x_sorted, counts, up, down, limit), order, weights, T, k, x.dtype)
+    _, order, counts, x_sorted = by_expert(x, experts, num_experts)
+    return combine(_per_expert(x_sorted, counts, up, down, limit), order, weights, T, k, x.dtype)
 
 
-def _by_expert(x, experts, E):
+def by_expert(x, experts, E):
     """(flat choices, their order grouped by expert, rows per expert [E], token copies in that order)."""
     flat = experts.flatten()
     order = flat.argsort(stable=True)
@@ -85,7 +85,7 @@ def _per_expert(x_sorted, counts, up, down, limit):
     return y_sorted
 
 
-def _combine(y_sorted, order, weights, T, k, dtype):
+def combine(y_sorted, order, weights, T, k, dtype):
     """Back to (token, choice) order, then a weighted sum over the k choices (no scatter-add)."""
     y = torch.empty_like(y_sorted)
     y[order] = y_sorted

@@ -1,0 +1,103 @@
+"""Which way an int8 x int8 -> int32 product runs on this machine, measured once and cached.
+
+Forms, each exact (checked against `int8_mm_naive` before it is offered):
+- `native`: ouro's kernel (`int8_native`, AVX2 sign trick or VNNI), built for this CPU;
+- `int_mm`: `torch._int_mm` (fast where torch has a real kernel: VNNI CPUs, GPUs; a slow fallback
+  on an AVX2-only CPU, 0.5 GOP/s measured);
+- `chunked`: float32 BLAS on K-chunks that stay exact (`int8_mm_chunked`): runs everywhere.
+The fastest form at a few row counts on one representative product is kept per machine in
+`$OURO_CACHE/int8_pick.json`; `OURO_INT8_FORM` pins one (tests check every form)."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from .. import machine_cache
+from ..gemm_pick import best_time
+from ..machine_cache import machine_key
+from ..ops.quant import int8_mm_chunked, int8_mm_naive
+from .int8_native import native
+
+log = logging.getLogger(__name__)
+
+FORMS = ("native", "int_mm", "chunked")
+ROWS = (1, 16, 128)
+SHAPE = (1024, 1024)           # N, K of the product each form is timed on
+FILE = "int8_pick.json"
+FORMAT = 1
+_RUNS: dict = {}
+
+
+def int8_mm(x, w, form: str):
+    """x int8 [M, K] @ w int8 [N, K].T -> int32 [M, N], computed as `form` says."""
+    if form == "native":
+        return native().int8_mm(x, w)
+    if form == "int_mm":
+        return torch._int_mm(x, w.T)
+    if form == "chunked":
+        return int8_mm_chunked(x, w)
+    raise ValueError(f"unknown int8 form {form!r}; one of {', '.join(FORMS)}")
+
+
+def form_runs(form: str, device: str = "cpu") -> str | None:
+    """None where `form` runs here and equals the exact reference on odd-sized products; else why not."""
+    key = (form, device)
+    if key not in _RUNS:
+        _RUNS[key] = _probe(form, device)
+        if _RUNS[key] is not None and form != "native":     # native says why itself
+            log.info("int8 form %s is not offered here: %s", form, _RUNS[key])
+    return _RUNS[key]
+
+
+def _probe(form: str, device: str) -> str | None:
+    if form == "native" and (device != "cpu" or native() is None):
+        return "ouro's int8 kernel is not built here"
+    g = torch.Generator().manual_seed(0)
+    for m, k, n in ((3, 77, 24), (33, 40, 17)):      # a tail in every loop of the kernel
+        x = torch.randint(-127, 128, (m, k), generator=g, dtype=torch.int8).to(device)
+        w = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8).to(device)
+        try:
+            out = int8_mm(x, w, form)
+        except Exception as e:                     # noqa: BLE001 - any failure means "not here"
+            return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        if not torch.equal(out.cpu(), int8_mm_naive(x.cpu(), w.cpu())):
+            return "wrong result against the exact reference"
+    return None
+
+
+def available_forms(device: str = "cpu") -> tuple[str, ...]:
+    return tuple(f for f in FORMS if form_runs(f, device) is None)
+
+
+def pick_forms(device: str = "cpu") -> list[str]:
+    """One form per row count in ROWS: the fastest measured here (cached per machine)."""
+    forms = available_forms(device)
+    pinned = os.environ.get("OURO_INT8_FORM")
+    if pinned:
+        if pinned not in FORMS:
+            raise ValueError(f"OURO_INT8_FORM must be one of {', '.join(FORMS)}, got {pinned!r}")
+        if pinned not in forms:
+            raise ValueError(f"OURO_INT8_FORM={pinned} does not run on this machine: {form_runs(pinned, device)}")
+        return [pinned] * len(ROWS)
+    key = f"{machine_key(device)}|{','.join(forms)}"
+    cache = machine_cache.read(FILE)
+    hit = cache.get(key, {})
+    if hit.get("format") == FORMAT and hit.get("rows") == list(ROWS) and set(hit.get("forms", ())) <= set(forms):
+        return hit["forms"]
+    n, k = SHAPE
+    w = torch.randint(-127, 128, (n, k), dtype=torch.int8, device=device)
+    times = {}
+    for f in forms:
+        times[f] = []
+        for r in ROWS:
+            x = torch.randint(-127, 128, (r, k), dtype=torch.int8, device=device)
+            times[f].append(best_time(lambda: int8_mm(x, w, f), budget_s=0.02, max_reps=10))
+    chosen = [min(forms, key=lambda f: times[f][i]) for i in range(len(ROWS))]
+    cache[key] = {"forms": chosen, "ms": {f: [round(1e3 * t, 4) for t in v] for f, v in times.items()},
+                  "rows": list(ROWS), "format": FORMAT}
+    machine_cache.write(FILE, cache)
+    return chosen
+
