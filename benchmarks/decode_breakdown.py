@@ -154,7 +154,7 @@ def main():
     print(f"decode step breakdown: {a.model}, batch {a.batch}, context ~{statistics.mean(contexts):.0f}, "
           f"{a.device}, {torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.1f}; "
           f"medians of {a.steps} hooked steps")
-    print(f"| part | ms | share | aten ops |\n|---|---|---|---|")
+    print("| part | ms | share | aten ops |\n|---|---|---|---|")
     total_ms = 1e3 * statistics.median(hooked)
     for row in ROWS:
         ms = 1e3 * statistics.median(per_row[row])

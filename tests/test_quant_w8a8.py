@@ -18,7 +18,7 @@ from ouro.ops.quant import (
     w8a8_linear_naive,
 )
 from ouro.quant import int8_forms
-from ouro.quant.w8a8 import DEFAULT_IGNORE, W8A8Experts, W8A8Linear, quantize_model
+from ouro.quant.w8a8 import UNQUANTISED, W8A8Experts, W8A8Linear, quantize_model
 
 
 def rel_rms(a, b):
@@ -218,7 +218,7 @@ def test_quantize_model_replaces_projections_and_keeps_the_listed_ones():
     assert any(isinstance(mod, W8A8Experts) for mod in names.values())
     assert any(n.endswith("self_attn.q_proj") and isinstance(mod, W8A8Linear) for n, mod in names.items())
     assert all(isinstance(names[n], (W8A8Linear, W8A8Experts)) for n in report["quantized"])
-    assert set(DEFAULT_IGNORE) == {"lm_head", "*.indexer.weights_proj", "*.kv_b_proj"}
+    assert set(UNQUANTISED) == {"lm_head", "*.indexer.weights_proj", "*.kv_b_proj"}
 
 
 def test_ignore_is_configurable():
@@ -259,13 +259,28 @@ def test_grouped_products_equal_one_product_per_expert(forms, counts):
     assert out.shape == (sum(counts), N)
 
 
-def test_the_native_grouped_kernel_refuses_bad_offsets():
+def test_the_native_kernel_refuses_bad_offsets_and_shapes():
     from ouro.quant.int8_native import native
     if native() is None:
         pytest.skip("ouro's kernel is not built here")
-    q = torch.zeros(2, 4, 8, dtype=torch.int8)
+    p = native().pack_weight(torch.zeros(2, 4, 8, dtype=torch.int8))
     s = torch.ones(2, 4)
     with pytest.raises(RuntimeError, match="offsets"):
-        native().w8a8_grouped(torch.zeros(3, 8), q, s, torch.tensor([0, 2, 1]))
+        native().w8a8_packed(torch.zeros(3, 8), p, s, torch.tensor([0, 2, 1]), 4)
     with pytest.raises(RuntimeError, match="offsets"):
-        native().w8a8_grouped(torch.zeros(3, 8), q, s, torch.tensor([0, 1, 5]))
+        native().w8a8_packed(torch.zeros(3, 8), p, s, torch.tensor([0, 1, 5]), 4)
+    with pytest.raises(RuntimeError, match="another shape"):
+        native().w8a8_packed(torch.zeros(3, 12), p, s, torch.tensor([0, 1, 3]), 4)
+
+
+def test_a_weight_changed_in_place_is_packed_again(forms):
+    g = torch.Generator().manual_seed(9)
+    lin = Linear(40, 16, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(16, 40, generator=g))
+    q = W8A8Linear.from_linear(lin, forms)
+    x = torch.randn(3, 40, generator=g)
+    before = q(x)
+    with torch.no_grad():
+        q.qweight.neg_()
+    assert torch.equal(q(x), -before)

@@ -63,9 +63,9 @@ class LLMEngine:
                                 config.dtype, config.device, config.kda_chunk_size)
         self.quantized = None
         if config.quantization:
-            from ..quant.w8a8 import DEFAULT_IGNORE, quantize_model
+            from ..quant.w8a8 import UNQUANTISED, quantize_model
             # in place, before the runner measures its products: the engine runs what it was built with
-            ignore = DEFAULT_IGNORE if config.quantization_ignore is None else config.quantization_ignore
+            ignore = UNQUANTISED if config.quantization_ignore is None else config.quantization_ignore
             self.quantized = quantize_model(model, config.quantization, ignore)
         self.runner = ModelRunner(model, self.plan, config.device,
                                   min(config.torch_compile_max_bs, config.max_num_seqs) if config.compile else 0,

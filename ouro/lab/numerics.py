@@ -93,7 +93,7 @@ def probe_numerics(model: str, a: str | Config = "dtype=float64", b: str | Confi
         recs[key] = run_config(model_dir, cfg, prompt, seed, device, names)
     ra, rb = recs["a"], recs["b"]
     ctx = dict(model=model, a=ca, b=cb, prompt_len=prompt_len, seed=seed, device=device, n=prompt_len)
-    return findings_from(ra, rb, column(ca.dtype, cb.dtype), ctx)
+    return findings_from(ra, rb, column(ca.dtype, cb.dtype, ca.quant, cb.quant), ctx)
 
 
 def ouro_names(rec: Recording | None, model_dir=None) -> dict:

@@ -22,6 +22,7 @@ KEYS = {
     "chunk": int, "mode": ("prefill", "decode"), "decode": int, "prefix": ("cold", "hit"),
     "batch": int, "kda_chunk": int,
     "cp": int, "precision": PRECISIONS,
+    "quant": ("none", "w8a8", "w8a8_ref"),   # w8a8_ref: the naive W8A8 modules (ouro.quant.reference)
 }
 PAGE_SIZE = 16
 
@@ -38,6 +39,7 @@ class Config:
     kda_chunk: int = 16
     cp: int = 1                   # ranks of a context-parallel prefill (real processes, gloo)
     precision: str = "fp32"       # the KCP state chain's products when cp > 1
+    quant: str = "none"
     text: str = ""
 
     def __str__(self):   # a valid configuration string (the defaults when none was given)
@@ -67,14 +69,14 @@ def parse_config(text: str) -> Config:
     if "decode" in values and cfg.mode != "decode":
         cfg = replace(cfg, mode="decode")
     if cfg.impl == "transformers":
-        bad = [k for k in ("prefix", "batch", "kda_chunk") if k in values and values[k] != getattr(Config(), k)]
+        bad = [k for k in ("prefix", "batch", "kda_chunk", "quant") if k in values and values[k] != getattr(Config(), k)]
         if bad:
             raise ValueError(f"configuration key {bad[0]!r} applies to impl=ouro only (transformers runs "
                              "one sequence without ouro's prefix cache or kernels)")
     if "precision" in values and cfg.cp == 1:
         raise ValueError("configuration key 'precision' is the KCP state chain's: it needs cp=N with N >= 2")
     if cfg.cp > 1:
-        bad = [k for k in ("impl", "chunk", "mode", "decode", "prefix", "batch") if k in values
+        bad = [k for k in ("impl", "chunk", "mode", "decode", "prefix", "batch", "quant") if k in values
                and values[k] != getattr(Config(), k)]
         if bad:
             raise ValueError(f"configuration key {bad[0]!r} does not combine with cp={cfg.cp}: a context-parallel "
@@ -117,7 +119,11 @@ def run_config(model_dir, cfg: Config, prompt: list[int], seed: int = 0, device:
 
 def load_ouro(model_dir, cfg: Config, device: str = "cpu"):
     from ..models.loader import load_model
-    return load_model(model_dir, dtype=getattr(torch, cfg.dtype), device=device, kda_chunk_size=cfg.kda_chunk)
+    model = load_model(model_dir, dtype=getattr(torch, cfg.dtype), device=device, kda_chunk_size=cfg.kda_chunk)
+    if cfg.quant != "none":
+        from ..quant.w8a8 import quantize_model
+        quantize_model(model, "w8a8", reference=cfg.quant == "w8a8_ref")
+    return model
 
 
 def _run_ouro(model_dir, cfg, prompt, rec, seed, device):

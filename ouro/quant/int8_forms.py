@@ -27,7 +27,7 @@ FORMS = ("native", "int_mm", "chunked")
 ROWS = (1, 16, 128)
 SHAPE = (1024, 1024)           # N, K of the product each form is timed on
 FILE = "int8_pick.json"
-FORMAT = 1
+FORMAT = 2
 _RUNS: dict = {}
 
 
@@ -72,8 +72,10 @@ def available_forms(device: str = "cpu") -> tuple[str, ...]:
     return tuple(f for f in FORMS if form_runs(f, device) is None)
 
 
-def pick_forms(device: str = "cpu") -> list[str]:
-    """One form per row count in ROWS: the fastest measured here (cached per machine)."""
+def pick_forms(device: str = "cpu", timer=None) -> list[str]:
+    """One form per row count in ROWS: the fastest measured here (cached per machine). `timer(form,
+    rows)`: seconds of the whole product a caller runs in that form (the W8A8 layers time theirs,
+    weights prepared as they run them); default: the int32 product alone."""
     forms = available_forms(device)
     pinned = os.environ.get("OURO_INT8_FORM")
     if pinned:
@@ -88,13 +90,11 @@ def pick_forms(device: str = "cpu") -> list[str]:
     if hit.get("format") == FORMAT and hit.get("rows") == list(ROWS) and set(hit.get("forms", ())) <= set(forms):
         return hit["forms"]
     n, k = SHAPE
-    w = torch.randint(-127, 128, (n, k), dtype=torch.int8, device=device)
-    times = {}
-    for f in forms:
-        times[f] = []
-        for r in ROWS:
-            x = torch.randint(-127, 128, (r, k), dtype=torch.int8, device=device)
-            times[f].append(best_time(lambda: int8_mm(x, w, f), budget_s=0.02, max_reps=10))
+    if timer is None:
+        w = torch.randint(-127, 128, (n, k), dtype=torch.int8, device=device)
+        xs = {r: torch.randint(-127, 128, (r, k), dtype=torch.int8, device=device) for r in ROWS}
+        timer = lambda f, r: best_time(lambda: int8_mm(xs[r], w, f), budget_s=0.02, max_reps=10)   # noqa: E731
+    times = {f: [timer(f, r) for r in ROWS] for f in forms}
     chosen = [min(forms, key=lambda f: times[f][i]) for i in range(len(ROWS))]
     cache[key] = {"forms": chosen, "ms": {f: [round(1e3 * t, 4) for t in v] for f, v in times.items()},
                   "rows": list(ROWS), "format": FORMAT}

@@ -1,20 +1,22 @@
-// int8 x int8 -> int32 products for W8A8: acc[m, n] = sum_k x[m, k] * w[n, k], both in [-127, 127]
-// (symmetric quantisation never makes -128). Exact: every partial sum is an integer that fits.
+// W8A8 int8 products: acc[m, n] = sum_k x[m, k] * w[n, k] with x and w in [-127, 127] (symmetric
+// quantisation never makes -128). Exact: every partial sum is an integer that fits in int32.
 //
-// AVX2 (no VNNI): the sign trick. vpmaddubsw multiplies unsigned by signed bytes and adds pairs
-// into int16 with saturation; with |x| (unsigned, <= 127) and w * sign(x) (signed, |.| <= 127) a
-// pair is at most 2 * 127 * 127 = 32258 < 32767, so it never saturates. vpmaddwd with ones then
-// widens the pairs into int32 lanes. With AVX-VNNI / AVX512-VNNI, vpdpbusd does both in one.
-// Elsewhere: a scalar loop (the compiler vectorises what it can).
+// Layout: a weight [N, K] is stored once as [ceil(N/8)][ceil(K/4)][8][4] (`pack_weight`): 32 bytes
+// = 8 output channels x 4 consecutive k. An activation row's 4 bytes at k are broadcast to all 8
+// lanes, so each lane accumulates its own channel (no horizontal sums), and a tile of R rows x B
+// channel blocks keeps R*B accumulators in registers while the weight streams once per tile.
 //
-// Blocking: rows in chunks of ROW_CHUNK (their activations stay in L2), inside that every weight
-// row once (kept in L1 while up to 4 activation rows are dotted with it). Threads split the
-// output columns (at::parallel_for, torch's own pool: no second OpenMP runtime).
+// AVX2 (no VNNI): the sign trick. vpmaddubsw multiplies unsigned by signed bytes and adds pairs into
+// int16 with saturation; with |x| (unsigned, <= 127) and w * sign(x) (signed, |.| <= 127) a pair is
+// at most 2 * 127 * 127 = 32258 < 32767, so it never saturates; vpmaddwd with ones widens the pairs
+// into int32. With AVX-VNNI / AVX512-VNNI, vpdpbusd does both in one. Elsewhere: scalar loops.
+// Threads split (expert, channel-block groups) with at::parallel_for: torch's own pool.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <cfloat>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #if defined(__AVX2__)
@@ -23,84 +25,16 @@
 
 namespace {
 
-constexpr int64_t ROW_CHUNK = 64;
-
-#if defined(__AVX2__)
-inline __m256i dot32(__m256i acc, __m256i x, __m256i w) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(acc, _mm256_sign_epi8(x, x), _mm256_sign_epi8(w, x));
-#elif defined(__AVXVNNI__)
-    return _mm256_dpbusd_avx_epi32(acc, _mm256_sign_epi8(x, x), _mm256_sign_epi8(w, x));
-#else
-    const __m256i ax = _mm256_sign_epi8(x, x);
-    const __m256i sw = _mm256_sign_epi8(w, x);
-    const __m256i pairs = _mm256_maddubs_epi16(ax, sw);
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-#endif
-}
-
-inline int32_t hsum(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-    return _mm_cvtsi128_si32(s);
-}
-#endif
-
-inline int32_t dot_tail(const int8_t* x, const int8_t* w, int64_t from, int64_t K) {
-    int32_t s = 0;
-    for (int64_t k = from; k < K; ++k) s += int32_t(x[k]) * int32_t(w[k]);
-    return s;
-}
-
-// R (1..4) activation rows against one weight row
-template <int R>
-inline void dot_rows(const int8_t* const* xs, const int8_t* w, int64_t K, int32_t* out) {
-    int64_t k = 0;
-#if defined(__AVX2__)
-    __m256i acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_si256();
-    for (; k + 32 <= K; k += 32) {
-        const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k));
-        for (int r = 0; r < R; ++r)
-            acc[r] = dot32(acc[r], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs[r] + k)), wv);
-    }
-    for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]) + dot_tail(xs[r], w, k, K);
-#else
-    for (int r = 0; r < R; ++r) out[r] = dot_tail(xs[r], w, 0, K);
-#endif
-}
-
-// rows [r0, r1) of X (int8 [*, K]) against weight rows [n0, n1) of W (int8 [*, K]); `emit(m, n, acc)`
-// takes each exact int32 sum
-template <typename Emit>
-void block(const int8_t* X, const int8_t* W, int64_t K, int64_t r0, int64_t r1, int64_t n0, int64_t n1, Emit emit) {
-    int32_t acc[4];
-    for (int64_t c0 = r0; c0 < r1; c0 += ROW_CHUNK) {
-        const int64_t c1 = std::min(r1, c0 + ROW_CHUNK);
-        for (int64_t n = n0; n < n1; ++n) {
-            const int8_t* wn = W + n * K;
-            int64_t m = c0;
-            for (; m + 4 <= c1; m += 4) {
-                const int8_t* xs[4] = {X + m * K, X + (m + 1) * K, X + (m + 2) * K, X + (m + 3) * K};
-                dot_rows<4>(xs, wn, K, acc);
-                for (int r = 0; r < 4; ++r) emit(m + r, n, acc[r]);
-            }
-            for (; m < c1; ++m) {
-                const int8_t* xs[1] = {X + m * K};
-                dot_rows<1>(xs, wn, K, acc);
-                emit(m, n, acc[0]);
-            }
-        }
-    }
-}
+constexpr int64_t ROW_CHUNK = 64;        // rows whose quantised activations stay in L2 while weights stream
+constexpr int64_t LANES = 8, KG = 4;      // channels per block, k per group
 
 // a thread's share should be worth waking it: at least ~256 KB of weights
 int64_t grain_for(int64_t K) { return std::max<int64_t>(1, (int64_t(1) << 18) / std::max<int64_t>(1, K)); }
 
 // per-row symmetric quantisation, the same arithmetic as ouro.ops.quant.quantize_rows:
-// scale = amax / 127 (float32), q = round-half-even(x / max(scale, FLT_MIN)) clamped to [-127, 127]
-void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* scale) {
+// scale = amax / 127 (float32), q = round-half-even(x / max(scale, FLT_MIN)) clamped to [-127, 127];
+// rows written with stride `qs` (>= K; the padding stays as the caller zeroed it)
+void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, int64_t qs, float* scale) {
     at::parallel_for(0, M, std::max<int64_t>(1, 4096 / std::max<int64_t>(1, K)), [&](int64_t m0, int64_t m1) {
         for (int64_t m = m0; m < m1; ++m) {
             const float* row = x + m * K;
@@ -117,93 +51,193 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* scale
             for (int64_t k = 0; k < K; ++k) {
                 float v = std::nearbyint(row[k] / d);
                 v = v > 127.f ? 127.f : (v < -127.f ? -127.f : v);
-                q[m * K + k] = static_cast<int8_t>(std::isnan(v) ? 0.f : v);
+                q[m * qs + k] = static_cast<int8_t>(std::isnan(v) ? 0.f : v);
             }
         }
     });
 }
 
-void check_int8(const torch::Tensor& x, const torch::Tensor& w, int64_t wdim) {
-    TORCH_CHECK(x.dim() == 2 && w.dim() == wdim, "ouro int8: x must be [M, K] and w ", wdim == 2 ? "[N, K]" : "[E, N, K]");
-    TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "ouro int8: CPU tensors");
-    TORCH_CHECK(w.scalar_type() == torch::kChar, "ouro int8: the weight must be int8");
-    TORCH_CHECK(x.size(1) == w.size(wdim - 1), "ouro int8: x has ", x.size(1), " columns, w has ", w.size(wdim - 1));
+#if defined(__AVX2__)
+inline __m256i dot4(__m256i acc, __m256i ax, __m256i xb, __m256i w) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, ax, _mm256_sign_epi8(w, xb));
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, ax, _mm256_sign_epi8(w, xb));
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w, xb)),
+                                                   _mm256_set1_epi16(1)));
+#endif
+}
+#endif
+
+// rows X[0..R) (int8, stride xs, K padded to K4*4 with zeros) x channel blocks nb0..nb0+B of P;
+// out[r][b][j]: the int32 sum of channel (nb0 + b) * 8 + j
+template <int R, int B>
+inline void packed_tile(const int8_t* X, int64_t xs, const int8_t* P, int64_t K4, int64_t nb0, int32_t out[][B][LANES]) {
+#if defined(__AVX2__)
+    __m256i acc[R][B];
+    for (int r = 0; r < R; ++r)
+        for (int b = 0; b < B; ++b) acc[r][b] = _mm256_setzero_si256();
+    const int8_t* pb[B];
+    for (int b = 0; b < B; ++b) pb[b] = P + (nb0 + b) * K4 * LANES * KG;
+    for (int64_t k4 = 0; k4 < K4; ++k4) {
+        __m256i w[B];
+        for (int b = 0; b < B; ++b) w[b] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb[b] + k4 * LANES * KG));
+        for (int r = 0; r < R; ++r) {
+            int32_t four;
+            std::memcpy(&four, X + r * xs + k4 * KG, 4);
+            const __m256i xb = _mm256_set1_epi32(four);
+            const __m256i ax = _mm256_sign_epi8(xb, xb);
+            for (int b = 0; b < B; ++b) acc[r][b] = dot4(acc[r][b], ax, xb, w[b]);
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int b = 0; b < B; ++b) _mm256_storeu_si256(reinterpret_cast<__m256i*>(out[r][b]), acc[r][b]);
+#else
+    for (int r = 0; r < R; ++r)
+        for (int b = 0; b < B; ++b)
+            for (int64_t j = 0; j < LANES; ++j) {
+                int32_t s = 0;
+                const int8_t* pw = P + (nb0 + b) * K4 * LANES * KG + j * KG;
+                for (int64_t k4 = 0; k4 < K4; ++k4)
+                    for (int64_t t = 0; t < KG; ++t)
+                        s += int32_t(X[r * xs + k4 * KG + t]) * int32_t(pw[k4 * LANES * KG + t]);
+                out[r][b][j] = s;
+            }
+#endif
+}
+
+// rows [r0, r1) of X against channel blocks [nbA, nbB) of one packed weight P; emit(m, n, acc), n < N
+template <typename Emit>
+void packed_rows(const int8_t* X, int64_t xs, const int8_t* P, int64_t K4, int64_t N, int64_t r0, int64_t r1,
+                 int64_t nbA, int64_t nbB, Emit emit) {
+    constexpr int B = 2;
+    int32_t out[4][B][LANES];
+    auto put = [&](int64_t m, int rows, int64_t nb0, int blocks) {
+        for (int r = 0; r < rows; ++r)
+            for (int b = 0; b < blocks; ++b)
+                for (int64_t j = 0; j < LANES; ++j) {
+                    const int64_t n = (nb0 + b) * LANES + j;
+                    if (n < N) emit(m + r, n, out[r][b][j]);
+                }
+    };
+    for (int64_t c0 = r0; c0 < r1; c0 += ROW_CHUNK) {
+        const int64_t c1 = std::min(r1, c0 + ROW_CHUNK);
+        int64_t nb = nbA;
+        for (; nb + B <= nbB; nb += B) {
+            int64_t m = c0;
+            for (; m + 4 <= c1; m += 4) {
+                packed_tile<4, B>(X + m * xs, xs, P, K4, nb, out);
+                put(m, 4, nb, B);
+            }
+            for (; m < c1; ++m) {
+                packed_tile<1, B>(X + m * xs, xs, P, K4, nb, out);
+                put(m, 1, nb, B);
+            }
+        }
+        for (; nb < nbB; ++nb)
+            for (int64_t m = c0; m < c1; ++m) {
+                int32_t one[1][1][LANES];
+                packed_tile<1, 1>(X + m * xs, xs, P, K4, nb, one);
+                for (int64_t j = 0; j < LANES; ++j)
+                    if (nb * LANES + j < N) emit(m, nb * LANES + j, one[0][0][j]);
+            }
+    }
+}
+
+// every (expert, group of channel blocks) with rows, split over torch's threads
+template <typename Emit>
+void grouped(const int8_t* X, int64_t xs, const int8_t* P, int64_t E, int64_t NB, int64_t K4, int64_t N,
+             const int64_t* off, Emit emit) {
+    const int64_t per = std::max<int64_t>(2, grain_for(K4 * KG) / LANES / 2 * 2);
+    const int64_t groups = (NB + per - 1) / per;
+    std::vector<int64_t> items;
+    for (int64_t e = 0; e < E; ++e)
+        if (off[e + 1] > off[e])
+            for (int64_t g = 0; g < groups; ++g) items.push_back(e * groups + g);
+    at::parallel_for(0, int64_t(items.size()), 1, [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; ++i) {
+            const int64_t e = items[i] / groups, g = items[i] % groups;
+            packed_rows(X, xs, P + e * NB * K4 * LANES * KG, K4, N, off[e], off[e + 1], g * per,
+                        std::min(NB, (g + 1) * per), [&](int64_t m, int64_t n, int32_t a) { emit(e, m, n, a); });
+        }
+    });
+}
+
+void check_offsets(const torch::Tensor& offsets, int64_t E, int64_t R) {
+    TORCH_CHECK(offsets.scalar_type() == torch::kLong && offsets.dim() == 1 && offsets.size(0) == E + 1,
+                "ouro int8: offsets must be int64 [E + 1]");
+    const int64_t* off = offsets.data_ptr<int64_t>();
+    TORCH_CHECK(off[0] == 0 && off[E] == R, "ouro int8: offsets must run from 0 to the row count");
+    for (int64_t e = 0; e < E; ++e) TORCH_CHECK(off[e] <= off[e + 1], "ouro int8: offsets must not decrease");
 }
 
 }  // namespace
 
-// int8 x [M, K] @ int8 w [N, K].T -> exact int32 [M, N]
-torch::Tensor int8_mm(torch::Tensor x, torch::Tensor w) {
-    check_int8(x, w, 2);
-    TORCH_CHECK(x.scalar_type() == torch::kChar, "int8_mm: x must be int8");
-    x = x.contiguous();
+// int8 w [E, N, K] -> the packed layout [E, ceil(N/8), ceil(K/4), 8, 4] (zeros past N and K)
+torch::Tensor pack_weight(torch::Tensor w) {
+    TORCH_CHECK(w.dim() == 3 && w.scalar_type() == torch::kChar && w.device().is_cpu(), "pack_weight: int8 CPU [E, N, K]");
     w = w.contiguous();
-    const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-    auto out = torch::empty({M, N}, x.options().dtype(torch::kInt));
-    const int8_t* X = x.data_ptr<int8_t>();
+    const int64_t E = w.size(0), N = w.size(1), K = w.size(2), NB = (N + LANES - 1) / LANES, K4 = (K + KG - 1) / KG;
+    auto p = torch::zeros({E, NB, K4, LANES, KG}, w.options());
     const int8_t* W = w.data_ptr<int8_t>();
-    int32_t* Y = out.data_ptr<int32_t>();
-    at::parallel_for(0, N, grain_for(K), [&](int64_t n0, int64_t n1) {
-        block(X, W, K, 0, M, n0, n1, [&](int64_t m, int64_t n, int32_t a) { Y[m * N + n] = a; });
-    });
-    return out;
+    int8_t* P = p.data_ptr<int8_t>();
+    for (int64_t e = 0; e < E; ++e)
+        for (int64_t n = 0; n < N; ++n)
+            for (int64_t k = 0; k < K; ++k)
+                P[(((e * NB + n / LANES) * K4 + k / KG) * LANES + n % LANES) * KG + k % KG] = W[(e * N + n) * K + k];
+    return p;
 }
 
-// grouped W8A8 (routed experts): rows offsets[e] .. offsets[e+1] of x (float32) are quantised per
-// row and run through expert e's weight w[e] [N, K] and scales w_scale[e] [N]; one call for every
-// expert; out = acc * x_scale[m] * w_scale[e][n] (the reference's order of operations)
-torch::Tensor w8a8_grouped(torch::Tensor x, torch::Tensor w, torch::Tensor w_scale, torch::Tensor offsets) {
-    check_int8(x, w, 3);
-    TORCH_CHECK(x.scalar_type() == torch::kFloat && w_scale.scalar_type() == torch::kFloat, "w8a8_grouped: float32 x and scales");
-    TORCH_CHECK(offsets.scalar_type() == torch::kLong && offsets.dim() == 1 && offsets.size(0) == w.size(0) + 1,
-                "w8a8_grouped: offsets must be int64 [E + 1]");
-    x = x.contiguous();
-    w = w.contiguous();
-    w_scale = w_scale.contiguous();
+// W8A8 on packed weights: rows offsets[e] .. offsets[e+1] of x (float32 [R, K]) are quantised per
+// row and run through expert e (one expert: a plain projection); N is the real channel count.
+// out = float(acc) * x_scale[m] * w_scale[e][n], the reference's order of operations
+torch::Tensor w8a8_packed(torch::Tensor x, torch::Tensor p, torch::Tensor w_scale, torch::Tensor offsets, int64_t N) {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.device().is_cpu(), "w8a8_packed: float32 CPU x [R, K]");
+    TORCH_CHECK(p.dim() == 5 && p.scalar_type() == torch::kChar && p.size(3) == LANES && p.size(4) == KG,
+                "w8a8_packed: the weight must come from pack_weight");
+    const int64_t R = x.size(0), K = x.size(1), E = p.size(0), NB = p.size(1), K4 = p.size(2);
+    TORCH_CHECK(K4 == (K + KG - 1) / KG && NB == (N + LANES - 1) / LANES, "w8a8_packed: x has ", K,
+                " columns and N is ", N, ", but the packed weight was made for another shape");
+    TORCH_CHECK(w_scale.scalar_type() == torch::kFloat && w_scale.numel() == E * N, "w8a8_packed: float32 w_scale [E, N]");
     offsets = offsets.contiguous();
-    const int64_t R = x.size(0), K = x.size(1), E = w.size(0), N = w.size(1);
-    const int64_t* off = offsets.data_ptr<int64_t>();
-    TORCH_CHECK(off[0] == 0 && off[E] == R, "w8a8_grouped: offsets must run from 0 to the row count");
-    for (int64_t e = 0; e < E; ++e) TORCH_CHECK(off[e] <= off[e + 1], "w8a8_grouped: offsets must not decrease");
-    auto q = torch::empty({R, K}, x.options().dtype(torch::kChar));
-    auto xs = torch::empty({R}, x.options());
-    quantize_rows(x.data_ptr<float>(), R, K, q.data_ptr<int8_t>(), xs.data_ptr<float>());
+    check_offsets(offsets, E, R);
+    x = x.contiguous();
+    w_scale = w_scale.contiguous();
+    p = p.contiguous();
+    const int64_t xs = K4 * KG;
+    auto q = torch::zeros({R, xs}, x.options().dtype(torch::kChar));
+    auto sc = torch::empty({R}, x.options());
+    quantize_rows(x.data_ptr<float>(), R, K, q.data_ptr<int8_t>(), xs, sc.data_ptr<float>());
     auto out = torch::empty({R, N}, x.options());
-    const int8_t* X = q.data_ptr<int8_t>();
-    const int8_t* W = w.data_ptr<int8_t>();
-    const float* XS = xs.data_ptr<float>();
+    const float* XS = sc.data_ptr<float>();
     const float* WS = w_scale.data_ptr<float>();
     float* Y = out.data_ptr<float>();
-    // work items: (expert, block of NB output channels) for the experts that have rows
-    const int64_t NB = std::max<int64_t>(1, std::min<int64_t>(N, grain_for(K)));
-    const int64_t blocks = (N + NB - 1) / NB;
-    std::vector<int64_t> items;
-    for (int64_t e = 0; e < E; ++e)
-        if (off[e + 1] > off[e])
-            for (int64_t b = 0; b < blocks; ++b) items.push_back(e * blocks + b);
-    at::parallel_for(0, int64_t(items.size()), 1, [&](int64_t i0, int64_t i1) {
-        for (int64_t i = i0; i < i1; ++i) {
-            const int64_t e = items[i] / blocks, b = items[i] % blocks;
-            const int64_t n0 = b * NB, n1 = std::min(N, n0 + NB);
-            const float* ws = WS + e * N;
-            block(X, W + e * N * K, K, off[e], off[e + 1], n0, n1,
-                  [&](int64_t m, int64_t n, int32_t a) { Y[m * N + n] = float(a) * XS[m] * ws[n]; });
-        }
-    });
+    grouped(q.data_ptr<int8_t>(), xs, p.data_ptr<int8_t>(), E, NB, K4, N, offsets.data_ptr<int64_t>(),
+            [&](int64_t e, int64_t m, int64_t n, int32_t a) { Y[m * N + n] = float(a) * XS[m] * WS[e * N + n]; });
     return out;
 }
 
-
-// W8A8 in one call: float32 x [M, K] -> rows quantised -> exact int32 products -> float32 [M, N]
-// = acc * x_scale[m] * w_scale[n] (the reference's order of operations); one expert of the grouped form
-torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor w_scale) {
-    TORCH_CHECK(w.dim() == 2 && w_scale.dim() == 1, "w8a8_linear: w must be [N, K] and w_scale [N]");
-    auto offsets = torch::tensor({int64_t(0), x.size(0)}, torch::kLong);
-    return w8a8_grouped(x, w.unsqueeze(0), w_scale.unsqueeze(0), offsets);
+// int8 x [M, K] @ int8 w [N, K].T -> exact int32 [M, N] through the same kernel (packs w on every
+// call: for checking the kernel, and for callers without a packed copy)
+torch::Tensor int8_mm(torch::Tensor x, torch::Tensor w) {
+    TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.scalar_type() == torch::kChar && w.scalar_type() == torch::kChar,
+                "int8_mm: int8 x [M, K] and w [N, K]");
+    TORCH_CHECK(x.size(1) == w.size(1), "int8_mm: x has ", x.size(1), " columns, w has ", w.size(1));
+    const int64_t M = x.size(0), K = x.size(1), N = w.size(0), K4 = (K + KG - 1) / KG, NB = (N + LANES - 1) / LANES;
+    auto p = pack_weight(w.unsqueeze(0));
+    auto q = torch::zeros({M, K4 * KG}, x.options());
+    q.narrow(1, 0, K).copy_(x);
+    auto out = torch::empty({M, N}, x.options().dtype(torch::kInt));
+    auto offsets = torch::tensor({int64_t(0), M}, torch::kLong);
+    int32_t* Y = out.data_ptr<int32_t>();
+    grouped(q.data_ptr<int8_t>(), K4 * KG, p.data_ptr<int8_t>(), 1, NB, K4, N, offsets.data_ptr<int64_t>(),
+            [&](int64_t, int64_t m, int64_t n, int32_t a) { Y[m * N + n] = a; });
+    return out;
 }
 
 std::string features() {
-#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
     return "avx2+vnni";
 #elif defined(__AVX2__)
     return "avx2";
@@ -213,8 +247,8 @@ std::string features() {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.def("pack_weight", &pack_weight, "int8 w [E, N, K] -> the packed layout w8a8_packed runs");
+    m.def("w8a8_packed", &w8a8_packed, "float32 x [R, K], packed w, float32 w_scale [E, N], int64 offsets [E+1], N");
     m.def("int8_mm", &int8_mm, "int8 [M, K] x int8 [N, K] -> int32 [M, N] (x @ w.T), exact");
-    m.def("w8a8_linear", &w8a8_linear, "float32 x [M, K], int8 w [N, K], w_scale [N] -> float32 [M, N]");
-    m.def("w8a8_grouped", &w8a8_grouped, "float32 x [R, K], int8 w [E, N, K], w_scale [E, N], offsets [E+1]");
     m.def("features", &features, "the instruction set this build uses");
 }

@@ -8,7 +8,7 @@ dynamic path (`quantized::linear_dynamic`) is not used: it quantises the whole a
 with one scale, which breaks that rule.
 
 What is quantised: every `Linear` projection (attention, KDA, indexer keys and queries, dense MLPs,
-shared experts) and the routed experts. What stays in the engine dtype (`DEFAULT_IGNORE`, module
+shared experts) and the routed experts. What stays in the engine dtype (`UNQUANTISED`, module
 name patterns; `ignore=` replaces the list): `lm_head`; the indexer's `weights_proj`; `kv_b_proj`,
 whose weight the sparse attention absorbs as a tensor (`absorb_weights`), not a product; the MTP
 block (layers past `num_hidden_layers`). The router gate, mHC, norms, the short conv, `A_log`,
@@ -17,11 +17,12 @@ block (layers past `num_hidden_layers`). The router gate, mHC, norms, the short 
 from __future__ import annotations
 
 import fnmatch
+import weakref
 
 import torch
 from torch import nn
 
-from ..gemm_pick import form_for
+from ..gemm_pick import best_time, form_for
 from ..layers.linear import Linear
 from ..layers.moe import Experts
 from ..ops.capture import reads_host
@@ -33,27 +34,63 @@ from . import int8_forms
 from .int8_native import native
 
 METHODS = ("w8a8",)
-DEFAULT_IGNORE = ("lm_head", "*.indexer.weights_proj", "*.kv_b_proj")
+UNQUANTISED = ("lm_head", "*.indexer.weights_proj", "*.kv_b_proj")
 
 
-def w8a8_product(x, qweight, weight_scale, forms):
-    """x [M, K] float -> float32 [M, N]: rows quantised, the int8 product in the form measured for M
-    rows (ouro's kernel does all three steps in one call, with the same arithmetic)."""
-    form = form_for(forms, x.shape[0], int8_forms.ROWS)
+# owner module -> {weight name: (key of the int8 weight packed, its packed copy)}: outside the
+# module (state dicts and deep copies never see it), remade when the weight changes in place
+_PACKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def packed_for(owner, qweight, name: str = "weight"):
+    """ouro's kernel layout of `qweight` ([N, K] or stacked [E, N, K]), made once per owner and name."""
+    key = (qweight.data_ptr(), qweight._version, tuple(qweight.shape))
+    packs = _PACKED.setdefault(owner, {})
+    if name not in packs or packs[name][0] != key:
+        packs[name] = (key, native().pack_weight(qweight if qweight.dim() == 3 else qweight.unsqueeze(0)))
+    return packs[name][1]
+
+
+def _offsets(counts):
+    offsets = torch.zeros(len(counts) + 1, dtype=torch.long)
+    torch.cumsum(counts.cpu(), 0, out=offsets[1:])
+    return offsets
+
+
+_SPANS: dict = {}
+
+
+def _span(rows: int):
+    """offsets [0, rows] of a single weight (made once per row count: a decode step asks for it per layer)."""
+    t = _SPANS.get(rows)
+    if t is None:
+        t = _SPANS[rows] = torch.tensor([0, rows])
+    return t
+
+
+def _form(forms, rows: int) -> str:
+    return forms[0] if forms.count(forms[0]) == len(forms) else form_for(forms, rows, int8_forms.ROWS)
+
+
+def w8a8_product(x, qweight, weight_scale, forms, owner=None):
+    """x [M, K] float -> float32 [M, N]: rows quantised, the exact int8 product in the form measured
+    for M rows, the scales applied (ouro's kernel does the three in one call, the same arithmetic;
+    `owner` keeps its packed copy of the weight)."""
+    form = _form(forms, x.shape[0])
     if form == "native":
-        return native().w8a8_linear(x.float(), qweight, weight_scale)
+        p = packed_for(owner, qweight) if owner is not None else native().pack_weight(qweight.unsqueeze(0))
+        return native().w8a8_packed(x.float(), p, weight_scale, _span(x.shape[0]), qweight.shape[0])
     q, s = quantize_rows(x)
     return dequantize(int8_forms.int8_mm(q, qweight, form), s, weight_scale)
 
 
-def w8a8_grouped(x, qweights, weight_scales, counts, forms):
+def w8a8_grouped(x, qweights, weight_scales, counts, forms, owner=None, name: str = "weight"):
     """Routed experts' products in one go: x [R, K] float with rows grouped by expert (`counts[e]`
     rows for expert e, in order), qweights int8 [E, N, K], weight_scales [E, N] -> float32 [R, N]."""
-    form = form_for(forms, max(1, x.shape[0] // max(1, int((counts > 0).sum()))), int8_forms.ROWS)
-    if form == "native":
-        offsets = torch.zeros(len(counts) + 1, dtype=torch.long)
-        torch.cumsum(counts.cpu(), 0, out=offsets[1:])
-        return native().w8a8_grouped(x.float(), qweights, weight_scales, offsets)
+    rows = max(1, x.shape[0] // max(1, int((counts > 0).sum())))
+    if _form(forms, rows) == "native":
+        p = packed_for(owner, qweights, name) if owner is not None else native().pack_weight(qweights)
+        return native().w8a8_packed(x.float(), p, weight_scales, _offsets(counts), qweights.shape[1])
     out = torch.full((x.shape[0], qweights.shape[1]), float("nan"))
     start = 0
     for e, c in enumerate(counts.tolist()):
@@ -87,7 +124,7 @@ class W8A8Linear(nn.Module):
 
     def eager(self, x):
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        y = w8a8_product(x.reshape(rows, x.shape[-1]), self.qweight, self.weight_scale, self.int8_forms)
+        y = w8a8_product(x.reshape(rows, x.shape[-1]), self.qweight, self.weight_scale, self.int8_forms, self)
         if self.bias is not None:
             y = y + self.bias.float()
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
@@ -127,10 +164,21 @@ class W8A8Experts(nn.Module):
         T, k = experts.shape
         _, order, counts, x_sorted = by_expert(x, experts, self.gate_up_proj_q.shape[0])
         gate, up = w8a8_grouped(x_sorted, self.gate_up_proj_q, self.gate_up_proj_scale, counts,
-                                self.int8_forms).chunk(2, dim=-1)
+                                self.int8_forms, self, "gate_up").chunk(2, dim=-1)
         h = clamped_swiglu(gate, up, self.limit)
-        y_sorted = w8a8_grouped(h, self.down_proj_q, self.down_proj_scale, counts, self.int8_forms).to(x.dtype)
+        y_sorted = w8a8_grouped(h, self.down_proj_q, self.down_proj_scale, counts, self.int8_forms, self,
+                                "down").to(x.dtype)
         return combine(y_sorted, order, weights, T, k, x.dtype)
+
+
+def _time_product(form: str, rows: int) -> float:
+    """Seconds of one W8A8 product of int8_forms.SHAPE at `rows` rows in `form`, as a layer runs it."""
+    n, k = int8_forms.SHAPE
+    g = torch.Generator().manual_seed(0)
+    q, s = quantize_rows(torch.randn(n, k, generator=g))
+    layer = W8A8Linear(q, s, forms=[form] * len(int8_forms.ROWS))
+    x = torch.randn(rows, k, generator=g)
+    return best_time(lambda: layer(x), budget_s=0.02, max_reps=10)
 
 
 def _ignored(name: str, patterns, n_layers: int) -> bool:
@@ -140,9 +188,10 @@ def _ignored(name: str, patterns, n_layers: int) -> bool:
     return any(fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
-def quantize_model(model: nn.Module, method: str = "w8a8", ignore=DEFAULT_IGNORE) -> dict:
+def quantize_model(model: nn.Module, method: str = "w8a8", ignore=UNQUANTISED, reference: bool = False) -> dict:
     """Replace the model's projections and routed experts in place; returns what was done:
-    {"quantized": [names], "kept": [names of projections left in the engine dtype]}."""
+    {"quantized": [names], "kept": [names of projections left in the engine dtype]}. `reference`:
+    the naive modules of `quant.reference` instead (the lab's exact comparison)."""
     if method not in METHODS:
         raise ValueError(f"quantization must be one of {', '.join(METHODS)}, got {method!r}")
     n_layers = model.config.num_hidden_layers
@@ -154,8 +203,12 @@ def quantize_model(model: nn.Module, method: str = "w8a8", ignore=DEFAULT_IGNORE
         if _ignored(name, ignore, n_layers):
             kept.append(name)
             continue
-        forms = forms or int8_forms.pick_forms(str(next(module.parameters()).device))
-        new = W8A8Linear.from_linear(module, forms) if isinstance(module, Linear) else W8A8Experts(module, forms)
+        if reference:
+            from .reference import reference_module
+            new = reference_module(module)
+        else:
+            forms = forms or int8_forms.pick_forms(str(next(module.parameters()).device), _time_product)
+            new = W8A8Linear.from_linear(module, forms) if isinstance(module, Linear) else W8A8Experts(module, forms)
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
         done.append(name)
