@@ -52,15 +52,16 @@ def _cmd_bench(args) -> int:
         flags = ["--num-prompts", str(args.num_prompts), "--input-len", str(args.input_len),
                  "--output-len", str(args.output_len), "--max-concurrency", str(args.max_concurrency),
                  "--device", args.device, "--dtype", dtype]
-        r = bench_baseline(args.baseline, str(resolve_model(args.model)), flags, args.repeats,
-                           current_extra=["--compile", "--torch-compile-max-bs", str(args.torch_compile_max_bs)]
-                           if args.compile else [])
+        extra = ["--compile", "--torch-compile-max-bs", str(args.torch_compile_max_bs)] if args.compile else []
+        extra += ["--quantization", args.quantization] if args.quantization else []
+        r = bench_baseline(args.baseline, str(resolve_model(args.model)), flags, args.repeats, current_extra=extra)
         print(format_baseline(r))
     elif args.kind == "offline":
         from .bench.offline import bench_offline, format_offline
         r = bench_offline(resolve_model(args.model), args.num_prompts, args.input_len, args.output_len,
                           args.max_concurrency, args.compare == "transformers", device=args.device, dtype=args.dtype,
-                          compile=args.compile, compile_max_bs=args.torch_compile_max_bs)
+                          compile=args.compile, compile_max_bs=args.torch_compile_max_bs,
+                          quantization=args.quantization)
         print(format_offline(r))
     if args.kind == "prefill" and args.cp > 1:
         from .bench.prefill_cp import bench_prefill_cp, format_prefill_cp
@@ -101,7 +102,7 @@ def _cmd_plan(args) -> int:
 def _cmd_eval_ppl(args) -> int:
     import json
     from dataclasses import asdict
-    from .config import CheckpointError, EngineConfig
+    from .config import CheckpointError, EngineConfig, split_patterns
     from .engine.llm import LLM
     from .eval.corpus import default_root, load_split
     from .eval.ppl import evaluate_bits_per_byte, format_result, transformers_bits_per_byte
@@ -112,7 +113,8 @@ def _cmd_eval_ppl(args) -> int:
     root = args.corpus if args.corpus is not None else default_root()
     docs = load_split("held_out", root, max_bytes=args.max_bytes)     # a bad corpus fails before any load
     directory = resolve_model(args.model, progress=not args.json)
-    llm = LLM(str(directory), device=args.device, dtype=args.dtype, quantization=args.quantization)
+    llm = LLM(str(directory), device=args.device, dtype=args.dtype, quantization=args.quantization,
+              quantization_ignore=split_patterns(args.quantization_ignore))
     if llm.engine.tokenizer is None:
         raise CheckpointError(f"checkpoint {directory} has no tokenizer.json: bits/byte needs one")
     r = evaluate_bits_per_byte(llm, llm.engine.tokenizer, docs, args.context_len)
@@ -173,6 +175,9 @@ def add_quantization_flag(p) -> None:
     p.add_argument("--quantization", default=None, choices=["w8a8"],
                    help="w8a8: int8 weights (per channel) and activations (per token) for the projections and "
                         "experts, exact int32 products (ouro's kernel, built on first use)")
+    p.add_argument("--quantization-ignore", default=None, metavar="PATTERNS",
+                   help="with --quantization: comma-separated module name patterns kept unquantised, replacing the "
+                        "default (lm_head,*.indexer.weights_proj,*.kv_b_proj), e.g. 'lm_head,layers.3.*'")
 
 
 def add_serve_parser(sub) -> None:
@@ -294,6 +299,7 @@ def build_parser(argv=None) -> argparse.ArgumentParser:
     bench.add_argument("--output-json", default=None)
     bench.add_argument("--device", default="cpu", help="offline: cpu or cuda (both systems run there)")
     bench.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="offline: auto (the fastest native GEMM dtype of this machine, timed once and cached)")
+    add_quantization_flag(bench)
     from .measure.spans import TraceToFile
     bench.add_argument("--trace", default=None, metavar="FILE", action=TraceToFile,
                        help="record the run's spans into FILE (Chrome trace, written at exit)")

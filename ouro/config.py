@@ -198,6 +198,11 @@ class ModelConfig:
         }
 
 
+def split_patterns(text: str | None) -> tuple | None:
+    """'a, b.*' -> ('a', 'b.*'); None stays None (a command line's comma-separated patterns)."""
+    return None if text is None else tuple(p.strip() for p in text.split(",") if p.strip())
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How the engine runs a model: device, dtype, memory and batching budgets."""

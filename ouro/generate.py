@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from .config import CheckpointError
+from .config import CheckpointError, split_patterns
 
 
 def generate_cli(args) -> int:
@@ -12,7 +12,7 @@ def generate_cli(args) -> int:
     from .engine.sampling import SamplingParams
     llm = LLM(args.model, device=args.device, dtype=args.dtype, max_memory=args.max_memory,
               memory_fraction=args.mem_fraction_static, verbose=True,
-              quantization=getattr(args, "quantization", None))
+              quantization=getattr(args, "quantization", None), quantization_ignore=split_patterns(getattr(args, "quantization_ignore", None)))
     engine = llm.engine
     if args.prompt_token_ids:
         try:

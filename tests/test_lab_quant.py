@@ -51,3 +51,45 @@ def test_planted_w8a8_faults_are_found_where_they_are(name):
     top = findings[0]
     assert top.severity == "error", top.summary
     assert localises(top, fault.localised, set()), top.where
+
+
+def _with_outliers(tmp_path, layer: int):
+    """tiny-py with one layer made sensitive to int8: its attention input's feature 0 is scaled to
+    almost nothing by the layer norm, and the projections reading it carry a huge weight there. In
+    float32 the pair nearly cancels; per-channel int8 makes that weight each row's scale and rounds
+    the rest of the row to zero."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from ouro.models.resolve import resolve_model
+    d = tmp_path / "outliers"
+    shutil.copytree(resolve_model("tiny-py"), d)
+    tensors = load_file(str(d / "model.safetensors"))
+    prefix = f"model.language_model.layers.{layer}."
+    tensors[prefix + "input_layernorm.weight"][0] = 1e-6
+    for name in ("q_proj", "k_proj", "v_proj", "g_a_proj", "f_a_proj"):
+        w = tensors[f"{prefix}self_attn.{name}.weight"]
+        w[:, 0] = 300 * w.abs().max()
+    save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
+    return d
+
+
+def test_the_policy_search_keeps_layers_until_the_budget_holds(tmp_path):
+    """A layer made sensitive to int8 (outlier columns) breaks a 0.1% budget: the search keeps that
+    layer unquantised first and stops once the measured policy is within the budget."""
+    from ouro.lab.quant_policy import search
+    policy = search(str(_with_outliers(tmp_path, 2)), budget=0.001, max_bytes=6000, context_len=256)
+    assert policy.all_quantised > policy.baseline * 1.001, policy.format()
+    assert 2 in policy.kept_layers, policy.format()
+    assert min(policy.per_layer, key=policy.per_layer.get) == 2
+    assert policy.chosen <= policy.baseline * 1.001
+    assert "layers.2.*" in policy.flags and policy.flags.startswith("--quantization w8a8 --quantization-ignore 'lm_head,")
+    with pytest.raises(ValueError, match="budget must be >= 0"):
+        search("tiny", budget=-0.1)
+
+
+def test_numerics_names_the_layer_that_breaks_under_int8(tmp_path):
+    findings = probe_numerics(str(_with_outliers(tmp_path, 2)), "impl=ouro", "quant=w8a8", prompt_len=48)
+    top = findings[0]
+    assert top.severity in ("warning", "error"), top.summary
+    assert top.where.get("layer") == 2 or "layers.2." in str(top.where.get("module")), top.where

@@ -72,3 +72,17 @@ def test_generate_cli_with_w8a8(checkpoint, llm):
     bad = subprocess.run([sys.executable, "-m", "ouro.cli", "generate", str(checkpoint), "--quantization", "w4"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "invalid choice" in bad.stderr
+
+
+def test_ignore_patterns_reach_the_engine(checkpoint):
+    everything_kept = LLM(str(checkpoint), max_memory=64 << 20, page_size=16, quantization="w8a8",
+                          quantization_ignore=("*",))
+    assert not everything_kept.engine.quantized["quantized"]
+    assert not any(isinstance(m, (W8A8Linear, W8A8Experts)) for m in everything_kept.engine.model.modules())
+    r = subprocess.run([sys.executable, "-m", "ouro.cli", "generate", str(checkpoint), "--quantization", "w8a8",
+                        "--quantization-ignore", "*", "--prompt-token-ids", "5,6,7", "--max-tokens", "6",
+                        "--ignore-eos", "--dtype", "float32"], capture_output=True, text=True, timeout=300)
+    plain = LLM(str(checkpoint), max_memory=64 << 20, page_size=16)
+    want = plain.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
+    assert r.returncode == 0, r.stderr
+    assert r.stdout[:-1] == plain.engine.tokenizer.decode(want.token_ids)

@@ -26,12 +26,13 @@ def make_prompts(n, length, vocab, seed):
     return [torch.randint(0, vocab, (length,), generator=g).tolist() for _ in range(n)]
 
 
-def make_engine(model, tokenizer, input_len, output_len, concurrency, device="cpu", compile=False, compile_max_bs=32):
+def make_engine(model, tokenizer, input_len, output_len, concurrency, device="cpu", compile=False, compile_max_bs=32,
+                quantization=None):
     from ..config import EngineConfig
     from ..engine.llm_engine import LLMEngine
     cfg = EngineConfig(device=device, max_num_seqs=concurrency, max_num_batched_tokens=max(2048, input_len),
                        page_size=64, max_model_len=input_len + output_len, compile=compile,
-                       torch_compile_max_bs=compile_max_bs)
+                       torch_compile_max_bs=compile_max_bs, quantization=quantization)
     return LLMEngine(model, tokenizer, cfg, verbose=compile)
 
 
@@ -83,7 +84,8 @@ def decode_floor(model, roof: Roofline, context: int, batch: int) -> dict:
 
 
 def bench_offline(model_dir, num_prompts=64, input_len=256, output_len=64, concurrency=32, compare=False,
-                  seed=0, progress=True, device="cpu", dtype="auto", compile=False, compile_max_bs=32) -> dict:
+                  seed=0, progress=True, device="cpu", dtype="auto", compile=False, compile_max_bs=32,
+                  quantization=None) -> dict:
     from tqdm import tqdm
 
     from ..config import EngineConfig
@@ -94,7 +96,7 @@ def bench_offline(model_dir, num_prompts=64, input_len=256, output_len=64, concu
     roof = Roofline.measure(device, model.embed_tokens.weight.dtype)
     prompts = make_prompts(num_prompts, input_len, model.config.vocab_size, seed)
     engine = make_engine(model, load_tokenizer(model_dir), input_len, output_len, concurrency, device, compile,
-                         compile_max_bs)
+                         compile_max_bs, quantization)
     hf = load_transformers(model_dir, device, model.embed_tokens.weight.dtype) if compare else None
     waves, log, outs, hf_outs = [], [], [], []
     for i in tqdm(range(0, num_prompts, concurrency), desc="waves (ouro, transformers)", disable=not progress):
@@ -108,7 +110,7 @@ def bench_offline(model_dir, num_prompts=64, input_len=256, output_len=64, concu
                 waves[-1]["transformers_s"], o = run_transformers(hf, wave, output_len, device)
             hf_outs += o
     r = {"seed": seed, "num_prompts": num_prompts, "input_len": input_len, "output_len": output_len,
-         "concurrency": concurrency, "device": device, "compile": compile,
+         "concurrency": concurrency, "device": device, "compile": compile, "quantization": quantization,
          "dtype": str(model.embed_tokens.weight.dtype).replace("torch.", ""), "waves": waves,
          "ouro": _throughput(sum(w["ouro_s"] for w in waves), num_prompts * input_len, outs),
          "matmul_flops_per_s": roof.flops_per_s, "copy_bytes_per_s": roof.bytes_per_s}

@@ -62,7 +62,7 @@ def _run_faults(args) -> int:
 
 
 def add_lab_parser(sub) -> None:
-    lab = sub.add_parser("lab", help="the lab's fault suite: planted bugs that score the probes")
+    lab = sub.add_parser("lab", help="the lab's fault suite (planted bugs that score the probes) and policy searches")
     kinds = lab.add_subparsers(dest="lab_command", required=True)
     f = kinds.add_parser("faults", help="apply each planted fault to a copy of ouro, run the probes, score them")
     f.add_argument("--only", default=None, help="comma-separated fault names (default: all)")
@@ -74,6 +74,10 @@ def add_lab_parser(sub) -> None:
     f.add_argument("--no-clean", action="store_true",
                    help="skip running the same probes on an unpatched copy (the false-alarm check)")
     f.set_defaults(func=_run_faults)
+    from . import quant_policy
+    q = kinds.add_parser("quant-policy", help="the cheapest per-layer W8A8 policy within a held-out bits/byte budget")
+    quant_policy.add_arguments(q)
+    q.set_defaults(func=quant_policy.run)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..config import CheckpointError, ModelConfig
+from .fp8_checkpoint import FP8_DTYPES, SCALE_SUFFIX, FP8Format, check_scale, dequantize
 
 PREFIX = "model.language_model."
 MAX_LISTED = 50   # problems named in one error; a wrong config can mismatch every tensor
@@ -111,12 +112,26 @@ def check_checkpoint(model: torch.nn.Module, directory: str | Path):
         layout = [d for d in layout if not (d.param == "lm_head.weight" and d.names[0] not in where)]
     expected = {n: s for d in layout for n, s in zip(d.names, d.shapes)}
     problems, ignored = [], {"vision": 0, "mtp": 0}
-    shapes = {}
+    shapes, dtypes = {}, {}
     for f in sorted(set(where.values())):
         with safe_open(str(f), "pt") as h:
             for k in h.keys():
                 if where.get(k) == f:
                     shapes[k] = tuple(h.get_slice(k).get_shape())
+                    dtypes[k] = h.get_slice(k).get_dtype()
+    fp8 = _fp8_format(directory)
+    scales = {}
+    for name in [k for k in shapes if k.endswith(SCALE_SUFFIX)]:
+        weight = name[:-len(SCALE_SUFFIX)]
+        scales[weight] = shapes.pop(name)
+        if fp8 is None:
+            problems.append(f"tensor {name} is a block-FP8 scale but config.json has no quantization_config")
+        elif weight not in shapes or dtypes.get(weight) not in FP8_DTYPES:
+            problems.append(f"scale {name} belongs to no FP8 weight (the weight is missing or not float8)")
+        elif why := check_scale(weight, shapes[weight], scales[weight], fp8):
+            problems.append(why)
+    for name in sorted(k for k, dt in dtypes.items() if dt in FP8_DTYPES and k not in scales):
+        problems.append(f"FP8 tensor {name} has no {name}{SCALE_SUFFIX} (its block scales)")
     for name in sorted(expected.keys() - shapes.keys()):
         problems.append(f"missing tensor {name} (expected shape {list(expected[name])})")
     mtp_heads = mtp_head_shapes(config)
@@ -138,12 +153,17 @@ def check_checkpoint(model: torch.nn.Module, directory: str | Path):
         shown = problems[:MAX_LISTED] + ([f"... and {len(problems) - MAX_LISTED} more"] if len(problems) > MAX_LISTED else [])
         raise CheckpointError(f"{directory}: checkpoint does not match the config ({len(problems)} problems):\n  "
                               + "\n  ".join(shown))
-    return layout, where, ignored
+    return layout, where, ignored, (fp8, {w: w + SCALE_SUFFIX for w in scales})
+
+
+def _fp8_format(directory: Path):
+    path = directory / "config.json"
+    return FP8Format.from_config(json.loads(path.read_text())) if path.is_file() else None
 
 
 def load_weights(model: torch.nn.Module, directory: str | Path, progress: bool = False) -> dict:
     """Copy a checkpoint into `model` (after `check_checkpoint`). Returns the ignored counts."""
-    layout, where, ignored = check_checkpoint(model, directory)
+    layout, where, ignored, (fp8, scale_of) = check_checkpoint(model, directory)
     state = model.state_dict()
     handles = {}
     try:
@@ -155,7 +175,13 @@ def load_weights(model: torch.nn.Module, directory: str | Path, progress: bool =
                 f = where[n]
                 if f not in handles:
                     handles[f] = safe_open(str(f), "pt")
-                parts.append(handles[f].get_tensor(n))
+                t = handles[f].get_tensor(n)
+                if n in scale_of:           # block-FP8: dequantised here, one tensor at a time
+                    s = where[scale_of[n]]
+                    if s not in handles:
+                        handles[s] = safe_open(str(s), "pt")
+                    t = dequantize(t, handles[s].get_tensor(scale_of[n]), fp8)
+                parts.append(t)
             with torch.no_grad():
                 state[d.param].copy_(d.join(parts))
             del parts
@@ -168,21 +194,23 @@ def load_weights(model: torch.nn.Module, directory: str | Path, progress: bool =
 
 
 def save_weights(model: torch.nn.Module, directory: str | Path, max_shard_bytes: int = 2 << 30,
-                 progress: bool = False) -> list[Path]:
-    """Write the model's tensors in the on-disk layout, sharded with an index when large."""
+                 progress: bool = False, transform=None) -> list[Path]:
+    """Write the model's tensors in the on-disk layout, sharded with an index when large.
+    `transform(disk name, tensor) -> {disk name: tensor}`: what to write instead (the FP8 writer)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     state = model.state_dict()
     shards, current, size = [], {}, 0
     from tqdm import tqdm
     for d in tqdm(checkpoint_layout(model), desc="writing", unit="tensor", disable=not progress):
-        for n, t in zip(d.names, d.split(state[d.param].detach())):
-            t = t.contiguous().clone()
-            if current and size + t.nbytes > max_shard_bytes:
-                shards.append(current)
-                current, size = {}, 0
-            current[n] = t
-            size += t.nbytes
+        for name, tensor in zip(d.names, d.split(state[d.param].detach())):
+            for n, t in (transform(name, tensor) if transform else {name: tensor}).items():
+                t = t.contiguous().clone()
+                if current and size + t.nbytes > max_shard_bytes:
+                    shards.append(current)
+                    current, size = {}, 0
+                current[n] = t
+                size += t.nbytes
     shards.append(current)
     paths = []
     if len(shards) == 1:

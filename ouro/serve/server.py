@@ -10,6 +10,8 @@ import signal
 import sys
 from pathlib import Path
 
+from ..config import split_patterns
+
 
 def engine_kwargs(args) -> dict:
     return {"device": args.device, "dtype": args.dtype, "page_size": args.page_size, "max_model_len": args.max_model_len,
@@ -20,6 +22,7 @@ def engine_kwargs(args) -> dict:
             "context_parallel_size": getattr(args, "cp", 1), "cp_threshold": getattr(args, "cp_threshold", 4096),
             "cp_precision": getattr(args, "cp_precision", "auto"),
             "quantization": getattr(args, "quantization", None),
+            "quantization_ignore": split_patterns(getattr(args, "quantization_ignore", None)),
             "enable_prefix_caching": args.enable_prefix_caching,
             "prefix_checkpoint_interval": args.prefix_checkpoint_interval}
 
