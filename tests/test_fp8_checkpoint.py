@@ -17,7 +17,8 @@ from safetensors.torch import save_file
 from hf_reference import make_hf_checkpoint, rel_rms
 from ouro.config import CheckpointError
 from ouro.engine.simple_runner import SimpleRunner
-from ouro.models.fp8_checkpoint import SCALE_SUFFIX, FP8Format, write_fp8_checkpoint
+from ouro.models.fp8_checkpoint import SCALE_SUFFIX, FP8Format
+from ouro.models.fp8_writer import write_fp8_checkpoint
 from ouro.models.loader import load_model
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12, 40, 41, 42, 3]

@@ -4,14 +4,12 @@ weight in float8 e4m3 [N, K] beside `<name>_scale_inv` [ceil(N / bn), ceil(K / b
 W[i, j] = w_fp8[i, j] * scale_inv[i // bn, j // bk]. Edge blocks are partial: the scale grid is the
 ceiling division, never inferred from shapes (a grid that does not match is an error naming the
 tensor). Loading dequantises tensor by tensor (`dequantize`), so peak memory stays one tensor above
-the model; `write_fp8_checkpoint` writes the format from any built model (ouro's own writer)."""
+the model; `fp8_writer.write_fp8_checkpoint` writes the format from any built model."""
 
 from __future__ import annotations
 
 import fnmatch
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -98,28 +96,3 @@ def converts(name: str, tensor: torch.Tensor, fmt: FP8Format) -> bool:
     """Whether the writer stores this disk tensor in FP8: a 2-D projection weight not kept."""
     return (tensor.dim() == 2 and name.endswith(".weight") and not any(fnmatch.fnmatchcase(name, p) for p in KEEP)
             and not any(name.startswith(m + ".") or fnmatch.fnmatchcase(name, m + "*") for m in fmt.not_converted))
-
-
-def write_fp8_checkpoint(model, directory, fmt: FP8Format | None = None, mtp_layers: tuple[int, ...] = ()) -> None:
-    """Write `model` as a block-FP8 checkpoint: every projection in e4m3 with its block scales,
-    the rest (and the MTP layers `mtp_layers`) as they are; config.json gets quantization_config."""
-    from .loader import save_weights
-    fmt = fmt or FP8Format()
-    directory = Path(directory)
-    fmt.not_converted = sorted(set(fmt.not_converted) | {f"model.language_model.layers.{i}" for i in mtp_layers})
-
-    kept = set()
-
-    def transform(name, tensor):
-        if not converts(name, tensor, fmt):
-            if tensor.dim() == 2 and name.endswith(".weight"):
-                kept.add(name[:-len(".weight")])      # a projection left as it is: say so for readers
-            return {name: tensor}
-        q, s = quantize(tensor, fmt)
-        return {name: q, name + SCALE_SUFFIX: s}
-    save_weights(model, directory, transform=transform)
-    fmt.not_converted = sorted(set(fmt.not_converted) | kept)
-    path = directory / "config.json"
-    config = json.loads(path.read_text()) if path.is_file() else model.config.to_hf_dict()
-    config["quantization_config"] = fmt.to_config()
-    path.write_text(json.dumps(config, indent=2))
