@@ -145,21 +145,24 @@ void packed_rows(const int8_t* X, int64_t xs, const int8_t* P, int64_t K4, int64
     }
 }
 
-// every (expert, group of channel blocks) with rows, split over torch's threads
+// every (expert, group of channel blocks, chunk of ROW_CHUNK rows) with rows, split over torch's
+// threads: a decode step splits the channels, a prefill the rows as well (a 512-channel weight is
+// one group, and a 2,048-row prefill through it ran on one thread before)
 template <typename Emit>
 void grouped(const int8_t* X, int64_t xs, const int8_t* P, int64_t E, int64_t NB, int64_t K4, int64_t N,
              const int64_t* off, Emit emit) {
     const int64_t per = std::max<int64_t>(2, grain_for(K4 * KG) / LANES / 2 * 2);
     const int64_t groups = (NB + per - 1) / per;
-    std::vector<int64_t> items;
+    struct Item { int64_t e, g, r0, r1; };
+    std::vector<Item> items;
     for (int64_t e = 0; e < E; ++e)
-        if (off[e + 1] > off[e])
-            for (int64_t g = 0; g < groups; ++g) items.push_back(e * groups + g);
+        for (int64_t r0 = off[e]; r0 < off[e + 1]; r0 += ROW_CHUNK)
+            for (int64_t g = 0; g < groups; ++g) items.push_back({e, g, r0, std::min(off[e + 1], r0 + ROW_CHUNK)});
     at::parallel_for(0, int64_t(items.size()), 1, [&](int64_t i0, int64_t i1) {
         for (int64_t i = i0; i < i1; ++i) {
-            const int64_t e = items[i] / groups, g = items[i] % groups;
-            packed_rows(X, xs, P + e * NB * K4 * LANES * KG, K4, N, off[e], off[e + 1], g * per,
-                        std::min(NB, (g + 1) * per), [&](int64_t m, int64_t n, int32_t a) { emit(e, m, n, a); });
+            const Item& it = items[i];
+            packed_rows(X, xs, P + it.e * NB * K4 * LANES * KG, K4, N, it.r0, it.r1, it.g * per,
+                        std::min(NB, (it.g + 1) * per), [&](int64_t m, int64_t n, int32_t a) { emit(it.e, m, n, a); });
         }
     });
 }

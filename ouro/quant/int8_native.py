@@ -22,7 +22,10 @@ from ..machine_cache import cache_root
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("int8_mm.cpp")
-CFLAGS = ["-O3", "-march=native"]
+# -fopenmp at compile time only: at::parallel_for then runs on torch's own OpenMP runtime (its GOMP symbols
+# resolve through libtorch at load time); without it the kernel ran on one thread, and linking
+# -lgomp would load a second OpenMP runtime beside torch's
+CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _STATE: dict = {}
 
 
