@@ -86,3 +86,33 @@ def test_ignore_patterns_reach_the_engine(checkpoint):
     want = plain.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
     assert r.returncode == 0, r.stderr
     assert r.stdout[:-1] == plain.engine.tokenizer.decode(want.token_ids)
+
+
+def test_quantization_on_another_device_is_refused_before_loading(checkpoint):
+    from ouro.config import EngineConfig, ModelConfig
+    from ouro.engine.llm_engine import LLMEngine
+    cfg = EngineConfig(quantization="w8a8", device="cuda", max_memory=64 << 20, page_size=16)
+    with pytest.raises(ValueError, match="runs on a CPU"):
+        LLMEngine.check_options(cfg, ModelConfig.from_hf(checkpoint), False, 1)
+
+
+@pytest.mark.slow
+def test_the_compiled_decode_graph_runs_the_quantised_model(checkpoint, llm):
+    """--compile with W8A8: the int8 products run as opaque ops inside the graph (minutes to compile)."""
+    compiled = LLM(str(checkpoint), max_memory=64 << 20, page_size=16, quantization="w8a8", compile=True,
+                   torch_compile_max_bs=4, max_num_seqs=4)
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [9, 10, 11, 12]}]
+    assert [r.token_ids for r in compiled.generate(prompts, greedy)] == [r.token_ids for r in llm.generate(prompts, greedy)]
+
+
+def test_disaggregated_workers_get_the_same_quantisation():
+    """`ouro serve --disagg XPYD --quantization w8a8`: both roles run the same products."""
+    from ouro.cli import build_parser
+    from ouro.disagg.command import worker_argv
+    args = build_parser().parse_args(["serve", "--model", "tiny", "--disagg", "1P1D", "--quantization", "w8a8"])
+    for role in ("prefill", "decode"):
+        argv = worker_argv(args, role, 30000)
+        assert argv[argv.index("--quantization") + 1] == "w8a8"
+    plain = build_parser().parse_args(["serve", "--model", "tiny", "--disagg", "1P1D"])
+    assert "--quantization" not in worker_argv(plain, "prefill", 30000)
