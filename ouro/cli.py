@@ -114,7 +114,8 @@ def _cmd_eval_ppl(args) -> int:
     docs = load_split("held_out", root, max_bytes=args.max_bytes)     # a bad corpus fails before any load
     directory = resolve_model(args.model, progress=not args.json)
     llm = LLM(str(directory), device=args.device, dtype=args.dtype, quantization=args.quantization,
-              quantization_ignore=split_patterns(args.quantization_ignore))
+              quantization_ignore=split_patterns(args.quantization_ignore), kv_cache_dtype=args.kv_cache_dtype,
+              kv_cache_layer_dtype=args.kv_cache_layer_dtype)
     if llm.engine.tokenizer is None:
         raise CheckpointError(f"checkpoint {directory} has no tokenizer.json: bits/byte needs one")
     r = evaluate_bits_per_byte(llm, llm.engine.tokenizer, docs, args.context_len)
@@ -145,6 +146,7 @@ def add_eval_parser(sub) -> None:
     ppl.add_argument("--context-len", type=int, default=1024, help="tokens of context per scoring window")
     ppl.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     add_quantization_flag(ppl)
+    add_kv_cache_flags(ppl)
     ppl.add_argument("--device", default="cpu")
     ppl.add_argument("--compare-transformers", action="store_true",
                      help="also score the same windows with transformers and print the difference")
@@ -180,6 +182,15 @@ def add_quantization_flag(p) -> None:
                         "default (lm_head,*.indexer.weights_proj,*.kv_b_proj), e.g. 'lm_head,layers.3.*'")
 
 
+def add_kv_cache_flags(p) -> None:
+    from .config import KV_DTYPES
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_DTYPES,
+                   help="the DSA latent and indexer-key cache: auto (the engine dtype), or fp8_e4m3 / int8 rows with "
+                        "a float32 scale per 128 values (KDA state stays fp32)")
+    p.add_argument("--kv-cache-layer-dtype", default=None, metavar="SPEC",
+                   help="per-layer override of --kv-cache-dtype, e.g. '3:fp8_e4m3' or '0-1:bf16,3:int8' (DSA layers)")
+
+
 def add_serve_parser(sub) -> None:
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default: the trained tiny-py model on 127.0.0.1:8000)")
     sv.add_argument("--model", default=DEFAULT_MODEL,
@@ -202,6 +213,7 @@ def add_serve_parser(sub) -> None:
     sv.add_argument("--enable-prefix-caching", action="store_true")
     add_compile_flag(sv)
     add_quantization_flag(sv)
+    add_kv_cache_flags(sv)
     sv.add_argument("--cp", "--context-parallel-size", dest="cp", type=int, default=1,
                     help="ranks of a context-parallel prefill: the engine plus N-1 helper processes, each holding the "
                          "model; prompts of --cp-threshold tokens or more are prefilled across them, decode stays on the engine")
@@ -267,6 +279,7 @@ def build_parser(argv=None) -> argparse.ArgumentParser:
     gen.add_argument("--device", default="cpu")
     gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="auto (the fastest native GEMM dtype of this machine, timed once and cached), float32, bfloat16")
     add_quantization_flag(gen)
+    add_kv_cache_flags(gen)
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-p", type=float, default=1.0)

@@ -119,12 +119,19 @@ class ModelConfig:
     def linear_dim(self) -> int:
         return self.linear_num_heads * self.linear_head_dim
 
-    def cache_bytes_per_token(self, dtype) -> int:
+    def cache_bytes_per_token(self, dtype, kv_kinds: dict | None = None) -> int:
         """Paged bytes one token of context costs across all DSA layers (`layers.context.ModelCache`'s
-        layout: latent row, indexer key and gate in `dtype`, the fp32 compressed key per pool)."""
-        e = dtype.itemsize
-        idx = len(self.indexer_layers) * self.index_head_dim
-        return e * (len(self.dsa_layers) * self.kv_lora_rank + 2 * idx) + 4 * idx // self.index_kpool
+        layout: latent row, indexer key and gate in `dtype`, the fp32 compressed key per pool).
+        `kv_kinds` {DSA layer id: "fp8_e4m3" | "int8"}: those layers' latent rows and indexer keys
+        are quantised rows (`quantised_row_bytes`)."""
+        e, d, kinds = dtype.itemsize, self.index_head_dim, kv_kinds or {}
+        total = 0
+        for layer in self.dsa_layers:
+            q = layer in kinds
+            total += quantised_row_bytes(self.kv_lora_rank) if q else e * self.kv_lora_rank
+            if layer in self.indexer_layers:
+                total += (quantised_row_bytes(d) if q else e * d) + e * d + 4 * d // self.index_kpool
+        return total
 
     @property
     def state_bytes_per_slot(self) -> int:
@@ -198,6 +205,30 @@ class ModelConfig:
         }
 
 
+KV_GROUP = 128                      # values per scale in a quantised cache row (ops/quant/kv_rows.py)
+KV_QUANTISED = ("fp8_e4m3", "int8")
+KV_DTYPES = ("auto", "bfloat16", "bf16", "float32", "float16") + KV_QUANTISED
+
+
+def quantised_row_bytes(d: int) -> int:
+    """A quantised cache row of d values: d value bytes and one float32 scale per KV_GROUP values."""
+    return d + 4 * -(-d // KV_GROUP)
+
+
+def parse_layer_kv(text: str | None) -> dict[int, str]:
+    """'0-1:bf16,3:fp8_e4m3' (SGLang's syntax) -> {0: 'bf16', 1: 'bf16', 3: 'fp8_e4m3'}."""
+    out = {}
+    for part in filter(None, (p.strip() for p in (text or "").split(","))):
+        layers, colon, kind = part.partition(":")
+        lo, dash, hi = layers.strip().partition("-")
+        if not colon or kind.strip() not in KV_DTYPES or not lo.isdigit() or (dash and not hi.isdigit()):
+            raise ValueError(f"--kv-cache-layer-dtype takes LAYER[-LAYER]:DTYPE,... with DTYPE one of "
+                             f"{', '.join(KV_DTYPES)}, got {part!r}")
+        for i in range(int(lo), int(hi if dash else lo) + 1):
+            out[i] = kind.strip()
+    return out
+
+
 def split_patterns(text: str | None) -> tuple | None:
     """'a, b.*' -> ('a', 'b.*'); None stays None (a command line's comma-separated patterns)."""
     return None if text is None else tuple(p.strip() for p in text.split(",") if p.strip())
@@ -223,6 +254,8 @@ class EngineConfig:
     cp_precision: str = "auto"         # the KDA state chain's precision; auto: fp32 on a CPU, tf32x3 on CUDA
     quantization: str | None = None    # w8a8: int8 projections and experts (ouro.quant), applied to the built model
     quantization_ignore: tuple | None = None   # module name patterns kept unquantised; None: ouro.quant's default
+    kv_cache_dtype: str = "auto"       # DSA latent + indexer-key cache: auto (the engine dtype), fp8_e4m3, int8
+    kv_cache_layer_dtype: str | None = None    # per-layer override, "0-1:bf16,3:fp8_e4m3"
 
     DTYPES = ("auto", "float32", "bfloat16", "float16")
     QUANTIZATIONS = ("w8a8",)
@@ -245,6 +278,9 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of {', '.join(self.QUANTIZATIONS)} or None, got {self.quantization!r}")
         if self.quantization_ignore is not None and not all(isinstance(p, str) for p in self.quantization_ignore):
             raise ValueError(f"quantization_ignore must be module name patterns (strings), got {self.quantization_ignore!r}")
+        if self.kv_cache_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_cache_dtype!r}")
+        parse_layer_kv(self.kv_cache_layer_dtype)
         if self.cp_precision not in ("auto", "fp32", "tf32", "tf32x3"):
             raise ValueError(f"cp_precision must be one of auto, fp32, tf32, tf32x3, got {self.cp_precision!r}")
         count("max_model_len", optional=True)
@@ -278,6 +314,17 @@ class EngineConfig:
             index = int(self.device.split(":")[1]) if ":" in self.device else 0
             if index >= torch.cuda.device_count():
                 raise ValueError(f"device {self.device!r}: only {torch.cuda.device_count()} CUDA device(s) here")
+
+    def kv_kinds(self, model: "ModelConfig") -> dict[int, str]:
+        """{DSA layer id: "fp8_e4m3" | "int8"} for the layers whose cache rows are quantised; the
+        rest keep the engine dtype (a float name in the flags means exactly that)."""
+        per_layer = parse_layer_kv(self.kv_cache_layer_dtype)
+        bad = sorted(set(per_layer) - set(model.dsa_layers))
+        if bad:
+            raise ValueError(f"--kv-cache-layer-dtype names layer(s) {bad} that are not DSA (indexed attention) "
+                             f"layers; the DSA layers are {model.dsa_layers} (KDA layers keep fp32 state)")
+        kinds = {layer: per_layer.get(layer, self.kv_cache_dtype) for layer in model.dsa_layers}
+        return {layer: k for layer, k in kinds.items() if k in KV_QUANTISED}
 
     def torch_dtype(self):
         import torch

@@ -12,7 +12,8 @@ def generate_cli(args) -> int:
     from .engine.sampling import SamplingParams
     llm = LLM(args.model, device=args.device, dtype=args.dtype, max_memory=args.max_memory,
               memory_fraction=args.mem_fraction_static, verbose=True,
-              quantization=getattr(args, "quantization", None), quantization_ignore=split_patterns(getattr(args, "quantization_ignore", None)))
+              quantization=getattr(args, "quantization", None), quantization_ignore=split_patterns(getattr(args, "quantization_ignore", None)),
+              kv_cache_dtype=args.kv_cache_dtype, kv_cache_layer_dtype=args.kv_cache_layer_dtype)
     engine = llm.engine
     if args.prompt_token_ids:
         try:

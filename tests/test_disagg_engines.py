@@ -39,8 +39,8 @@ def params(i, sampled):
     return SamplingParams(max_tokens=7, temperature=0.0)
 
 
-def single(ckpt, sampled):
-    e = LLMEngine(load_model(ckpt), None, EngineConfig(**KW), verbose=False)
+def single(ckpt, sampled, kw=KW):
+    e = LLMEngine(load_model(ckpt), None, EngineConfig(**kw), verbose=False)
     for i, p in enumerate(prompts()):
         e.add_request({"prompt_token_ids": p}, params(i, sampled), f"r{i}")
     out = {}
@@ -50,9 +50,9 @@ def single(ckpt, sampled):
     return out
 
 
-def pair(ckpt, backend="tcp", timeout_s=30.0):
-    p = PrefillEngine(LLMEngine(load_model(ckpt), None, EngineConfig(**KW), verbose=False))
-    d = DecodeEngine(LLMEngine(load_model(ckpt), None, EngineConfig(**KW), verbose=False), backend, timeout_s=timeout_s)
+def pair(ckpt, backend="tcp", timeout_s=30.0, kw=KW):
+    p = PrefillEngine(LLMEngine(load_model(ckpt), None, EngineConfig(**kw), verbose=False))
+    d = DecodeEngine(LLMEngine(load_model(ckpt), None, EngineConfig(**kw), verbose=False), backend, timeout_s=timeout_s)
     return p, d
 
 

@@ -98,6 +98,12 @@ def worker_argv(args, role: str, port: int) -> list[str]:
         argv += ["--enable-prefix-caching"]
     if getattr(args, "quantization", None):
         argv += ["--quantization", args.quantization]     # both sides run the same products
+    if getattr(args, "quantization_ignore", None):
+        argv += ["--quantization-ignore", args.quantization_ignore]
+    if getattr(args, "kv_cache_dtype", "auto") != "auto":
+        argv += ["--kv-cache-dtype", args.kv_cache_dtype]     # the same cache rows on both sides
+    if getattr(args, "kv_cache_layer_dtype", None):
+        argv += ["--kv-cache-layer-dtype", args.kv_cache_layer_dtype]
     if args.max_model_len:
         argv += ["--max-model-len", str(args.max_model_len)]
     return argv

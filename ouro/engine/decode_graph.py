@@ -105,7 +105,7 @@ class DecodeGraph:
         table = [p + [self.scratch_page] * (width - len(p)) for p in pages] + [[self.scratch_page] * width] * pad
         positions = list(start_pos) + [0] * pad
         slot_mapping = [p[pos // ps] * ps + pos % ps for p, pos in zip(pages, start_pos)] + [self.scratch_page * ps] * pad
-        dev = self.cache.latent.device
+        dev = self.cache.device
         as_t = lambda v, dt=torch.long: torch.tensor(v, dtype=dt, device=dev)
         return (as_t(list(ids) + [0] * pad), as_t(positions), as_t(slot_mapping),
                 as_t(list(slots) + [self.scratch_slot] * pad), as_t([s == 0 for s in start_pos] + [True] * pad, torch.bool),

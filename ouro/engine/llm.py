@@ -54,7 +54,8 @@ class LLM:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, page_size: int = 64,
                  enable_prefix_caching: bool = False, prefix_checkpoint_interval: int = 1, seed: int = 0,
                  verbose: bool = False, compile: bool = False, torch_compile_max_bs: int = 32,
-                 quantization: str | None = None, quantization_ignore: tuple | None = None):
+                 quantization: str | None = None, quantization_ignore: tuple | None = None,
+                 kv_cache_dtype: str = "auto", kv_cache_layer_dtype: str | None = None):
         from ..models.resolve import load_tokenizer
         from ..models.loader import load_model
         from ..models.resolve import resolve_model
@@ -62,7 +63,8 @@ class LLM:
                            max_num_seqs=max_num_seqs,
                            max_num_batched_tokens=max_num_batched_tokens, page_size=page_size, seed=seed,
                            compile=compile, torch_compile_max_bs=torch_compile_max_bs, quantization=quantization,
-                           quantization_ignore=quantization_ignore)
+                           quantization_ignore=quantization_ignore, kv_cache_dtype=kv_cache_dtype,
+                           kv_cache_layer_dtype=kv_cache_layer_dtype)
         directory = resolve_model(model, progress=verbose)
         # options checked against the model's config before any weight is read
         LLMEngine.check_options(cfg, ModelConfig.from_hf(directory), enable_prefix_caching, prefix_checkpoint_interval)

@@ -47,7 +47,8 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         budget = config.max_memory or int(config.memory_fraction * available_bytes(config.device))
         dtype = model.embed_tokens.weight.dtype
-        self.plan = plan_memory(mc, budget, config.page_size, config.max_num_seqs, dtype,
+        self.kv_kinds = config.kv_kinds(mc)      # DSA layers whose cache rows are quantised
+        self.plan = plan_memory(mc, budget, config.page_size, config.max_num_seqs, dtype, kv_kinds=self.kv_kinds,
                                 checkpoint_fraction=0.1 if enable_prefix_caching else 0.0,
                                 max_model_len=self.max_model_len, checkpoint_interval=checkpoint_interval)
         if verbose:
@@ -69,7 +70,7 @@ class LLMEngine:
             self.quantized = quantize_model(model, config.quantization, ignore)
         self.runner = ModelRunner(model, self.plan, config.device,
                                   min(config.torch_compile_max_bs, config.max_num_seqs) if config.compile else 0,
-                                  cp=self.cp)
+                                  cp=self.cp, kv_kinds=self.kv_kinds)
         if config.compile:
             done = self.runner.graph.warm_up(progress=verbose)
             if verbose:
@@ -109,6 +110,9 @@ class LLMEngine:
         if config.quantization and config.context_parallel_size > 1:
             raise ValueError("--quantization with --cp is not supported yet: the helper ranks run the unquantised "
                              "model; drop one of them")
+        if config.kv_kinds(mc) and (config.compile or config.context_parallel_size > 1):
+            raise ValueError("a quantised KV cache (--kv-cache-dtype / --kv-cache-layer-dtype) does not combine with "
+                             "--compile or --cp yet; drop one of them")
         if config.page_size % mc.index_kpool:
             raise ValueError(f"page_size must be a multiple of the model's index_kpool ({mc.index_kpool}), "
                              f"got {config.page_size}")

@@ -44,13 +44,13 @@ class MemoryPlan:
 
 def plan_memory(config: ModelConfig, budget_bytes: int, page_size: int, max_num_seqs: int,
                 dtype=torch.float32, checkpoint_fraction: float = 0.0, max_model_len: int | None = None,
-                checkpoint_interval: int = 1) -> MemoryPlan:
+                checkpoint_interval: int = 1, kv_kinds: dict | None = None) -> MemoryPlan:
     """Give the state-slot pool what `max_num_seqs` need (at most half the budget), optionally a
     share for prefix-cache KDA checkpoints, and the rest to pages -- but never more pages than
     `max_num_seqs` sequences of `max_model_len` tokens could use, and never more checkpoints than
     the pages can carry (one per `checkpoint_interval` pages). With a checkpoint share, at least
     one checkpoint is planned if the budget allows, so prefix caching never silently turns off."""
-    page_bytes = page_size * ModelCache.bytes_per_token(config, dtype)
+    page_bytes = page_size * ModelCache.bytes_per_token(config, dtype, kv_kinds)
     slot_bytes = ModelCache.bytes_per_slot(config)
     n_slots = max(1, min(max_num_seqs, budget_bytes // 2 // max(slot_bytes, 1)))
     page_cap = max_num_seqs * -(-max_model_len // page_size) if max_model_len else None

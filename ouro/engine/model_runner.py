@@ -41,7 +41,7 @@ class CheckpointStore:
 
 
 class ModelRunner:
-    def __init__(self, model, plan: MemoryPlan, device="cpu", compile_max_bs: int = 0, cp=None):
+    def __init__(self, model, plan: MemoryPlan, device="cpu", compile_max_bs: int = 0, cp=None, kv_kinds=None):
         """compile_max_bs > 0: decode batches up to that size run as a compiled graph
         (`ouro.engine.decode_graph`); it takes one more state slot and page, for padding rows."""
         from ..gemm_pick import apply_to
@@ -51,7 +51,7 @@ class ModelRunner:
         dtype = model.embed_tokens.weight.dtype
         extra = 1 if compile_max_bs else 0     # the scratch slot and page sit past the pools' ids
         self.cache = ModelCache(model.config, plan.n_slots + extra, plan.n_pages + extra, plan.page_size,
-                                dtype=dtype, device=device)
+                                dtype=dtype, device=device, kv_kinds=kv_kinds)
         self.checkpoints = CheckpointStore(self.cache, plan.n_checkpoints) if plan.n_checkpoints else None
         self.cp = cp             # a `CPPrefill` (ouro.parallel.cp_prefill) for batch.context_parallel
         self.graph = None

@@ -10,7 +10,8 @@ from ..layers.context import ForwardContext, ModelCache
 
 
 class SimpleRunner:
-    def __init__(self, model, n_seqs: int, max_len: int, page_size: int | None = None, poison: bool = False):
+    def __init__(self, model, n_seqs: int, max_len: int, page_size: int | None = None, poison: bool = False,
+                 kv_kinds: dict | None = None):
         from ..gemm_pick import apply_to
         cfg = model.config
         self.model = model
@@ -19,7 +20,7 @@ class SimpleRunner:
         pages_per_seq = -(-max_len // self.page_size)
         dev = model.embed_tokens.weight.device
         self.cache = ModelCache(cfg, n_seqs, n_seqs * pages_per_seq, self.page_size,
-                                dtype=model.embed_tokens.weight.dtype, device=dev)
+                                dtype=model.embed_tokens.weight.dtype, device=dev, kv_kinds=kv_kinds)
         if poison:
             self.cache.poison()
         self.page_table = torch.arange(n_seqs * pages_per_seq).view(n_seqs, pages_per_seq)
@@ -34,7 +35,7 @@ class SimpleRunner:
                 raise ValueError(f"sequence {i} would exceed max_len {self.max_len}")
         ctx = ForwardContext.build(self.cache, [len(tokens[i]) for i in ids], [self.lengths[i] for i in ids],
                                    ids, self.page_table[ids], logits=logits)
-        flat = torch.tensor([t for i in ids for t in tokens[i]], device=self.cache.latent.device)
+        flat = torch.tensor([t for i in ids for t in tokens[i]], device=self.cache.device)
         out = self.model(flat, ctx)
         for i in ids:
             self.lengths[i] += len(tokens[i])

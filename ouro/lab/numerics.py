@@ -93,7 +93,13 @@ def probe_numerics(model: str, a: str | Config = "dtype=float64", b: str | Confi
         recs[key] = run_config(model_dir, cfg, prompt, seed, device, names)
     ra, rb = recs["a"], recs["b"]
     ctx = dict(model=model, a=ca, b=cb, prompt_len=prompt_len, seed=seed, device=device, n=prompt_len)
-    return findings_from(ra, rb, column(ca.dtype, cb.dtype, ca.quant, cb.quant), ctx)
+    return findings_from(ra, rb, column(ca.dtype, cb.dtype, _lossy(ca), _lossy(cb)), ctx)
+
+
+def _lossy(cfg: Config) -> str:
+    """What a configuration quantises ("none", or its weight/KV kinds): the int8 column compares a
+    quantised side with an unquantised one."""
+    return "none" if cfg.quant == "none" and cfg.kv == "none" else f"{cfg.quant}/{cfg.kv}"
 
 
 def ouro_names(rec: Recording | None, model_dir=None) -> dict:

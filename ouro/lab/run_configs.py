@@ -23,6 +23,7 @@ KEYS = {
     "batch": int, "kda_chunk": int,
     "cp": int, "precision": PRECISIONS,
     "quant": ("none", "w8a8", "w8a8_ref"),   # w8a8_ref: the naive W8A8 modules (ouro.quant.reference)
+    "kv": ("none", "fp8_e4m3", "int8"),      # the DSA latent / indexer-key cache rows (--kv-cache-dtype)
 }
 PAGE_SIZE = 16
 
@@ -40,6 +41,7 @@ class Config:
     cp: int = 1                   # ranks of a context-parallel prefill (real processes, gloo)
     precision: str = "fp32"       # the KCP state chain's products when cp > 1
     quant: str = "none"
+    kv: str = "none"
     text: str = ""
 
     def __str__(self):   # a valid configuration string (the defaults when none was given)
@@ -69,14 +71,14 @@ def parse_config(text: str) -> Config:
     if "decode" in values and cfg.mode != "decode":
         cfg = replace(cfg, mode="decode")
     if cfg.impl == "transformers":
-        bad = [k for k in ("prefix", "batch", "kda_chunk", "quant") if k in values and values[k] != getattr(Config(), k)]
+        bad = [k for k in ("prefix", "batch", "kda_chunk", "quant", "kv") if k in values and values[k] != getattr(Config(), k)]
         if bad:
             raise ValueError(f"configuration key {bad[0]!r} applies to impl=ouro only (transformers runs "
                              "one sequence without ouro's prefix cache or kernels)")
     if "precision" in values and cfg.cp == 1:
         raise ValueError("configuration key 'precision' is the KCP state chain's: it needs cp=N with N >= 2")
     if cfg.cp > 1:
-        bad = [k for k in ("impl", "chunk", "mode", "decode", "prefix", "batch", "quant") if k in values
+        bad = [k for k in ("impl", "chunk", "mode", "decode", "prefix", "batch", "quant", "kv") if k in values
                and values[k] != getattr(Config(), k)]
         if bad:
             raise ValueError(f"configuration key {bad[0]!r} does not combine with cp={cfg.cp}: a context-parallel "
@@ -140,7 +142,8 @@ def _run_ouro(model_dir, cfg, prompt, rec, seed, device):
     per_token = ModelCache.bytes_per_token(mc, getattr(torch, cfg.dtype))
     budget = 4 * (cfg.batch + 1) * (tokens * per_token + 2 * ModelCache.bytes_per_slot(mc)) + (1 << 20)
     ec = EngineConfig(device=device, page_size=PAGE_SIZE, max_num_seqs=cfg.batch + 1, max_memory=budget,
-                      max_num_batched_tokens=cfg.chunk or max(4096, (cfg.batch + 1) * n), kda_chunk_size=cfg.kda_chunk)
+                      max_num_batched_tokens=cfg.chunk or max(4096, (cfg.batch + 1) * n), kda_chunk_size=cfg.kda_chunk,
+                      kv_cache_dtype="auto" if cfg.kv == "none" else cfg.kv)
     engine = LLMEngine(model, None, ec, enable_prefix_caching=cfg.prefix == "hit", verbose=False)
     probed = []
 

@@ -25,9 +25,10 @@ from ..layers.context import ForwardContext
 from .sub_taps import OP_ROLES, OURO_PARTS, parts, wrap_methods
 from .tolerances import kind_of_module, kind_of_op
 
-# op functions that return no per-token rows (weights, per-pool keys, KCP summaries, conv windows)
+# op functions that return no per-token rows (weights, per-pool keys, KCP summaries, conv windows),
+# and the KV cache's row codec (bytes in storage order, rows of the cache rather than of the batch)
 NOT_PER_TOKEN = {"absorb_weights", "pool_keys", "slice_summary", "chain_states", "start_state", "last_columns",
-                 "last_inputs"}
+                 "last_inputs", "encode_rows", "decode_rows"}
 # modules outside ouro.layers whose op calls are a layer's: the context-parallel forms its hooks run
 OP_CALL_SITES = ("ouro.parallel.cp_kda",)
 # ops whose padded output is channels-first [B, C, T] (shape alone cannot tell when C == T)

@@ -12,7 +12,8 @@ from functools import cached_property
 
 import torch
 
-from ..config import ModelConfig
+from ..config import ModelConfig, quantised_row_bytes
+from ..ops.quant.kv_rows import decode_rows, encode_rows
 from ..ops.kda import kda_chunk
 
 
@@ -27,7 +28,9 @@ class ModelCache:
     """
 
     def __init__(self, config: ModelConfig, n_slots: int, n_pages: int, page_size: int,
-                 dtype=torch.float32, device="cpu"):
+                 dtype=torch.float32, device="cpu", kv_kinds: dict | None = None):
+        """kv_kinds {DSA layer id: "fp8_e4m3" | "int8"}: those layers keep their latent rows and
+        indexer keys as quantised rows (`ops.quant.kv_rows`: bytes with their scales inside)."""
         if page_size % config.index_kpool:
             raise ValueError(f"page_size {page_size} must be a multiple of index_kpool {config.index_kpool}")
         c = config
@@ -38,27 +41,87 @@ class ModelCache:
                                 dtype=torch.float32, **kw)
         self.recurrent = torch.zeros(len(c.kda_layers), n_slots, c.linear_num_heads, c.linear_head_dim,
                                      c.linear_head_dim, dtype=torch.float32, **kw)
-        self.latent = torch.zeros(len(c.dsa_layers), n_pages, page_size, c.kv_lora_rank, dtype=dtype, **kw)
-        self.index_keys = torch.zeros(len(c.indexer_layers), n_pages, page_size, c.index_head_dim, dtype=dtype, **kw)
-        self.index_gates = torch.zeros_like(self.index_keys)
+        self.device = torch.device(device)
+        self._kv_width = c.kv_lora_rank
+        kinds = kv_kinds or {}
+        # per DSA layer (cache index) and per indexer layer: None (rows in `dtype`) or the quantised kind
+        self.latent_kinds = [kinds.get(layer) for layer in c.dsa_layers]
+        self.key_kinds = [kinds.get(layer) for layer in c.indexer_layers]
+        self.latent = _rows_storage(self.latent_kinds, n_pages, page_size, c.kv_lora_rank, dtype, device)
+        self.index_keys = _rows_storage(self.key_kinds, n_pages, page_size, c.index_head_dim, dtype, device)
+        self.index_gates = torch.zeros(len(c.indexer_layers), n_pages, page_size, c.index_head_dim, dtype=dtype, **kw)
         # compressed key of every complete pool, written once when the pool's last token arrives
         self.index_pooled = torch.zeros(len(c.indexer_layers), n_pages, page_size // c.index_kpool,
                                         c.index_head_dim, dtype=torch.float32, **kw)
 
     @staticmethod
-    def bytes_per_token(config: ModelConfig, dtype=torch.float32) -> int:
+    def bytes_per_token(config: ModelConfig, dtype=torch.float32, kv_kinds: dict | None = None) -> int:
         """Paged bytes one token of context costs across all DSA layers."""
-        return config.cache_bytes_per_token(dtype)
+        return config.cache_bytes_per_token(dtype, kv_kinds)
+
+    def latent_rows(self, li: int):
+        """DSA layer `li`'s latent cache viewed flat [rows, r]: a tensor, or `QuantisedRows` that read as one."""
+        return _flat(self.latent[li], self.latent_kinds[li], self.kv_width)
+
+    def key_rows(self, ci: int):
+        """Indexer layer `ci`'s key cache viewed flat [rows, d]."""
+        return _flat(self.index_keys[ci], self.key_kinds[ci], self.index_gates.shape[-1])
 
     @staticmethod
     def bytes_per_slot(config: ModelConfig) -> int:
         """Bytes of one KDA state slot (all KDA layers), independent of context length."""
         return config.state_bytes_per_slot
 
+    @property
+    def kv_width(self) -> int:
+        return self._kv_width
+
     def poison(self):
-        """Fill everything with NaN so a read of never-written memory shows up in outputs."""
-        for t in (self.conv, self.recurrent, self.latent, self.index_keys, self.index_gates, self.index_pooled):
+        """Fill everything with NaN so a read of never-written memory shows up in outputs (quantised
+        rows: bytes 0xFF, a NaN scale)."""
+        for t in (self.conv, self.recurrent, self.index_gates, self.index_pooled):
             t.fill_(float("nan"))
+        for store in (self.latent, self.index_keys):
+            for t in (store if isinstance(store, list) else [store]):
+                t.fill_(255) if t.dtype == torch.uint8 else t.fill_(float("nan"))
+
+
+def _rows_storage(kinds: list, n_pages: int, page_size: int, d: int, dtype, device):
+    """One tensor [layers, pages, page_size, width] when every layer stores rows the same way (all
+    in `dtype`, or all quantised: uint8 rows of `quantised_row_bytes(d)`); a list per layer when mixed."""
+    def one(kind, n=None):
+        shape = (n,) if n is not None else ()
+        if kind is None:
+            return torch.zeros(*shape, n_pages, page_size, d, dtype=dtype, device=device)
+        return torch.zeros(*shape, n_pages, page_size, quantised_row_bytes(d), dtype=torch.uint8, device=device)
+    if len(set(k is None for k in kinds)) <= 1:
+        return one(kinds[0] if kinds else None, len(kinds))
+    return [one(k) for k in kinds]
+
+
+class QuantisedRows:
+    """A quantised cache layer viewed flat: indexing reads rows back as float32 [.., d]; assigning
+    float rows quantises them (each row with its own scales). What the layers and `sparse_mla`
+    index in place of a float tensor."""
+
+    def __init__(self, flat: torch.Tensor, kind: str, d: int):
+        self.flat, self.kind, self.d = flat, kind, d
+        self.shape = (flat.shape[0], d)
+        self.device, self.dtype = flat.device, torch.float32
+
+    def __getitem__(self, idx):
+        rows = self.flat[idx]
+        return decode_rows(rows.reshape(-1, rows.shape[-1]), self.d, self.kind).view(*rows.shape[:-1], self.d)
+
+    def __setitem__(self, idx, values):
+        self.flat[idx] = encode_rows(values.reshape(-1, self.d), self.kind).view(*values.shape[:-1], -1)
+
+    def to(self, dtype):
+        return decode_rows(self.flat, self.d, self.kind).to(dtype)
+
+
+def _flat(storage: torch.Tensor, kind, d: int):
+    return storage.view(-1, d) if kind is None else QuantisedRows(storage.view(-1, storage.shape[-1]), kind, d)
 
 
 @dataclass
@@ -80,7 +143,7 @@ class ForwardContext:
 
     @classmethod
     def build(cls, cache: ModelCache, query_lens, start_pos, state_slots, page_table, logits: str = "last"):
-        dev = cache.latent.device
+        dev = cache.device
         B = len(query_lens)
         ql = torch.tensor(query_lens, dtype=torch.long)
         cu = torch.zeros(B + 1, dtype=torch.long)

@@ -50,7 +50,7 @@ class Indexer(nn.Module):
         ci = self.cache_index
         tok = (ends + 1 - self.kpool)[:, None] + torch.arange(self.kpool, device=ends.device)
         rows = cache_rows(ctx, seqs, tok)
-        keys = ctx.cache.index_keys[ci].view(-1, self.d)[rows].reshape(-1, self.d)
+        keys = ctx.cache.key_rows(ci)[rows].reshape(-1, self.d)
         gates = ctx.cache.index_gates[ci].view(-1, self.d)[rows].reshape(-1, self.d)
         pooled = pool_keys(keys, gates, self.index_kpool_compress_ape)
         dest = self._pool_rows(ctx, seqs, tok[:, :1])[:, 0]
@@ -69,7 +69,7 @@ class Indexer(nn.Module):
         cache, ci = ctx.cache, self.cache_index
         keys = self.k_norm(self.wk(x))
         gates = x @ self.index_kpool_compress_gate.T
-        ctx.write_rows(cache.index_keys[ci].view(-1, self.d), keys)
+        ctx.write_rows(cache.key_rows(ci), keys)
         ctx.write_rows(cache.index_gates[ci].view(-1, self.d), gates)
         self._write_completed_pools(ctx)
         q = self.wq_b(q_resid).view(-1, self.Hi, self.d)
@@ -123,7 +123,7 @@ class DSAttention(nn.Module):
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_b_proj(q_resid).view(-1, self.H, self.qk)
         latent = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x))
-        flat = cache.latent[li].view(-1, self.r)
+        flat = cache.latent_rows(li)
         ctx.write_rows(flat, latent)
         if self.indexer is not None:
             selection = self.indexer(x, q_resid, ctx)

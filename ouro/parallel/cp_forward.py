@@ -19,4 +19,4 @@ def cp_forward(model, cache, group, token_ids: list[list[int]], start_pos: list[
     bounds = [slice_bounds(len(t), world, None if cuts is None else cuts[b]) for b, t in enumerate(token_ids)]
     ctx = CPForwardContext.for_rank(cache, bounds, start_pos, state_slots, page_table, group, rank, precision, logits)
     ids = [t for tok, bd in zip(token_ids, bounds) for t in tok[bd[rank]:bd[rank + 1]]]
-    return model(torch.tensor(ids, device=cache.latent.device), ctx), bounds
+    return model(torch.tensor(ids, device=cache.device), ctx), bounds

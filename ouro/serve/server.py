@@ -23,6 +23,8 @@ def engine_kwargs(args) -> dict:
             "cp_precision": getattr(args, "cp_precision", "auto"),
             "quantization": getattr(args, "quantization", None),
             "quantization_ignore": split_patterns(getattr(args, "quantization_ignore", None)),
+            "kv_cache_dtype": getattr(args, "kv_cache_dtype", "auto"),
+            "kv_cache_layer_dtype": getattr(args, "kv_cache_layer_dtype", None),
             "enable_prefix_caching": args.enable_prefix_caching,
             "prefix_checkpoint_interval": args.prefix_checkpoint_interval}
 
