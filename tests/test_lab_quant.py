@@ -93,3 +93,20 @@ def test_numerics_names_the_layer_that_breaks_under_int8(tmp_path):
     top = findings[0]
     assert top.severity in ("warning", "error"), top.summary
     assert top.where.get("layer") == 2 or "layers.2." in str(top.where.get("module")), top.where
+
+
+def test_the_kv_policy_space_keeps_layers_through_the_per_layer_flag():
+    """`--target kv`: the same search over DSA layers; a kept layer is `--kv-cache-layer-dtype N:auto`,
+    which the engine reads as that layer's rows in the engine dtype."""
+    from ouro.config import EngineConfig, ModelConfig
+    from ouro.lab.quant_policy import _space, search
+    from ouro.models.resolve import resolve_model
+    directory = str(resolve_model("tiny-py"))
+    layers, options, flags = _space("kv", "int8", directory)
+    assert layers == ModelConfig.from_hf(directory).dsa_layers == [3]
+    assert flags([3]) == "--kv-cache-dtype int8 --kv-cache-layer-dtype '3:auto'" and flags([]) == "--kv-cache-dtype int8"
+    mc = ModelConfig.from_hf(directory)
+    assert EngineConfig(**options([3])).kv_kinds(mc) == {} and EngineConfig(**options([])).kv_kinds(mc) == {3: "int8"}
+    policy = search("tiny-py", budget=0.01, max_bytes=6000, context_len=256, target="kv", kv_kind="fp8_e4m3")
+    assert set(policy.per_layer) == {3} and policy.chosen <= policy.baseline * 1.01
+    assert policy.flags.startswith("--kv-cache-dtype fp8_e4m3")
