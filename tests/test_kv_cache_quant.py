@@ -138,3 +138,35 @@ def test_plan_reports_each_kv_policy():
         per_token = c.cache_bytes_per_token(torch.bfloat16, dict.fromkeys(c.dsa_layers, kind))
         assert f"{kind:<9} {per_token:,} B per token" in text
     assert per_token < c.cache_bytes_per_token(torch.bfloat16)
+
+
+def test_preemption_by_recompute_keeps_the_greedy_tokens_under_fp8(tmp_path):
+    """A page budget too small for everyone forces preemption: the recomputed requests rewrite their
+    quantised rows and still give the tokens of an engine with room for all."""
+    import random
+
+    from ouro.engine.sampling import SamplingParams
+    from ouro.models.presets import make_model
+    make_model("tiny", tmp_path / "tiny", progress=False)
+    model = load_model(tmp_path / "tiny")
+    c = model.config
+    kinds = dict.fromkeys(c.dsa_layers, "fp8_e4m3")
+    per_page = 16 * ModelCache.bytes_per_token(c, torch.float32, kinds)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(5, c.vocab_size) for _ in range(n)] for n in (5, 40, 77, 120, 33, 61)]
+    params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+
+    def run(pages):   # 4 state slots (memory planning gives slots at most half the budget), then `pages` pages
+        slots = 4 * ModelCache.bytes_per_slot(c)
+        cfg = EngineConfig(page_size=16, max_num_seqs=4, max_num_batched_tokens=48, dtype="float32",
+                           kv_cache_dtype="fp8_e4m3", max_memory=slots + max(slots, pages * per_page))
+        engine = LLMEngine(model, None, cfg, verbose=False)
+        ids = [engine.add_request({"prompt_token_ids": p}, params) for p in prompts]
+        done = {}
+        while engine.has_unfinished():
+            done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+        return [done[i] for i in ids], engine.scheduler.num_preemptions
+    tight, preemptions = run(20)
+    roomy, none = run(200)
+    assert preemptions > 0 and none == 0
+    assert tight == roomy
