@@ -90,7 +90,7 @@ def test_layer_specs_are_checked():
     assert EngineConfig(kv_cache_layer_dtype="7:int8").kv_kinds(PRESETS["small"]) == {7: "int8"}
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         EngineConfig(kv_cache_dtype="fp4")
-    with pytest.raises(ValueError, match="does not combine with --compile or --cp"):
+    with pytest.raises(ValueError, match="does not combine with --compile"):
         LLMEngine.check_options(EngineConfig(kv_cache_dtype="fp8_e4m3", compile=True), PRESETS["tiny"], False, 1)
 
 

@@ -52,14 +52,9 @@ def test_quantised_logits_stay_close_to_float32(checkpoint, llm):
     assert 0 < err < 0.1, err      # random tiny weights (hidden 64); bits/byte on tiny-py is the quality measure
 
 
-def test_quantization_with_context_parallelism_is_refused(checkpoint):
+def test_an_unknown_quantization_is_refused(checkpoint):
     with pytest.raises(ValueError, match="quantization must be one of"):
         LLM(str(checkpoint), max_memory=64 << 20, quantization="int3")
-    from ouro.config import EngineConfig, ModelConfig
-    from ouro.engine.llm_engine import LLMEngine
-    cfg = EngineConfig(quantization="w8a8", context_parallel_size=2, max_memory=64 << 20, page_size=16)
-    with pytest.raises(ValueError, match="--quantization with --cp"):
-        LLMEngine.check_options(cfg, ModelConfig.from_hf(checkpoint), False, 1)
 
 
 def test_generate_cli_with_w8a8(checkpoint, llm):

@@ -129,3 +129,20 @@ def test_timeline_shows_every_ranks_compute_and_exchange(tiny_checkpoint):
     overlap = min(h["start_ms"] + h["dur_ms"], m["start_ms"] + m["dur_ms"]) - max(h["start_ms"], m["start_ms"])
     assert overlap > 0.5 * min(h["dur_ms"], m["dur_ms"]), (h, m)      # one clock, running side by side
     spans.clear()
+
+
+def test_cp_with_w8a8_and_an_fp8_cache_decodes_as_one_rank(tiny_checkpoint):
+    """The helper ranks build the engine's model and cache: W8A8 products and fp8 cache rows on every
+    rank, the same tokens as one rank running the same."""
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(1, 500, (n,), generator=g).tolist() for n in (150, 20)]
+    kw = dict(max_memory=32 << 20, page_size=16, dtype="float32", quantization="w8a8", kv_cache_dtype="fp8_e4m3")
+    one = greedy_ids(LLMEngine(load_model(tiny_checkpoint), None, EngineConfig(**kw), verbose=False), prompts)
+    cp_engine = LLMEngine(load_model(tiny_checkpoint), None,
+                          EngineConfig(context_parallel_size=2, cp_threshold=THRESHOLD, **kw), verbose=False,
+                          model_dir=str(tiny_checkpoint))
+    try:
+        assert greedy_ids(cp_engine, prompts) == one
+        assert cp_engine.cp.broken is None and cp_engine.cp.num_prefills == 1
+    finally:
+        cp_engine.cp.close()

@@ -61,7 +61,9 @@ class LLMEngine:
                                  "every rank loads it")
             from ..parallel.cp_prefill import CPPrefill
             self.cp = CPPrefill(model_dir, model, config.context_parallel_size, config.chain_precision(),
-                                config.dtype, config.device, config.kda_chunk_size)
+                                config.dtype, config.device, config.kda_chunk_size,
+                                quantization=config.quantization, quantization_ignore=config.quantization_ignore,
+                                kv_kinds=config.kv_kinds(mc))
         self.quantized = None
         if config.quantization:
             from ..quant.w8a8 import UNQUANTISED, quantize_model
@@ -107,12 +109,9 @@ class LLMEngine:
         config.check_device()
         if isinstance(checkpoint_interval, bool) or not isinstance(checkpoint_interval, int) or checkpoint_interval < 1:
             raise ValueError(f"prefix checkpoint_interval must be an integer >= 1 (pages), got {checkpoint_interval!r}")
-        if config.quantization and config.context_parallel_size > 1:
-            raise ValueError("--quantization with --cp is not supported yet: the helper ranks run the unquantised "
-                             "model; drop one of them")
-        if config.kv_kinds(mc) and (config.compile or config.context_parallel_size > 1):
+        if config.kv_kinds(mc) and config.compile:
             raise ValueError("a quantised KV cache (--kv-cache-dtype / --kv-cache-layer-dtype) does not combine with "
-                             "--compile or --cp yet; drop one of them")
+                             "--compile yet; drop one of them")
         if config.page_size % mc.index_kpool:
             raise ValueError(f"page_size must be a multiple of the model's index_kpool ({mc.index_kpool}), "
                              f"got {config.page_size}")

@@ -38,7 +38,10 @@ class CPPrefillError(RuntimeError):
 
 class CPPrefill:
     def __init__(self, model_dir: str, model, world: int, precision: str, dtype: str, device: str = "cpu",
-                 kda_chunk_size: int = 16, timeout_s: float = 120.0):
+                 kda_chunk_size: int = 16, timeout_s: float = 120.0, quantization: str | None = None,
+                 quantization_ignore=None, kv_kinds: dict | None = None):
+        """`quantization`, `quantization_ignore`, `kv_kinds`: what the engine's own model and cache
+        run with; every helper rank builds the same, so all ranks compute one model."""
         self.model, self.world, self.precision = model, world, precision
         self.broken: str | None = None       # why CP is off after a failure
         self.num_prefills = 0
@@ -47,7 +50,9 @@ class CPPrefill:
         env = dict(os.environ, OMP_NUM_THREADS=str(threads))
         self.helpers = [subprocess.Popen(
             [sys.executable, "-m", "ouro.parallel.cp_prefill", str(model_dir), str(r), str(world), str(port), dtype,
-             device, str(kda_chunk_size), str(timeout_s)], stdin=subprocess.PIPE, env=env, text=True)
+             device, str(kda_chunk_size), str(timeout_s),
+             json.dumps({"quantization": quantization, "quantization_ignore": quantization_ignore,
+                         "kv_kinds": kv_kinds or {}})], stdin=subprocess.PIPE, env=env, text=True)
             for r in range(world - 1)]
         self.groups = init(world - 1, world, f"tcp://127.0.0.1:{port}", None, JOIN_TIMEOUT_S)
         self.timeout_s = timeout_s
@@ -111,7 +116,7 @@ class CPPrefill:
                 pass
 
 
-def _helper_main(model_dir, rank, world, port, dtype, device, kda_chunk_size, timeout_s) -> None:
+def _helper_main(model_dir, rank, world, port, dtype, device, kda_chunk_size, timeout_s, options="{}") -> None:
     from ..config import EngineConfig
     from ..gemm_pick import apply_to
     from ..layers.context import ModelCache
@@ -119,6 +124,12 @@ def _helper_main(model_dir, rank, world, port, dtype, device, kda_chunk_size, ti
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     model = load_model(model_dir, dtype=EngineConfig(device=device, dtype=dtype).torch_dtype(), device=device,
                        kda_chunk_size=int(kda_chunk_size))
+    options = json.loads(options)
+    if options.get("quantization"):
+        from ..quant.w8a8 import UNQUANTISED, quantize_model
+        ignore = options.get("quantization_ignore")
+        quantize_model(model, options["quantization"], UNQUANTISED if ignore is None else tuple(ignore))
+    kv_kinds = {int(k): v for k, v in options.get("kv_kinds", {}).items()}
     apply_to(model)
     groups = init(int(rank), int(world), f"tcp://127.0.0.1:{port}", None, float(timeout_s))
     page = 16 * model.config.index_kpool
@@ -126,7 +137,8 @@ def _helper_main(model_dir, rank, world, port, dtype, device, kda_chunk_size, ti
         job = json.loads(line)
         ids = job["ids"]
         pages = -(-len(ids) // page)
-        cache = ModelCache(model.config, 1, pages, page, dtype=model.embed_tokens.weight.dtype, device=device)
+        cache = ModelCache(model.config, 1, pages, page, dtype=model.embed_tokens.weight.dtype, device=device,
+                           kv_kinds=kv_kinds)
         if job["trace"]:
             spans.clear()
             spans.enable()
