@@ -25,10 +25,15 @@ def machine_key(device: str) -> str:
 
 
 def _cpu_model() -> str:
+    return cpuinfo("model name")
+
+
+def cpuinfo(*fields: str) -> str:
+    """The first of `fields` /proc/cpuinfo has (e.g. "model name", "flags"), else the platform's name."""
     try:
         with open("/proc/cpuinfo") as fh:
             for line in fh:
-                if line.startswith("model name"):
+                if line.startswith(fields):
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass

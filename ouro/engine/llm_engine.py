@@ -63,13 +63,12 @@ class LLMEngine:
             self.cp = CPPrefill(model_dir, model, config.context_parallel_size, config.chain_precision(),
                                 config.dtype, config.device, config.kda_chunk_size,
                                 quantization=config.quantization, quantization_ignore=config.quantization_ignore,
-                                kv_kinds=config.kv_kinds(mc))
+                                kv_kinds=self.kv_kinds)
         self.quantized = None
         if config.quantization:
-            from ..quant.w8a8 import UNQUANTISED, quantize_model
+            from ..quant.w8a8 import quantize_model
             # in place, before the runner measures its products: the engine runs what it was built with
-            ignore = UNQUANTISED if config.quantization_ignore is None else config.quantization_ignore
-            self.quantized = quantize_model(model, config.quantization, ignore)
+            self.quantized = quantize_model(model, config.quantization, config.quantization_ignore)
         self.runner = ModelRunner(model, self.plan, config.device,
                                   min(config.torch_compile_max_bs, config.max_num_seqs) if config.compile else 0,
                                   cp=self.cp, kv_kinds=self.kv_kinds)

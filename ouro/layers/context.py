@@ -42,7 +42,7 @@ class ModelCache:
         self.recurrent = torch.zeros(len(c.kda_layers), n_slots, c.linear_num_heads, c.linear_head_dim,
                                      c.linear_head_dim, dtype=torch.float32, **kw)
         self.device = torch.device(device)
-        self._kv_width = c.kv_lora_rank
+        self.kv_lora_rank, self.index_head_dim = c.kv_lora_rank, c.index_head_dim
         kinds = kv_kinds or {}
         # per DSA layer (cache index) and per indexer layer: None (rows in `dtype`) or the quantised kind
         self.latent_kinds = [kinds.get(layer) for layer in c.dsa_layers]
@@ -61,20 +61,16 @@ class ModelCache:
 
     def latent_rows(self, li: int):
         """DSA layer `li`'s latent cache viewed flat [rows, r]: a tensor, or `QuantisedRows` that read as one."""
-        return _flat(self.latent[li], self.latent_kinds[li], self.kv_width)
+        return _flat(self.latent[li], self.latent_kinds[li], self.kv_lora_rank)
 
     def key_rows(self, ci: int):
         """Indexer layer `ci`'s key cache viewed flat [rows, d]."""
-        return _flat(self.index_keys[ci], self.key_kinds[ci], self.index_gates.shape[-1])
+        return _flat(self.index_keys[ci], self.key_kinds[ci], self.index_head_dim)
 
     @staticmethod
     def bytes_per_slot(config: ModelConfig) -> int:
         """Bytes of one KDA state slot (all KDA layers), independent of context length."""
         return config.state_bytes_per_slot
-
-    @property
-    def kv_width(self) -> int:
-        return self._kv_width
 
     def poison(self):
         """Fill everything with NaN so a read of never-written memory shows up in outputs (quantised

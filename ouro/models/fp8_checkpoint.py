@@ -66,12 +66,15 @@ def check_scale(name: str, weight_shape, scale_shape, fmt: FP8Format) -> str | N
     return None
 
 
+def _per_value(scale: torch.Tensor, fmt: FP8Format, n: int, k: int) -> torch.Tensor:
+    """A block grid of scales [.., gn, gk] spread over the [.., n, k] values it covers (edges cut)."""
+    bn, bk = fmt.block
+    return scale.to(torch.float32).repeat_interleave(bn, dim=-2)[..., :n, :].repeat_interleave(bk, dim=-1)[..., :k]
+
+
 def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, fmt: FP8Format, dtype=torch.float32) -> torch.Tensor:
     """w_fp8 * scale_inv per block, partial blocks at the edges (the reference formula)."""
-    bn, bk = fmt.block
-    n, k = weight.shape[-2:]
-    s = scale_inv.to(torch.float32).repeat_interleave(bn, dim=-2)[..., :n, :].repeat_interleave(bk, dim=-1)[..., :k]
-    return (weight.to(torch.float32) * s).to(dtype)
+    return (weight.to(torch.float32) * _per_value(scale_inv, fmt, *weight.shape[-2:])).to(dtype)
 
 
 def quantize(weight: torch.Tensor, fmt: FP8Format) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,8 +90,7 @@ def quantize(weight: torch.Tensor, fmt: FP8Format) -> tuple[torch.Tensor, torch.
     scale = (amax / E4M3_MAX).clamp_min(torch.finfo(torch.float32).tiny)
     if fmt.scale_dtype == torch.float8_e8m0fnu:
         scale = torch.exp2(torch.ceil(torch.log2(scale)))
-    full = scale.repeat_interleave(bn, dim=-2)[..., :n, :].repeat_interleave(bk, dim=-1)[..., :k]
-    q = (w / full).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    q = (w / _per_value(scale, fmt, n, k)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return q, scale.to(fmt.scale_dtype)
 
 

@@ -126,9 +126,8 @@ def _helper_main(model_dir, rank, world, port, dtype, device, kda_chunk_size, ti
                        kda_chunk_size=int(kda_chunk_size))
     options = json.loads(options)
     if options.get("quantization"):
-        from ..quant.w8a8 import UNQUANTISED, quantize_model
-        ignore = options.get("quantization_ignore")
-        quantize_model(model, options["quantization"], UNQUANTISED if ignore is None else tuple(ignore))
+        from ..quant.w8a8 import quantize_model
+        quantize_model(model, options["quantization"], options.get("quantization_ignore"))
     kv_kinds = {int(k): v for k, v in options.get("kv_kinds", {}).items()}
     apply_to(model)
     groups = init(int(rank), int(world), f"tcp://127.0.0.1:{port}", None, float(timeout_s))

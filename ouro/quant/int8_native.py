@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from ..machine_cache import cache_root
+from ..machine_cache import cache_root, cpuinfo
 
 log = logging.getLogger(__name__)
 
@@ -29,21 +29,9 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _STATE: dict = {}
 
 
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith(("flags", "Features")):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-    return platform.processor() or platform.machine()
-
-
 def build_key() -> str:
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), _cpu_flags().encode(), torch.__version__.encode(), " ".join(CFLAGS).encode()):
+    for part in (SOURCE.read_bytes(), cpuinfo("flags", "Features").encode(), torch.__version__.encode(), " ".join(CFLAGS).encode()):
         h.update(part)
     return h.hexdigest()[:16]
 

@@ -188,10 +188,12 @@ def _ignored(name: str, patterns, n_layers: int) -> bool:
     return any(fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
-def quantize_model(model: nn.Module, method: str = "w8a8", ignore=UNQUANTISED, reference: bool = False) -> dict:
+def quantize_model(model: nn.Module, method: str = "w8a8", ignore=None, reference: bool = False) -> dict:
     """Replace the model's projections and routed experts in place; returns what was done:
-    {"quantized": [names], "kept": [names of projections left in the engine dtype]}. `reference`:
-    the naive modules of `quant.reference` instead (the lab's exact comparison)."""
+    {"quantized": [names], "kept": [names of projections left in the engine dtype]}. `ignore`: name
+    patterns kept (None: `UNQUANTISED`). `reference`: the naive modules of `quant.reference`
+    instead (the lab's exact comparison)."""
+    ignore = UNQUANTISED if ignore is None else tuple(ignore)
     if method not in METHODS:
         raise ValueError(f"quantization must be one of {', '.join(METHODS)}, got {method!r}")
     n_layers = model.config.num_hidden_layers
