@@ -19,3 +19,9 @@ python -m ouro.cli bench offline --model /tmp/ouro_small --device cuda --num-pro
 timeout 420 python -m ouro.cli bench offline --model /tmp/ouro_small --device cuda --num-prompts 64 --input-len 256 \
     --output-len 64 --max-concurrency 32 --compile --output-json "$OUT/offline_cuda_compiled.json" 2>&1 \
     | grep -v "it/s" | tee "$OUT/bench_compiled.log"
+# quantisation (issue 23): W8A8 (torch._int_mm) and FP8 (torch._scaled_mm) against the unquantised engine
+for q in w8a8 fp8; do
+  timeout 300 python -m ouro.cli bench offline --model /tmp/ouro_small --device cuda --dtype bfloat16 --num-prompts 64 \
+      --input-len 256 --output-len 64 --max-concurrency 32 --quantization "$q" --output-json "$OUT/offline_cuda_$q.json" 2>&1 \
+      | grep -v "it/s" | tee "$OUT/bench_$q.log"
+done

@@ -140,9 +140,10 @@ def add_compile_flag(p) -> None:
 
 
 def add_quantization_flag(p) -> None:
-    p.add_argument("--quantization", default=None, choices=["w8a8"],
+    p.add_argument("--quantization", default=None, choices=["w8a8", "fp8"],
                    help="w8a8: int8 weights (per channel) and activations (per token) for the projections and "
-                        "experts, exact int32 products (ouro's kernel, built on first use)")
+                        "experts, exact int32 products (ouro's kernel, built on first use); fp8: the same in float8 "
+                        "e4m3 (torch._scaled_mm, the fp8 tensor cores of a GPU)")
     p.add_argument("--quantization-ignore", default=None, metavar="PATTERNS",
                    help="with --quantization: comma-separated module name patterns kept unquantised, replacing the "
                         "default (lm_head,*.indexer.weights_proj,*.kv_b_proj), e.g. 'lm_head,layers.3.*'")

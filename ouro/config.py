@@ -252,13 +252,13 @@ class EngineConfig:
     context_parallel_size: int = 1     # ranks of a context-parallel prefill (ouro.parallel.cp_prefill)
     cp_threshold: int = 4096           # prompts of at least this many tokens take the CP prefill
     cp_precision: str = "auto"         # the KDA state chain's precision; auto: fp32 on a CPU, tf32x3 on CUDA
-    quantization: str | None = None    # w8a8: int8 projections and experts (ouro.quant), applied to the built model
+    quantization: str | None = None    # w8a8 (int8) or fp8 (e4m3) projections and experts (ouro.quant), on the built model
     quantization_ignore: tuple | None = None   # module name patterns kept unquantised; None: ouro.quant's default
     kv_cache_dtype: str = "auto"       # DSA latent + indexer-key cache: auto (the engine dtype), fp8_e4m3, int8
     kv_cache_layer_dtype: str | None = None    # per-layer override, "0-1:bf16,3:fp8_e4m3"
 
     DTYPES = ("auto", "float32", "bfloat16", "float16")
-    QUANTIZATIONS = ("w8a8",)
+    QUANTIZATIONS = ("w8a8", "fp8")
 
     def __post_init__(self):
         self.validate()

@@ -63,3 +63,43 @@ def test_native_tf32_chain_products_order_as_emulated():
     err = {p: rel_rms(matmul(a, b, p).double(), exact) for p in ("fp32", "tf32", "tf32x3")}
     assert torch.backends.cuda.matmul.fp32_precision == before
     assert err["tf32"] > 50 * err["fp32"] and err["tf32x3"] < 4 * err["fp32"], err
+
+
+# ---- quantisation on the GPU (issue 23): torch._int_mm for W8A8, torch._scaled_mm for FP8 ----
+
+@pytest.mark.parametrize("m, k, n", [(1, 64, 24), (3, 77, 24), (17, 128, 40), (600, 256, 96)])
+def test_cuda_int_mm_form_is_exact(m, k, n):
+    from ouro.ops.quant import int8_mm_naive
+    from ouro.quant import int8_forms
+    assert int8_forms.form_runs("int_mm", "cuda") is None
+    g = torch.Generator().manual_seed(m + k)
+    x = torch.randint(-127, 128, (m, k), generator=g, dtype=torch.int8)
+    w = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    out = int8_forms.int8_mm(x.cuda(), w.cuda(), "int_mm").cpu()
+    assert torch.equal(out, int8_mm_naive(x, w))
+
+
+@pytest.mark.parametrize("m, k, n", [(1, 64, 24), (3, 77, 24), (600, 256, 96)])
+def test_cuda_scaled_mm_form_matches_the_fp8_reference(m, k, n):
+    from ouro.ops.quant import fp8_linear_naive, quantize_rows_fp8
+    from ouro.quant import fp8_forms
+    assert fp8_forms.form_runs("scaled_mm", "cuda") is None, fp8_forms.form_runs("scaled_mm", "cuda")
+    g = torch.Generator().manual_seed(m + k)
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
+    qw, sw = quantize_rows_fp8(w)
+    qx, sx = quantize_rows_fp8(x.cuda())
+    out = fp8_forms.fp8_mm(qx, sx, qw.cuda(), sw.cuda(), "scaled_mm").cpu()
+    assert rel_rms(out, fp8_linear_naive(x, qw, sw)) < 1e-2          # CUDA's rowwise form writes bf16
+
+
+@pytest.mark.parametrize("method", ["w8a8", "fp8"])
+def test_cuda_quantised_engine_is_batch_invariant_and_close_to_cpu(tiny_dir, method):
+    from ouro.engine.llm import LLM
+    from ouro.engine.sampling import SamplingParams
+    llm = LLM(str(tiny_dir), device="cuda", dtype="bfloat16", max_memory=256 << 20, page_size=16,
+              quantization=method, max_num_seqs=8)
+    prompts = [[5 + i, 9, 11 + 2 * i, 40, 3] for i in range(6)]
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    together = [o.token_ids for o in llm.generate(prompts, sp)]
+    alone = [llm.generate([p], sp)[0].token_ids for p in prompts]
+    assert together == alone

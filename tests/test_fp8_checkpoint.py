@@ -35,8 +35,8 @@ def _logits(model):
     return SimpleRunner(model, 1, len(PROMPT) + 1, poison=True).step([PROMPT], logits="all")
 
 
-def _write(src, dest, fmt):
-    write_fp8_checkpoint(load_model(src), dest, fmt)
+def _write(src, dest, fmt, stacked_experts=False):
+    write_fp8_checkpoint(load_model(src), dest, fmt, stacked_experts=stacked_experts)
     return dest
 
 
@@ -51,12 +51,14 @@ def _naive_dequantised_copy(fp8_dir, dest, block):
             t = h.get_tensor(name)
             if t.dtype == torch.float8_e4m3fn:
                 s = h.get_tensor(name + SCALE_SUFFIX).float()
-                out = torch.empty(t.shape)
+                out = torch.full(t.shape, float("nan"))
                 bn, bk = block
-                for i in range(s.shape[0]):
-                    for j in range(s.shape[1]):
-                        rows, cols = slice(i * bn, (i + 1) * bn), slice(j * bk, (j + 1) * bk)
-                        out[rows, cols] = t[rows, cols].float() * s[i, j]
+                for e in range(t.shape[0] if t.dim() == 3 else 1):      # stacked experts: each [N, K]
+                    te, se, oe = (t[e], s[e], out[e]) if t.dim() == 3 else (t, s, out)
+                    for i in range(se.shape[0]):
+                        for j in range(se.shape[1]):
+                            rows, cols = slice(i * bn, (i + 1) * bn), slice(j * bk, (j + 1) * bk)
+                            oe[rows, cols] = te[rows, cols].float() * se[i, j]
                 t = out
             tensors[name] = t
     dest.mkdir()
@@ -96,6 +98,29 @@ def test_partial_blocks_follow_the_dequantisation_formula(float_checkpoint, tmp_
     assert scale.dtype == scale_dtype and scale.shape == (1, 1)
     naive = _naive_dequantised_copy(fp8, tmp_path / "naive", fmt.block)
     assert torch.equal(_logits(load_model(fp8)), _logits(load_model(naive)))
+
+
+def test_stacked_expert_tensors_load_by_the_formula(float_checkpoint, tmp_path):
+    """Routed experts stored stacked ([E, N, K] weights, [E, ceil(N/bn), ceil(K/bk)] scales, partial
+    blocks at the edges): ouro equals the formula applied expert by expert, and the unquantised
+    stacked copy the formula makes loads too (the loader takes either expert layout)."""
+    fmt = FP8Format(block=(48, 20))
+    fp8 = _write(float_checkpoint, tmp_path / "fp8", fmt, stacked_experts=True)
+    name = "model.language_model.layers.1.mlp.experts.gate_up_proj"
+    with safe_open(str(fp8 / "model.safetensors"), "pt") as h:
+        w, s = h.get_tensor(name), h.get_tensor(name + SCALE_SUFFIX)
+        assert not any(".experts.0." in k for k in h.keys())
+    assert w.dtype == torch.float8_e4m3fn and s.shape == (w.shape[0], -(-w.shape[1] // 48), -(-w.shape[2] // 20))
+    naive = _naive_dequantised_copy(fp8, tmp_path / "naive", fmt.block)
+    ours = _logits(load_model(fp8))
+    assert torch.isfinite(ours).all()
+    assert torch.equal(ours, _logits(load_model(naive)))
+    per_expert = _write(float_checkpoint, tmp_path / "per_expert", FP8Format(block=(1, 1)))
+    stacked_fine = _write(float_checkpoint, tmp_path / "stacked_fine", FP8Format(block=(1, 1)), stacked_experts=True)
+    assert torch.equal(_logits(load_model(per_expert)), _logits(load_model(stacked_fine)))   # 1x1 blocks: same values
+    wrong = _rewrite(fp8, tmp_path / "wrong", lambda t: t.update({name + SCALE_SUFFIX: s[:, :-1].contiguous()}))
+    with pytest.raises(CheckpointError, match=rf"scale {name}{SCALE_SUFFIX} has shape .* expected"):
+        load_model(wrong)
 
 
 def _rewrite(fp8, dest, edit):

@@ -83,14 +83,6 @@ def test_ignore_patterns_reach_the_engine(checkpoint):
     assert r.stdout[:-1] == plain.engine.tokenizer.decode(want.token_ids)
 
 
-def test_quantization_on_another_device_is_refused_before_loading(checkpoint):
-    from ouro.config import EngineConfig, ModelConfig
-    from ouro.engine.llm_engine import LLMEngine
-    cfg = EngineConfig(quantization="w8a8", device="cuda", max_memory=64 << 20, page_size=16)
-    with pytest.raises(ValueError, match="runs on a CPU"):
-        LLMEngine.check_options(cfg, ModelConfig.from_hf(checkpoint), False, 1)
-
-
 @pytest.mark.slow
 def test_the_compiled_decode_graph_runs_the_quantised_model(checkpoint, llm):
     """--compile with W8A8: the int8 products run as opaque ops inside the graph (minutes to compile)."""

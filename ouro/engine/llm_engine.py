@@ -102,9 +102,6 @@ class LLMEngine:
     def check_options(config: EngineConfig, mc, enable_prefix_caching: bool, checkpoint_interval: int) -> None:
         """Engine options against each other, the model's config and the machine (no weights needed)."""
         config.validate()
-        if config.quantization and not str(config.device).startswith("cpu"):
-            raise ValueError(f"--quantization {config.quantization} runs on a CPU in this version (ouro's int8 kernel); "
-                             f"device {config.device!r} is not supported with it yet")
         config.check_device()
         if isinstance(checkpoint_interval, bool) or not isinstance(checkpoint_interval, int) or checkpoint_interval < 1:
             raise ValueError(f"prefix checkpoint_interval must be an integer >= 1 (pages), got {checkpoint_interval!r}")

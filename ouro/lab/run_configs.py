@@ -22,7 +22,7 @@ KEYS = {
     "chunk": int, "mode": ("prefill", "decode"), "decode": int, "prefix": ("cold", "hit"),
     "batch": int, "kda_chunk": int,
     "cp": int, "precision": PRECISIONS,
-    "quant": ("none", "w8a8", "w8a8_ref"),   # w8a8_ref: the naive W8A8 modules (ouro.quant.reference)
+    "quant": ("none", "w8a8", "w8a8_ref", "fp8", "fp8_ref"),   # *_ref: the naive modules (ouro.quant.reference)
     "kv": ("none", "fp8_e4m3", "int8"),      # the DSA latent / indexer-key cache rows (--kv-cache-dtype)
 }
 PAGE_SIZE = 16
@@ -124,7 +124,7 @@ def load_ouro(model_dir, cfg: Config, device: str = "cpu"):
     model = load_model(model_dir, dtype=getattr(torch, cfg.dtype), device=device, kda_chunk_size=cfg.kda_chunk)
     if cfg.quant != "none":
         from ..quant.w8a8 import quantize_model
-        quantize_model(model, "w8a8", reference=cfg.quant == "w8a8_ref")
+        quantize_model(model, cfg.quant.removesuffix("_ref"), reference=cfg.quant.endswith("_ref"))
     return model
 
 

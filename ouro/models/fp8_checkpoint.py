@@ -94,7 +94,13 @@ def quantize(weight: torch.Tensor, fmt: FP8Format) -> tuple[torch.Tensor, torch.
     return q, scale.to(fmt.scale_dtype)
 
 
+STACKED_EXPERTS = ("*.mlp.experts.gate_up_proj", "*.mlp.experts.down_proj")
+
+
 def converts(name: str, tensor: torch.Tensor, fmt: FP8Format) -> bool:
-    """Whether the writer stores this disk tensor in FP8: a 2-D projection weight not kept."""
-    return (tensor.dim() == 2 and name.endswith(".weight") and not any(fnmatch.fnmatchcase(name, p) for p in KEEP)
+    """Whether the writer stores this disk tensor in FP8: a 2-D projection weight or a stacked
+    [E, N, K] expert tensor, not kept."""
+    projection = ((tensor.dim() == 2 and name.endswith(".weight"))
+                  or (tensor.dim() == 3 and any(fnmatch.fnmatchcase(name, p) for p in STACKED_EXPERTS)))
+    return (projection and not any(fnmatch.fnmatchcase(name, p) for p in KEEP)
             and not any(name.startswith(m + ".") or fnmatch.fnmatchcase(name, m + "*") for m in fmt.not_converted))

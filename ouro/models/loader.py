@@ -1,6 +1,8 @@
 """Read and write `glm5_next` checkpoints in the Hugging Face on-disk layout (what transformers'
 `save_pretrained` writes): `model.language_model.*`, per-expert `mlp.experts.E.*_proj`, separate
-`q/k/v_conv1d`, `hc_attn_fn` and friends, `lm_head.weight`.
+`q/k/v_conv1d`, `hc_attn_fn` and friends, `lm_head.weight`. Routed experts may also be stored
+stacked, one `mlp.experts.gate_up_proj` [E, 2I, D] (gate rows, then up) and one `down_proj`
+[E, D, I] per layer (the fused layout some exports write); loading takes either, per layer.
 
 One table (`checkpoint_layout`) maps each model parameter to its on-disk tensors; loading and
 writing both use it. Loading goes tensor by tensor, so peak memory is the model plus one tensor.
@@ -39,7 +41,9 @@ def _same(shape):
     return [tuple(shape)], (lambda ts: ts[0]), (lambda t: [t])
 
 
-def checkpoint_layout(model: torch.nn.Module) -> list[DiskTensors]:
+def checkpoint_layout(model: torch.nn.Module, stacked_experts: bool = False) -> list[DiskTensors]:
+    """Each model tensor's on-disk form; `stacked_experts`: routed experts as one tensor per layer
+    and projection instead of one per expert."""
     out = []
     for param, t in model.state_dict().items():
         shape = tuple(t.shape)
@@ -47,6 +51,9 @@ def checkpoint_layout(model: torch.nn.Module) -> list[DiskTensors]:
         e = re.fullmatch(r"layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)", param)
         if m:
             names = [f"{PREFIX}layers.{m[1]}.hc_{m[2]}_{m[3]}"]
+            shapes, join, split = _same(shape)
+        elif e and stacked_experts:
+            names = [f"{PREFIX}layers.{e[1]}.mlp.experts.{e[2]}"]
             shapes, join, split = _same(shape)
         elif e and e[2] == "gate_up_proj":
             E, two_i, D = shape
@@ -107,7 +114,8 @@ def check_checkpoint(model: torch.nn.Module, directory: str | Path):
     directory = Path(directory)
     config: ModelConfig = model.config
     where = _index_files(directory)
-    layout = checkpoint_layout(model)
+    layout = [s if s.names[0] in where and s.names != d.names else d      # stacked experts where stored so
+              for d, s in zip(checkpoint_layout(model), checkpoint_layout(model, stacked_experts=True))]
     if config.tie_word_embeddings:
         layout = [d for d in layout if not (d.param == "lm_head.weight" and d.names[0] not in where)]
     expected = {n: s for d in layout for n, s in zip(d.names, d.shapes)}
@@ -194,15 +202,16 @@ def load_weights(model: torch.nn.Module, directory: str | Path, progress: bool =
 
 
 def save_weights(model: torch.nn.Module, directory: str | Path, max_shard_bytes: int = 2 << 30,
-                 progress: bool = False, transform=None) -> list[Path]:
+                 progress: bool = False, transform=None, stacked_experts: bool = False) -> list[Path]:
     """Write the model's tensors in the on-disk layout, sharded with an index when large.
-    `transform(disk name, tensor) -> {disk name: tensor}`: what to write instead (the FP8 writer)."""
+    `transform(disk name, tensor) -> {disk name: tensor}`: what to write instead (the FP8 writer);
+    `stacked_experts`: routed experts as one tensor per layer and projection."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     state = model.state_dict()
     shards, current, size = [], {}, 0
     from tqdm import tqdm
-    for d in tqdm(checkpoint_layout(model), desc="writing", unit="tensor", disable=not progress):
+    for d in tqdm(checkpoint_layout(model, stacked_experts), desc="writing", unit="tensor", disable=not progress):
         for name, tensor in zip(d.names, d.split(state[d.param].detach())):
             for n, t in (transform(name, tensor) if transform else {name: tensor}).items():
                 t = t.contiguous().clone()

@@ -1,9 +1,9 @@
 """Which way an int8 x int8 -> int32 product runs on this machine, measured once and cached.
 
 Forms, each exact (checked against `int8_mm_naive` before it is offered):
-- `native`: ouro's kernel (`int8_native`, AVX2 sign trick or VNNI), built for this CPU;
+- `native`: ouro's kernel (`int8_native`: 16-bit products on AVX2, vpdpbusd with VNNI), built for this CPU;
 - `int_mm`: `torch._int_mm` (fast where torch has a real kernel: VNNI CPUs, GPUs; a slow fallback
-  on an AVX2-only CPU, 0.5 GOP/s measured);
+  on an AVX2-only CPU, 0.5 GOP/s measured; on CUDA the operands are zero-padded to its shapes);
 - `chunked`: float32 BLAS on K-chunks that stay exact (`int8_mm_chunked`): runs everywhere.
 The fastest form at a few row counts on one representative product is kept per machine in
 `$OURO_CACHE/int8_pick.json`; `OURO_INT8_FORM` pins one (tests check every form)."""
@@ -36,6 +36,14 @@ def int8_mm(x, w, form: str):
     if form == "native":
         return native().int8_mm(x, w)
     if form == "int_mm":
+        if x.device.type != "cpu":          # CUDA's kernel wants M > 16 and K, N in multiples of 8
+            M, N = x.shape[0], w.shape[0]
+            k8, n8 = -(-x.shape[1] // 8) * 8, -(-N // 8) * 8
+            xp = x.new_zeros(max(M, 17), k8)
+            xp[:M, :x.shape[1]] = x
+            wp = w.new_zeros(n8, k8)
+            wp[:N, :w.shape[1]] = w
+            return torch._int_mm(xp, wp.T)[:M, :N]
         return torch._int_mm(x, w.T)
     if form == "chunked":
         return int8_mm_chunked(x, w)

@@ -1,11 +1,13 @@
-"""W8A8 int8 (`--quantization w8a8`): applied to a built model by replacing modules, never by
-changing the model's files.
+"""W8A8 int8 (`--quantization w8a8`) and FP8 (`--quantization fp8`): applied to a built model by
+replacing modules, never by changing the model's files.
 
 Weights: int8, symmetric, one scale per output channel. Activations: int8, symmetric, one scale per
 token (row), computed on the fly. The int32 products are exact, so a row's output depends on that
 row alone: a request's result never depends on the requests sharing its batch. torch's fbgemm
 dynamic path (`quantized::linear_dynamic`) is not used: it quantises the whole activation tensor
-with one scale, which breaks that rule.
+with one scale, which breaks that rule. `fp8` is the same scheme in float8 e4m3 (scale amax / 448
+per channel and per token; `ops.quant.fp8`), run by `torch._scaled_mm` or a float32 product of the
+e4m3 values (`fp8_forms`); the modules are the same, the weight's dtype says which.
 
 What is quantised: every `Linear` projection (attention, KDA, indexer keys and queries, dense MLPs,
 shared experts) and the routed experts. What stays in the engine dtype (`UNQUANTISED`, module
@@ -27,13 +29,14 @@ from ..layers.linear import Linear
 from ..layers.moe import Experts
 from ..ops.capture import reads_host
 from ..ops.moe import clamped_swiglu
-from ..ops.moe.experts import by_expert, combine
+from ..ops.moe.experts import by_expert, combine, padded_by_expert
 from ..ops.opaque import call_opaque
-from ..ops.quant import dequantize, quantize_rows
-from . import int8_forms
+from ..ops.quant import E4M3, dequantize, quantize_rows, quantize_rows_fp8
+from . import fp8_forms, int8_forms
 from .int8_native import native
 
-METHODS = ("w8a8",)
+METHODS = ("w8a8", "fp8")
+QUANTIZERS = {"w8a8": quantize_rows, "fp8": quantize_rows_fp8}
 UNQUANTISED = ("lm_head", "*.indexer.weights_proj", "*.kv_b_proj")
 
 
@@ -42,12 +45,17 @@ UNQUANTISED = ("lm_head", "*.indexer.weights_proj", "*.kv_b_proj")
 _PACKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def packed_for(owner, qweight, name: str = "weight"):
-    """ouro's kernel layout of `qweight` ([N, K] or stacked [E, N, K]), made once per owner and name."""
+def _kernel_layout(qweight):
+    return native().pack_weight(qweight if qweight.dim() == 3 else qweight.unsqueeze(0))
+
+
+def packed_for(owner, qweight, name: str = "weight", make=_kernel_layout):
+    """`make(qweight)` (default: ouro's kernel layout of an int8 [N, K] or stacked [E, N, K]
+    weight), made once per owner and name."""
     key = (qweight.data_ptr(), qweight._version, tuple(qweight.shape))
     packs = _PACKED.setdefault(owner, {})
     if name not in packs or packs[name][0] != key:
-        packs[name] = (key, native().pack_weight(qweight if qweight.dim() == 3 else qweight.unsqueeze(0)))
+        packs[name] = (key, make(qweight))
     return packs[name][1]
 
 
@@ -72,13 +80,19 @@ def _form(forms, rows: int) -> str:
     return forms[0] if forms.count(forms[0]) == len(forms) else form_for(forms, rows, int8_forms.ROWS)
 
 
-def w8a8_product(x, qweight, weight_scale, forms, owner=None):
+def w8a8_product(x, qweight, weight_scale, forms, owner=None, name: str = "weight"):
     """x [M, K] float -> float32 [M, N]: rows quantised, the exact int8 product in the form measured
     for M rows, the scales applied (ouro's kernel does the three in one call, the same arithmetic;
-    `owner` keeps its packed copy of the weight)."""
+    `owner` keeps its packed copy of the weight). An e4m3 weight runs the FP8 product."""
     form = _form(forms, x.shape[0])
+    if qweight.dtype == E4M3:
+        qx, sx = quantize_rows_fp8(x)
+        padded = None
+        if form == "scaled_mm" and owner is not None:
+            padded = packed_for(owner, qweight, name, fp8_forms.padded_weight)
+        return fp8_forms.fp8_mm(qx, sx, qweight, weight_scale, form, padded)
     if form == "native":
-        p = packed_for(owner, qweight) if owner is not None else native().pack_weight(qweight.unsqueeze(0))
+        p = packed_for(owner, qweight, name) if owner is not None else native().pack_weight(qweight.unsqueeze(0))
         return native().w8a8_packed(x.float(), p, weight_scale, _span(x.shape[0]), qweight.shape[0])
     q, s = quantize_rows(x)
     return dequantize(int8_forms.int8_mm(q, qweight, form), s, weight_scale)
@@ -88,21 +102,22 @@ def w8a8_grouped(x, qweights, weight_scales, counts, forms, owner=None, name: st
     """Routed experts' products in one go: x [R, K] float with rows grouped by expert (`counts[e]`
     rows for expert e, in order), qweights int8 [E, N, K], weight_scales [E, N] -> float32 [R, N]."""
     rows = max(1, x.shape[0] // max(1, int((counts > 0).sum())))
-    if _form(forms, rows) == "native":
+    if _form(forms, rows) == "native" and qweights.dtype == torch.int8:
         p = packed_for(owner, qweights, name) if owner is not None else native().pack_weight(qweights)
         return native().w8a8_packed(x.float(), p, weight_scales, _offsets(counts), qweights.shape[1])
     out = torch.full((x.shape[0], qweights.shape[1]), float("nan"))
     start = 0
     for e, c in enumerate(counts.tolist()):
         if c:
-            out[start:start + c] = w8a8_product(x[start:start + c], qweights[e], weight_scales[e], forms)
+            out[start:start + c] = w8a8_product(x[start:start + c], qweights[e], weight_scales[e], forms, owner,
+                                                f"{name}.{e}")
         start += c
     return out
 
 
 class W8A8Linear(nn.Module):
-    """Stands in for a `Linear`: int8 weight [out, in] and its per-channel scales as buffers,
-    the same call signature and hooks."""
+    """Stands in for a `Linear`: int8 (or e4m3) weight [out, in] and its per-channel scales as
+    buffers, the same call signature and hooks."""
 
     def __init__(self, qweight, weight_scale, bias=None, forms=None):
         super().__init__()
@@ -110,11 +125,11 @@ class W8A8Linear(nn.Module):
         self.register_buffer("qweight", qweight)
         self.register_buffer("weight_scale", weight_scale.float())
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
-        self.int8_forms = forms or int8_forms.pick_forms(str(qweight.device))
+        self.int8_forms = forms or default_forms(qweight)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, forms=None) -> "W8A8Linear":
-        q, s = quantize_rows(linear.weight.detach())
+    def from_linear(cls, linear: nn.Linear, forms=None, method: str = "w8a8") -> "W8A8Linear":
+        q, s = QUANTIZERS[method](linear.weight.detach())
         return cls(q, s, linear.bias, forms)
 
     def forward(self, x):
@@ -133,22 +148,23 @@ class W8A8Linear(nn.Module):
         return (*x.shape[:-1], self.out_features), x.dtype
 
     def extra_repr(self):
-        return f"in_features={self.in_features}, out_features={self.out_features}, w8a8"
+        kind = "fp8" if self.qweight.dtype == E4M3 else "w8a8"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {kind}"
 
 
 class W8A8Experts(nn.Module):
-    """Stands in for `Experts`: gate_up [E, 2I, D] and down [E, D, I] in int8 with per-channel
-    scales; each active expert runs its exact rows (no padding rows, whose quantisation would be
-    wasted work)."""
+    """Stands in for `Experts`: gate_up [E, 2I, D] and down [E, D, I] in int8 (or e4m3) with
+    per-channel scales; each active expert runs its exact rows (no padding rows, whose
+    quantisation would be wasted work)."""
 
-    def __init__(self, experts: Experts, forms=None):
+    def __init__(self, experts: Experts, forms=None, method: str = "w8a8"):
         super().__init__()
         for name in ("gate_up_proj", "down_proj"):
-            q, s = quantize_rows(getattr(experts, name).detach())
+            q, s = QUANTIZERS[method](getattr(experts, name).detach())
             self.register_buffer(f"{name}_q", q)
             self.register_buffer(f"{name}_scale", s)
         self.limit, self.top_k = experts.limit, experts.top_k
-        self.int8_forms = forms or int8_forms.pick_forms(str(self.gate_up_proj_q.device))
+        self.int8_forms = forms or default_forms(self.gate_up_proj_q)
 
     def forward(self, x, weights, experts):
         if torch.compiler.is_compiling():
@@ -159,16 +175,32 @@ class W8A8Experts(nn.Module):
         return x.shape, x.dtype
 
     def eager(self, x, weights, experts):
-        if not reads_host(x):
-            raise NotImplementedError("W8A8 routed experts run on a CPU only (they read the per-expert row counts)")
         T, k = experts.shape
-        _, order, counts, x_sorted = by_expert(x, experts, self.gate_up_proj_q.shape[0])
+        E = self.gate_up_proj_q.shape[0]
+        flat, order, counts, x_sorted = by_expert(x, experts, E)
+        if not reads_host(x):
+            # capturable (an accelerator, a graph): every expert runs T rows, zero-padded; a zero row
+            # quantises to zeros on its own, so the padding changes no real row's result
+            def each(name):
+                q, s = getattr(self, f"{name}_q"), getattr(self, f"{name}_scale")
+                return lambda h: torch.stack([w8a8_product(h[e], q[e], s[e], self.int8_forms, self, f"{name}.{e}")
+                                              for e in range(E)])
+            y_sorted = padded_by_expert(x_sorted, flat[order], counts, T, E, each("gate_up_proj"), each("down_proj"),
+                                        self.limit).to(x.dtype)
+            return combine(y_sorted, order, weights, T, k, x.dtype)
         gate, up = w8a8_grouped(x_sorted, self.gate_up_proj_q, self.gate_up_proj_scale, counts,
                                 self.int8_forms, self, "gate_up").chunk(2, dim=-1)
         h = clamped_swiglu(gate, up, self.limit)
         y_sorted = w8a8_grouped(h, self.down_proj_q, self.down_proj_scale, counts, self.int8_forms, self,
                                 "down").to(x.dtype)
         return combine(y_sorted, order, weights, T, k, x.dtype)
+
+
+def default_forms(qweight, timer=None) -> list[str]:
+    """The forms a weight of this kind runs in on its device, one per row count of int8_forms.ROWS."""
+    if qweight.dtype == E4M3:
+        return [fp8_forms.pick_form(str(qweight.device))] * len(int8_forms.ROWS)
+    return int8_forms.pick_forms(str(qweight.device), timer)
 
 
 def _time_product(form: str, rows: int) -> float:
@@ -207,10 +239,13 @@ def quantize_model(model: nn.Module, method: str = "w8a8", ignore=None, referenc
             continue
         if reference:
             from .reference import reference_module
-            new = reference_module(module)
+            new = reference_module(module, method)
         else:
-            forms = forms or int8_forms.pick_forms(str(next(module.parameters()).device), _time_product)
-            new = W8A8Linear.from_linear(module, forms) if isinstance(module, Linear) else W8A8Experts(module, forms)
+            if forms is None:
+                probe = QUANTIZERS[method](torch.zeros(1, 1, device=next(module.parameters()).device))[0]
+                forms = default_forms(probe, _time_product)
+            new = (W8A8Linear.from_linear(module, forms, method) if isinstance(module, Linear)
+                   else W8A8Experts(module, forms, method))
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
         done.append(name)

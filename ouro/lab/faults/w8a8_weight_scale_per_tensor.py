@@ -4,7 +4,7 @@ FAULT = Fault(
     name="w8a8_weight_scale_per_tensor",
     description="W8A8 quantises each projection's weight with one scale per tensor instead of one per output channel",
     file="ouro/quant/w8a8.py", function="W8A8Linear.from_linear",
-    replace=[("q, s = quantize_rows(linear.weight.detach())",
+    replace=[("q, s = QUANTIZERS[method](linear.weight.detach())",
               "w = linear.weight.detach()  # FAULT: one scale for the whole tensor\n"
               "        s = (w.abs().amax() / 127).expand(w.shape[0]).contiguous()\n"
               "        q = torch.round(w / s[:, None]).clamp(-127, 127).to(torch.int8)")],

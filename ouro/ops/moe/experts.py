@@ -98,14 +98,20 @@ def _weighted_sum(y, weights, T, k, dtype):
 
 
 def _experts_padded(x_sorted, expert_of, counts, busiest, gate_up, down, limit):
-    E, D = gate_up.shape[0], x_sorted.shape[1]
+    return padded_by_expert(x_sorted, expert_of, counts, busiest, gate_up.shape[0],
+                            lambda h: torch.bmm(h, gate_up.transpose(1, 2)), lambda h: torch.bmm(h, down.transpose(1, 2)),
+                            limit)
+
+
+def padded_by_expert(x_sorted, expert_of, counts, busiest, E, up, down, limit):
+    """Every expert's rows padded with zeros to `busiest` rows, [E, busiest, D], through
+    up(h [E, B, D]) -> [E, B, 2I] and down(h [E, B, I]) -> [E, B, D]; no host read (capturable)."""
     starts = torch.cumsum(counts, 0) - counts
     slot = torch.arange(len(expert_of), device=x_sorted.device) - starts[expert_of]
-    padded = x_sorted.new_zeros(E, busiest, D)
+    padded = x_sorted.new_zeros(E, busiest, x_sorted.shape[1])
     padded[expert_of, slot] = x_sorted
-    gate, up = torch.bmm(padded, gate_up.transpose(1, 2)).chunk(2, dim=-1)
-    out = torch.bmm(clamped_swiglu(gate, up, limit), down.transpose(1, 2))
-    return out[expert_of, slot]
+    gate, up_part = up(padded).chunk(2, dim=-1)
+    return down(clamped_swiglu(gate, up_part, limit))[expert_of, slot]
 
 
 def _experts_gathered(x, weights, experts, gate_up, down, limit):

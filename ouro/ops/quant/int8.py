@@ -56,16 +56,18 @@ def w8a8_linear_naive(x, qweight, weight_scale):
     return dequantize(int8_mm_naive(q, qweight), s, weight_scale).view(*x.shape[:-1], qweight.shape[0])
 
 
-def w8a8_experts_naive(x, weights, experts, gate_up_q, gate_up_scale, down_q, down_scale, limit: float):
-    """Reference: every token, every chosen expert, one at a time, each product W8A8."""
+def w8a8_experts_naive(x, weights, experts, gate_up_q, gate_up_scale, down_q, down_scale, limit: float,
+                       linear=w8a8_linear_naive):
+    """Reference: every token, every chosen expert, one at a time, each product W8A8 (`linear`: the
+    reference product of the weights' kind, int8 or FP8)."""
     from ..moe import clamped_swiglu
     out = torch.full_like(x, float("nan"))
     for t in range(x.shape[0]):
         acc = torch.zeros(x.shape[1], dtype=torch.float32)
         for j in range(experts.shape[1]):
             e = int(experts[t, j])
-            gate, up = w8a8_linear_naive(x[t:t + 1], gate_up_q[e], gate_up_scale[e])[0].chunk(2)
+            gate, up = linear(x[t:t + 1], gate_up_q[e], gate_up_scale[e])[0].chunk(2)
             h = clamped_swiglu(gate, up, limit).unsqueeze(0)
-            acc += weights[t, j].float() * w8a8_linear_naive(h, down_q[e], down_scale[e])[0]
+            acc += weights[t, j].float() * linear(h, down_q[e], down_scale[e])[0]
         out[t] = acc.to(x.dtype)
     return out
