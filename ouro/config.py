@@ -115,6 +115,15 @@ class ModelConfig:
         """DSA layers that run their own indexer (and so own an indexer cache)."""
         return [i for i in self.dsa_layers if self.indexer_types[i] == "full"]
 
+    def with_mtp_layer(self) -> "ModelConfig":
+        """This config with the MTP draft layer as one more layer (index `num_hidden_layers`): a DSA
+        layer with its own indexer and a routed MoE. A cache built from it holds the draft layer's
+        latent rows and indexer keys beside the trunk's (the trunk's layer ids are unchanged)."""
+        return dataclasses.replace(self, num_hidden_layers=self.num_hidden_layers + 1,
+                                   layer_types=(*self.layer_types, "indexed_attention"),
+                                   mlp_layer_types=(*self.mlp_layer_types, "sparse"),
+                                   indexer_types=(*self.indexer_types, "full"), has_mtp=False)
+
     @property
     def linear_dim(self) -> int:
         return self.linear_num_heads * self.linear_head_dim

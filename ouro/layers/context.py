@@ -136,6 +136,11 @@ class ForwardContext:
     slot_mapping: torch.Tensor   # [T] flat cache row (page * page_size + offset) of each new token
     logits_index: torch.Tensor | None  # rows whose logits are wanted (None: all)
     state_slots_list: list[int]  # host copy of state_slots
+    keep_hidden: bool = False    # the model leaves every row's final hidden state in `hidden` (drafting)
+    hidden: torch.Tensor | None = None
+    # speculative rows: batch index -> what their KDA layers keep for replay instead of committing
+    # their state (`engine.speculative`); None: every row commits as usual
+    replay: dict | None = None
 
     @classmethod
     def build(cls, cache: ModelCache, query_lens, start_pos, state_slots, page_table, logits: str = "last"):

@@ -56,6 +56,9 @@ class Glm5NextModel(nn.Module):
         selection = None
         for layer in self.layers:
             streams, selection = layer(streams, ctx, selection)
+        if getattr(ctx, "keep_hidden", False):    # speculative decoding drafts from every row's final state
+            ctx.hidden = self.norm(streams.mean(1))
+            return self.lm_head(ctx.hidden if ctx.logits_index is None else ctx.hidden[ctx.logits_index])
         if ctx.logits_index is not None:
             streams = streams[ctx.logits_index]
         return self.lm_head(self.norm(streams.mean(1)))

@@ -107,10 +107,11 @@ def mtp_head_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             a + "shared_head.norm.weight": (h,)}
 
 
-def check_checkpoint(model: torch.nn.Module, directory: str | Path):
+def check_checkpoint(model: torch.nn.Module, directory: str | Path, partial: bool = False):
     """Match the files in `directory` against `model`'s tensors (a meta-device model will do, so
     nothing is allocated yet). Raises CheckpointError naming every missing, unexpected or
-    mis-shaped tensor. Returns (layout to load, disk name -> file, ignored vision/MTP counts)."""
+    mis-shaped tensor. Returns (layout to load, disk name -> file, ignored vision/MTP counts).
+    `partial`: `model` holds part of the checkpoint (the MTP layer): other tensors are not unexpected."""
     directory = Path(directory)
     config: ModelConfig = model.config
     where = _index_files(directory)
@@ -143,7 +144,7 @@ def check_checkpoint(model: torch.nn.Module, directory: str | Path):
     for name in sorted(expected.keys() - shapes.keys()):
         problems.append(f"missing tensor {name} (expected shape {list(expected[name])})")
     mtp_heads = mtp_head_shapes(config)
-    for name in sorted(shapes.keys() - expected.keys()):
+    for name in sorted(shapes.keys() - expected.keys()) if not partial else ():
         kind = _ignored_kind(name, config)
         if name in mtp_heads and shapes[name] != mtp_heads[name]:
             problems.append(f"MTP tensor {name} has shape {list(shapes[name])}, expected {list(mtp_heads[name])}")
@@ -151,7 +152,7 @@ def check_checkpoint(model: torch.nn.Module, directory: str | Path):
             ignored[kind] += 1
         else:
             problems.append(f"unexpected tensor {name} with shape {list(shapes[name])}")
-    if config.has_mtp and ignored["mtp"] and not mtp_heads.keys() <= shapes.keys():
+    if not partial and config.has_mtp and ignored["mtp"] and not mtp_heads.keys() <= shapes.keys():
         problems += [f"missing MTP tensor {n} (expected shape {list(mtp_heads[n])})"
                      for n in sorted(mtp_heads.keys() - shapes.keys())]
     for name in sorted(expected.keys() & shapes.keys()):
@@ -169,9 +170,9 @@ def _fp8_format(directory: Path):
     return FP8Format.from_config(json.loads(path.read_text())) if path.is_file() else None
 
 
-def load_weights(model: torch.nn.Module, directory: str | Path, progress: bool = False) -> dict:
+def load_weights(model: torch.nn.Module, directory: str | Path, progress: bool = False, partial: bool = False) -> dict:
     """Copy a checkpoint into `model` (after `check_checkpoint`). Returns the ignored counts."""
-    layout, where, ignored, (fp8, scale_of) = check_checkpoint(model, directory)
+    layout, where, ignored, (fp8, scale_of) = check_checkpoint(model, directory, partial)
     state = model.state_dict()
     handles = {}
     try:
@@ -195,7 +196,7 @@ def load_weights(model: torch.nn.Module, directory: str | Path, progress: bool =
             del parts
     finally:
         handles.clear()
-    if model.config.tie_word_embeddings and "lm_head.weight" not in [d.param for d in layout]:
+    if not partial and model.config.tie_word_embeddings and "lm_head.weight" not in [d.param for d in layout]:
         with torch.no_grad():
             state["lm_head.weight"].copy_(state["embed_tokens.weight"])
     return ignored
