@@ -265,9 +265,14 @@ class EngineConfig:
     quantization_ignore: tuple | None = None   # module name patterns kept unquantised; None: ouro.quant's default
     kv_cache_dtype: str = "auto"       # DSA latent + indexer-key cache: auto (the engine dtype), fp8_e4m3, int8
     kv_cache_layer_dtype: str | None = None    # per-layer override, "0-1:bf16,3:fp8_e4m3"
+    # speculative decoding with the checkpoint's MTP layer (ouro.engine.speculative): NEXTN (alias MTP)
+    speculative_algorithm: str | None = None
+    speculative_num_steps: int = 3     # draft tokens per step (K)
+    speculative_kda_state: str = "replay"   # replay: per-position inputs, the accepted prefix replayed; per_step: a state per position
 
     DTYPES = ("auto", "float32", "bfloat16", "float16")
     QUANTIZATIONS = ("w8a8", "fp8")
+    SPECULATIVE = {"NEXTN": "NEXTN", "MTP": "NEXTN"}
 
     def __post_init__(self):
         self.validate()
@@ -296,6 +301,11 @@ class EngineConfig:
         count("max_memory", optional=True)
         if not isinstance(self.compile, bool):
             raise ValueError(f"compile must be True or False, got {self.compile!r}")
+        if self.speculative_algorithm is not None and str(self.speculative_algorithm).upper() not in self.SPECULATIVE:
+            raise ValueError(f"speculative_algorithm must be NEXTN (alias MTP) or None, got {self.speculative_algorithm!r}")
+        count("speculative_num_steps")
+        if self.speculative_kda_state not in ("replay", "per_step"):
+            raise ValueError(f"speculative_kda_state must be replay or per_step, got {self.speculative_kda_state!r}")
         if not _is_int(self.seed):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         f = self.memory_fraction

@@ -48,6 +48,24 @@ class GenerationResult:
                 "total_tokens": len(self.prompt_token_ids) + completion, "cached_tokens": self.cached_tokens}
 
 
+def speculative_options(spec: dict | None) -> dict:
+    """vLLM's `speculative_config` ({"method": "mtp" | "nextn", "num_speculative_tokens": K,
+    "kda_state": "replay" | "per_step"}) -> EngineConfig fields."""
+    if not spec:
+        return {}
+    if not isinstance(spec, dict):
+        raise ValueError(f"speculative_config must be a dict, got {type(spec).__name__}")
+    unknown = set(spec) - {"method", "num_speculative_tokens", "kda_state"}
+    if unknown:
+        raise ValueError(f"speculative_config: unknown keys {sorted(unknown)} (method, num_speculative_tokens, kda_state)")
+    out = {"speculative_algorithm": str(spec.get("method", "mtp")).upper()}
+    if "num_speculative_tokens" in spec:
+        out["speculative_num_steps"] = spec["num_speculative_tokens"]
+    if "kda_state" in spec:
+        out["speculative_kda_state"] = spec["kda_state"]
+    return out
+
+
 class LLM:
     def __init__(self, model: str, device: str = "cpu", dtype: str = "auto", max_memory: int | None = None,
                  memory_fraction: float = 0.5,
@@ -55,7 +73,8 @@ class LLM:
                  enable_prefix_caching: bool = False, prefix_checkpoint_interval: int = 1, seed: int = 0,
                  verbose: bool = False, compile: bool = False, torch_compile_max_bs: int = 32,
                  quantization: str | None = None, quantization_ignore: tuple | None = None,
-                 kv_cache_dtype: str = "auto", kv_cache_layer_dtype: str | None = None):
+                 kv_cache_dtype: str = "auto", kv_cache_layer_dtype: str | None = None,
+                 speculative_config: dict | None = None):
         from ..models.resolve import load_tokenizer
         from ..models.loader import load_model
         from ..models.resolve import resolve_model
@@ -64,14 +83,14 @@ class LLM:
                            max_num_batched_tokens=max_num_batched_tokens, page_size=page_size, seed=seed,
                            compile=compile, torch_compile_max_bs=torch_compile_max_bs, quantization=quantization,
                            quantization_ignore=quantization_ignore, kv_cache_dtype=kv_cache_dtype,
-                           kv_cache_layer_dtype=kv_cache_layer_dtype)
+                           kv_cache_layer_dtype=kv_cache_layer_dtype, **speculative_options(speculative_config))
         directory = resolve_model(model, progress=verbose)
         # options checked against the model's config before any weight is read
         LLMEngine.check_options(cfg, ModelConfig.from_hf(directory), enable_prefix_caching, prefix_checkpoint_interval)
         weights = load_model(directory, dtype=cfg.torch_dtype(), device=device, kda_chunk_size=cfg.kda_chunk_size)
         self._calls = 0
         self.engine = LLMEngine(weights, load_tokenizer(directory), cfg, enable_prefix_caching,
-                                checkpoint_interval=prefix_checkpoint_interval, verbose=verbose)
+                                checkpoint_interval=prefix_checkpoint_interval, verbose=verbose, model_dir=directory)
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[GenerationResult]:

@@ -35,8 +35,9 @@ def token_id_list(ids) -> list[int]:
 class LLMEngine:
     def __init__(self, model, tokenizer=None, config: EngineConfig = EngineConfig(), enable_prefix_caching=False,
                  checkpoint_interval: int = 1, verbose: bool = True, record_logits: bool = False,
-                 logits_processors=(), model_dir=None):
-        """model_dir: the checkpoint `model` came from; context parallelism loads it on its helper ranks."""
+                 logits_processors=(), model_dir=None, mtp_layer=None):
+        """model_dir: the checkpoint `model` came from; context parallelism loads it on its helper ranks,
+        speculative decoding its MTP layer (or pass `mtp_layer`, an `ouro.models.mtp.MTPLayer`)."""
         mc = model.config
         self.check_options(config, mc, enable_prefix_caching, checkpoint_interval)
         self.model, self.tokenizer, self.config = model, tokenizer, config
@@ -48,7 +49,9 @@ class LLMEngine:
         budget = config.max_memory or int(config.memory_fraction * available_bytes(config.device))
         dtype = model.embed_tokens.weight.dtype
         self.kv_kinds = config.kv_kinds(mc)      # DSA layers whose cache rows are quantised
-        self.plan = plan_memory(mc, budget, config.page_size, config.max_num_seqs, dtype, kv_kinds=self.kv_kinds,
+        # with speculation the cache also holds the MTP draft layer's rows (one more DSA layer)
+        cache_config = mc.with_mtp_layer() if config.speculative_algorithm else mc
+        self.plan = plan_memory(cache_config, budget, config.page_size, config.max_num_seqs, dtype, kv_kinds=self.kv_kinds,
                                 checkpoint_fraction=0.1 if enable_prefix_caching else 0.0,
                                 max_model_len=self.max_model_len, checkpoint_interval=checkpoint_interval)
         if verbose:
@@ -71,7 +74,17 @@ class LLMEngine:
             self.quantized = quantize_model(model, config.quantization, config.quantization_ignore)
         self.runner = ModelRunner(model, self.plan, config.device,
                                   min(config.torch_compile_max_bs, config.max_num_seqs) if config.compile else 0,
-                                  cp=self.cp, kv_kinds=self.kv_kinds)
+                                  cp=self.cp, kv_kinds=self.kv_kinds, cache_config=cache_config)
+        self.speculator = None
+        if config.speculative_algorithm:
+            from .speculative import Speculator
+            if mtp_layer is None:
+                if model_dir is None:
+                    raise ValueError("speculative decoding needs the checkpoint's MTP layer: pass model_dir or mtp_layer")
+                from ..models.mtp import load_mtp
+                mtp_layer = load_mtp(model_dir, mc, dtype=dtype, device=config.device)
+            self.speculator = self.runner.speculator = Speculator(self, mtp_layer, config.speculative_num_steps,
+                                                                  config.speculative_kda_state)
         if config.compile:
             done = self.runner.graph.warm_up(progress=verbose)
             if verbose:
@@ -105,6 +118,12 @@ class LLMEngine:
         config.check_device()
         if isinstance(checkpoint_interval, bool) or not isinstance(checkpoint_interval, int) or checkpoint_interval < 1:
             raise ValueError(f"prefix checkpoint_interval must be an integer >= 1 (pages), got {checkpoint_interval!r}")
+        if config.speculative_algorithm and (config.compile or config.context_parallel_size > 1):
+            raise ValueError("speculative decoding does not combine with --compile or context parallelism yet; "
+                             "drop one of them")
+        if config.speculative_algorithm and not mc.has_mtp:
+            raise ValueError("speculative decoding with NEXTN needs a checkpoint with an MTP layer "
+                             "(num_nextn_predict_layers >= 1); this one has none")
         if config.kv_kinds(mc) and config.compile:
             raise ValueError("a quantised KV cache (--kv-cache-dtype / --kv-cache-layer-dtype) does not combine with "
                              "--compile yet; drop one of them")
@@ -202,6 +221,8 @@ class LLMEngine:
                "failed_steps": self.num_failed_steps, "prefix_caching": self.prefix_cache is not None}
         if self.prefix_cache is not None:
             out.update({f"prefix_{k}": v for k, v in self.prefix_cache.stats().items()})
+        if self.speculator is not None:
+            out.update(self.speculator.stats.summary())
         return out
 
     # ---- one step ----
@@ -231,7 +252,43 @@ class LLMEngine:
             raise
         with span("checkpoint", cat="cache"):
             self._checkpoint(batch)
-        rows = [i for i, r in enumerate(batch.requests) if r.num_computed == r.num_tokens]
+        starts = [r.num_computed - n if r.spec_record is None else r.num_computed
+                  for r, n in zip(batch.requests, batch.num_new_tokens)]
+        outputs = self._sample(batch, logits)
+        if self.speculator is not None:
+            outputs += self._speculate(batch, starts)
+        return outputs
+
+    def _speculate(self, batch, starts) -> list[RequestOutput]:
+        """Verify the draft-carrying rows (accept, emit, commit their KDA states), then draft for
+        every request still running from the hidden states this step computed."""
+        spec_logits, hidden, cu = self.runner.step_extra
+        self.runner.step_extra = None
+        outputs, rows = [], []
+        for b, (r, start) in enumerate(zip(batch.requests, starts)):
+            if b in spec_logits:
+                emitted = self.speculator.verify(r, spec_logits[b], start)
+                sampled = self.sampler._with_logprobs(spec_logits[b][:len(emitted)], [r.params] * len(emitted), emitted)
+                new_ids, new_text = [], ""
+                for k, tok in enumerate(emitted):
+                    new_ids.append(tok)
+                    new_text += self._emit(r, tok, sampled.logprobs[k], sampled.top_logprobs[k],
+                                           spec_logits[b][k] if self.record_logits else None)
+                    if r.is_finished:
+                        break
+                outputs.append(self._output(r, new_ids, new_text))
+                if r.is_finished:
+                    r.spec_record = None
+                    continue
+                self.speculator.commit(r, start, len(emitted))
+            if r.is_finished or r.request_id not in self.requests:
+                continue
+            rows.append((r, start, hidden[int(cu[b]): int(cu[b]) + r.num_computed - start]))
+        self.speculator.draft(rows)
+        return outputs
+
+    def _sample(self, batch, logits) -> list[RequestOutput]:
+        rows = [i for i, r in enumerate(batch.requests) if r.num_computed == r.num_tokens and r.spec_record is None]
         if not rows:
             return []
         reqs = [batch.requests[i] for i in rows]
@@ -253,19 +310,25 @@ class LLMEngine:
         outputs = []
         with span("outputs", cat="outputs"):   # detokenize, stop checks, output objects
             for k, r in enumerate(reqs):
-                if self.record_logits:
-                    self.logits_history.setdefault(r.request_id, []).append(logits[k].clone())
                 tok = sampled.token_ids[k]
-                r.output_ids.append(tok)
-                r.logprobs.append(sampled.logprobs[k])
-                r.top_logprobs.append(sampled.top_logprobs[k])
-                new_text = r.detokenizer.add(tok) if r.detokenizer else ""
-                self._check_stop(r, tok)
-                if r.is_finished and r.detokenizer is not None:
-                    # text held back as a possible stop-string start is released unless a stop string matched
-                    new_text += r.detokenizer.flush()
+                new_text = self._emit(r, tok, sampled.logprobs[k], sampled.top_logprobs[k],
+                                      logits[k] if self.record_logits else None)
                 outputs.append(self._output(r, [tok], new_text))
         return outputs
+
+    def _emit(self, r: Request, tok: int, logprob, top, logits_row=None) -> str:
+        """One output token: appended, detokenized, checked for a stop; returns the new text."""
+        if logits_row is not None:
+            self.logits_history.setdefault(r.request_id, []).append(logits_row.clone())
+        r.output_ids.append(tok)
+        r.logprobs.append(logprob)
+        r.top_logprobs.append(top)
+        new_text = r.detokenizer.add(tok) if r.detokenizer else ""
+        self._check_stop(r, tok)
+        if r.is_finished and r.detokenizer is not None:
+            # text held back as a possible stop-string start is released unless a stop string matched
+            new_text += r.detokenizer.flush()
+        return new_text
 
     def reset_prefix_cache(self) -> int:
         """Drop every unreferenced cached prefix page and checkpoint; returns the pages freed."""

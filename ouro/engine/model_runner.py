@@ -41,16 +41,20 @@ class CheckpointStore:
 
 
 class ModelRunner:
-    def __init__(self, model, plan: MemoryPlan, device="cpu", compile_max_bs: int = 0, cp=None, kv_kinds=None):
+    def __init__(self, model, plan: MemoryPlan, device="cpu", compile_max_bs: int = 0, cp=None, kv_kinds=None,
+                 cache_config=None):
         """compile_max_bs > 0: decode batches up to that size run as a compiled graph
-        (`ouro.engine.decode_graph`); it takes one more state slot and page, for padding rows."""
+        (`ouro.engine.decode_graph`); it takes one more state slot and page, for padding rows.
+        cache_config: the config the cache is laid out for (the model's, or with the MTP draft layer)."""
         from ..gemm_pick import apply_to
         self.model = model
         self.device = device
         apply_to(model)          # each projection's product, by measurement on this machine
         dtype = model.embed_tokens.weight.dtype
         extra = 1 if compile_max_bs else 0     # the scratch slot and page sit past the pools' ids
-        self.cache = ModelCache(model.config, plan.n_slots + extra, plan.n_pages + extra, plan.page_size,
+        self.speculator = None   # an `engine.speculative.Speculator` when drafting
+        self.step_extra = None   # (logits of every row of the draft-carrying requests, hidden, cu_seqlens)
+        self.cache = ModelCache(cache_config or model.config, plan.n_slots + extra, plan.n_pages + extra, plan.page_size,
                                 dtype=dtype, device=device, kv_kinds=kv_kinds)
         self.checkpoints = CheckpointStore(self.cache, plan.n_checkpoints) if plan.n_checkpoints else None
         self.cp = cp             # a `CPPrefill` (ouro.parallel.cp_prefill) for batch.context_parallel
@@ -92,7 +96,10 @@ class ModelRunner:
             return logits.float().cpu()
         width = max(len(r.pages) for r in reqs)
         table = torch.tensor([r.pages + [0] * (width - len(r.pages)) for r in reqs], dtype=torch.long)
-        prompt_rows = [self._prompt_rows(r, n) for r, n in zip(reqs, counts)]
+        records = self.speculator.records_for(reqs, counts) if self.speculator is not None else {}
+        # a row carrying drafts wants the logits of all its positions (prompt logprobs never: it is past its prompt)
+        prompt_rows = [list(range(n - 1)) if b in records else self._prompt_rows(r, n)
+                       for b, (r, n) in enumerate(zip(reqs, counts))]
         index = first = last = None
         if any(prompt_rows):
             # logits of every wanted prompt position of the rows that ask, and each row's last
@@ -106,14 +113,22 @@ class ModelRunner:
                 start += n
         ctx = ForwardContext.build(self.cache, counts, [r.num_computed for r in reqs], [r.slot for r in reqs], table,
                                    logits="last" if index is None else index)
-        ids = [t for r, n in zip(reqs, counts) for t in r.all_ids[r.num_computed: r.num_computed + n]]
+        ctx.keep_hidden, ctx.replay = self.speculator is not None, records or None
+        ids = [t for r, n in zip(reqs, counts)
+               for t in (r.all_ids + r.draft_ids if n > r.num_tokens - r.num_computed else r.all_ids)
+               [r.num_computed: r.num_computed + n]]
         with span("forward", cat="compute"):
             logits = self.model(torch.tensor(ids, device=self.device), ctx)
+        if records:
+            self.step_extra = ({b: logits[first[b]: last[b] + 1].float().cpu() for b in records}, ctx.hidden, ctx.cu_seqlens)
+        elif self.speculator is not None:
+            self.step_extra = ({}, ctx.hidden, ctx.cu_seqlens)
         if index is not None:
-            self._fill_prompt_logprobs(reqs, prompt_rows, first, logits)
+            self._fill_prompt_logprobs(reqs, [[] if b in records else w for b, w in enumerate(prompt_rows)], first, logits)
             logits = logits[torch.tensor(last, device=logits.device)]
-        for r, n in zip(reqs, counts):
-            r.num_computed += n
+        for b, (r, n) in enumerate(zip(reqs, counts)):
+            if b not in records:          # a draft-carrying row commits what the engine accepts
+                r.num_computed += n
         return logits.float().cpu()  # sampling runs on the CPU with per-request CPU generators
 
     @staticmethod

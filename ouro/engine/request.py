@@ -41,6 +41,11 @@ class Request:
     # params.prompt_logprobs set: one entry per prompt token (entry 0 None), filled during prefill
     prompt_logprobs: list | None = None
     hold_on_finish: bool = False         # keep pages and slot after finishing until Scheduler.release
+    # speculative decoding: the drafts the next step verifies, their draft distributions [K, V]
+    # (sampled rows), and what the verifying forward's KDA layers recorded for the commit
+    draft_ids: list[int] = field(default_factory=list)
+    draft_probs: torch.Tensor | None = None
+    spec_record: object | None = None
 
     @property
     def all_ids(self) -> list[int]:

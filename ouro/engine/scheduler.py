@@ -104,8 +104,13 @@ class Scheduler:
         req.num_computed = 0
         req.cached_tokens = 0
         req.restore_from = None
+        req.draft_ids, req.draft_probs, req.spec_record = [], None, None
         req.status = Status.PREEMPTED
         self.waiting.appendleft(req)
+
+    def grow(self, req: Request, upto_tokens: int) -> bool:
+        """Pages for `upto_tokens` tokens (evicting cached prefixes if needed); False if they cannot be had."""
+        return self._grow(req, upto_tokens)
 
     def _grow(self, req: Request, upto_tokens: int) -> bool:
         need = -(-upto_tokens // self.page_size) - len(req.pages)
@@ -120,6 +125,9 @@ class Scheduler:
             return False
 
     def _chunk(self, req: Request, budget: int) -> int:
+        if req.draft_ids and req.num_tokens - req.num_computed == 1:   # the pending token and its drafts
+            del req.draft_ids[max(0, budget - 1):]
+            return min(1 + len(req.draft_ids), budget)
         n = min(req.num_tokens - req.num_computed, budget)
         end = req.num_computed + n
         if self.chunk_align:  # stop at the last checkpoint boundary the chunk would cross

@@ -179,6 +179,8 @@ class ForwardContext:
         rows = torch.cat([torch.arange(int(self.cu_seqlens[b]), int(self.cu_seqlens[b + 1])) for b in seqs])
         sub = ForwardContext.build(self.cache, [self.query_lens[b] for b in seqs], [self.start_pos[b] for b in seqs],
                                    [self.state_slots_list[b] for b in seqs], self.page_table[seqs].cpu(), "all")
+        if self.replay:
+            sub.replay = {i: self.replay[b] for i, b in enumerate(seqs) if b in self.replay} or None
         return sub, rows.to(self.positions.device)
 
     @cached_property

@@ -83,8 +83,11 @@ class KDAttention(KeepFloat32):
             conv_state.masked_fill_(fresh, 0.0)
             rec_state.masked_fill_(fresh[..., None], 0.0)
         weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]).squeeze(1)
+        # speculative rows (`ctx.replay`): their states are kept as they were; what a commit needs is recorded
+        held = {b: (conv_state[b].clone(), rec_state[b].clone()) for b in ctx.replay} if ctx.replay else None
 
         mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)      # [T, 3C]
+        pre_conv = mixed
         lengths = ctx.query_lens_tensor
         padded = ctx.pad(mixed).transpose(1, 2)
         conv_out, new_conv = causal_conv1d(padded, weight, ctx.conv_window(padded, conv_state, lengths), lengths)
@@ -110,6 +113,13 @@ class KDAttention(KeepFloat32):
         else:
             cache.conv[si].index_copy_(0, slots, new_conv.float())
             cache.recurrent[si].index_copy_(0, slots, new_rec.float())
+        if held:
+            for b, (conv0, rec0) in held.items():
+                r = ctx.rows(b)
+                ctx.replay[b].record(si, conv0, rec0, pre_conv[r], k[r], v[r], g[r], beta[r])
+                slot = ctx.state_slots_list[b]
+                cache.conv[si][slot] = conv0
+                cache.recurrent[si][slot] = rec0
 
         gate = self.g_b_proj(self.g_a_proj(x)).view(T, self.H, self.dk)
         o = self.o_norm(o.to(x.dtype), gate).reshape(T, -1)

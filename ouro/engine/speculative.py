@@ -1,0 +1,242 @@
+"""Speculative decoding with the checkpoint's MTP layer (`--speculative-algorithm NEXTN`).
+
+A step of a request in decode carries its pending token and K drafts; the trunk verifies all K+1
+in one forward (a chunk of K+1 tokens among the batch's other rows). Then:
+- acceptance: greedy rows keep drafts while they equal the target's argmax; sampled rows keep a
+  draft d with probability min(1, p(d) / q(d)) and, at the first rejection, draw from
+  max(p - q, 0) renormalised (the output distribution is the target's); the target gives one
+  more token after the last accepted draft (the bonus).
+- KDA state: during verification the speculative rows' states are left as they were and each
+  KDA layer records what a commit needs (`KDARecord`): `replay` keeps the per-position k, v,
+  gate, beta and conv inputs and replays the accepted prefix with the decode step's own
+  recurrence; `per_step` (the measured baseline) materialises the state and conv window after
+  every position and copies the accepted one. The rejected tail is never committed.
+- DSA rows of rejected positions stay in the pages but are never read: the next step writes its
+  first token at the first rejected position, and every later position is written before it is
+  read. Prefix-cache checkpoints are taken during the prompt only, so they are committed states.
+- drafting: the MTP layer runs over the positions the trunk just committed (state at p and token
+  p+1 give its cache row at p), and the last one's output is draft 1; K-1 more single steps feed
+  the draft layer its own output. A row in prefill fills its draft-layer rows the same way.
+Requests with a forced prefix, and an engine with logits processors, are not speculated (their
+next-token distribution is not the model's alone)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from ..layers.context import ForwardContext
+from ..measure.spans import span
+from ..ops.kda import kda_recurrent_step
+from .sampling import SamplingParams, _keep_mask
+
+
+class KDARecord:
+    """What one speculative row's KDA layers keep during its verification forward."""
+
+    def __init__(self, mode: str):
+        self.mode = mode
+        self.layers: dict[int, tuple] = {}
+
+    def record(self, si, conv0, rec0, pre_conv, k, v, g, beta):
+        """Called by each KDA layer (`si`) with the row's start window and state and its inputs."""
+        if self.mode == "replay":
+            self.layers[si] = (pre_conv.detach().float(), k.float(), v.float(), g.float(), beta.float())
+            return
+        n, K1 = k.shape[0], conv0.shape[-1]
+        state = rec0.clone().unsqueeze(0)
+        states = []
+        for t in range(n):
+            kda_recurrent_step(k[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], state)
+            states.append(state[0].clone())
+        full = torch.cat([conv0.float(), pre_conv.detach().float().T], dim=-1)
+        windows = [full[:, t + 1: t + 1 + K1].clone() for t in range(n)]
+        self.layers[si] = (torch.stack(states), torch.stack(windows))
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for parts in self.layers.values() for t in parts)
+
+    @span("replay", cat="compute")
+    def commit(self, cache, slot: int, m: int) -> None:
+        """Write the state after the first `m` verified positions into `slot`."""
+        for si, parts in self.layers.items():
+            if self.mode == "per_step":
+                states, windows = parts
+                cache.recurrent[si][slot] = states[m - 1]
+                cache.conv[si][slot] = windows[m - 1]
+                continue
+            pre_conv, k, v, g, beta = parts
+            state = cache.recurrent[si][slot:slot + 1]
+            for t in range(m):   # the decode step's own recurrence, one position at a time
+                kda_recurrent_step(k[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], state)
+            window = cache.conv[si][slot]
+            full = torch.cat([window, pre_conv[:m].T.to(window.dtype)], dim=-1)
+            cache.conv[si][slot] = full[:, full.shape[-1] - window.shape[-1]:]
+
+
+def distribution(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """[N, V] float32 probabilities a row would be drawn from (temperature, top-k, top-p, min-p);
+    greedy rows: one-hot at the argmax."""
+    logits = logits.float()
+    out = torch.zeros_like(logits)
+    for i, p in enumerate(params):
+        if p.greedy:
+            out[i, int(logits[i].argmax())] = 1.0
+            continue
+        row = logits[i:i + 1]
+        vocab = row.shape[-1]
+        temps = torch.tensor([p.temperature])
+        top_k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab])
+        keep = _keep_mask(row, temps, top_k, torch.tensor([p.top_p]), torch.tensor([p.min_p]))
+        out[i] = (row / temps[:, None]).masked_fill(~keep, -math.inf).softmax(-1)[0]
+    return out
+
+
+def accept(drafts: list[int], q: torch.Tensor | None, p: torch.Tensor, greedy: bool,
+           generator: torch.Generator | None) -> list[int]:
+    """The tokens a verification emits: the accepted drafts, then the target's next token.
+    p [len(drafts) + 1, V]: the target's distributions; q [len(drafts), V]: the drafts'."""
+    out = []
+    for i, d in enumerate(drafts):
+        if greedy:
+            if int(p[i].argmax()) != d:
+                break
+        else:
+            u = float(torch.rand(1, generator=generator))
+            if not u * float(q[i, d]) <= float(p[i, d]):        # reject with probability 1 - p/q
+                residual = (p[i] - q[i]).clamp_min(0)
+                total = float(residual.sum())
+                row = residual / total if total > 0 else p[i]
+                out.append(int(torch.multinomial(row, 1, generator=generator)))
+                return out
+        out.append(d)
+    i = len(out)
+    out.append(int(p[i].argmax()) if greedy else int(torch.multinomial(p[i], 1, generator=generator)))
+    return out
+
+
+@dataclass
+class SpecStats:
+    steps: int = 0                   # verifications
+    emitted: int = 0                 # tokens they emitted (accepted drafts + bonus)
+    proposed: int = 0                # drafts verified
+    accepted_at: list = field(default_factory=list)   # per draft position: accepted count
+    proposed_at: list = field(default_factory=list)
+    replay_bytes: int = 0            # KDA records held during verification (the last step's, per request)
+
+    def add(self, n_drafts: int, n_emitted: int) -> None:
+        self.steps += 1
+        self.emitted += n_emitted
+        self.proposed += n_drafts
+        while len(self.proposed_at) < n_drafts:
+            self.proposed_at.append(0)
+            self.accepted_at.append(0)
+        for i in range(n_drafts):
+            self.proposed_at[i] += 1
+            self.accepted_at[i] += int(i < n_emitted - 1)
+
+    def summary(self) -> dict:
+        return {"spec_verify_steps": self.steps,
+                "spec_accept_length": self.emitted / self.steps if self.steps else 0.0,
+                "spec_accept_rate": (self.emitted - self.steps) / self.proposed if self.proposed else 0.0,
+                "spec_accept_rate_per_position": [a / p if p else 0.0 for a, p in zip(self.accepted_at, self.proposed_at)],
+                "spec_replay_bytes_per_request": self.replay_bytes}
+
+
+class Speculator:
+    """The engine's speculative part: which rows carry drafts, acceptance, commits and drafting."""
+
+    def __init__(self, engine, mtp_layer, num_steps: int, kda_state: str):
+        self.engine, self.layer, self.k, self.kda_state = engine, mtp_layer, num_steps, kda_state
+        self.model = engine.model
+        self.stats = SpecStats()
+
+    # ---- before the forward ----
+    def records_for(self, reqs, counts) -> dict:
+        """{batch row: KDARecord} for the rows that carry drafts this step."""
+        out = {}
+        for b, (r, n) in enumerate(zip(reqs, counts)):
+            if n > r.num_tokens - r.num_computed:
+                r.spec_record = out[b] = KDARecord(self.kda_state)
+        return out
+
+    def eligible(self, r) -> bool:
+        forced = r.params.forced_prefix_ids
+        return not self.engine.logits_processors and not (forced and len(r.output_ids) < len(forced))
+
+    # ---- after the forward ----
+    def verify(self, r, logits: torch.Tensor, start: int) -> list[int]:
+        """Accept the row's drafts against the target's logits [n, V]; returns the emitted tokens
+        (the KDA commit waits until the engine knows the request goes on)."""
+        drafts = r.draft_ids[: logits.shape[0] - 1]
+        p = distribution(logits, [r.params] * logits.shape[0])
+        emitted = accept(drafts, r.draft_probs, p, r.params.greedy, r.generator)
+        self.stats.add(len(drafts), len(emitted))
+        self.stats.replay_bytes = r.spec_record.nbytes()
+        return emitted
+
+    def commit(self, r, start: int, n_emitted: int) -> None:
+        m = n_emitted                     # the pending token and n_emitted - 1 accepted drafts were inputs
+        r.spec_record.commit(self.engine.runner.cache, r.slot, m)
+        r.spec_record = None
+        r.num_computed = start + m
+
+    @span("draft", cat="compute")
+    @torch.inference_mode()
+    def draft(self, rows) -> None:
+        """rows: (request, first position the trunk computed this step, its final hidden states
+        [n, D]) for requests still running. Fills the draft layer's rows at those positions and
+        proposes up to K drafts for the requests now waiting on one token."""
+        cache = self.engine.runner.cache
+        rows = [(r, s, h) for r, s, h in rows if h.shape[0] > 0 and s + h.shape[0] < r.num_tokens]
+        for r, _, _ in rows:
+            r.draft_ids, r.draft_probs = [], None
+        if not rows:
+            return
+        reqs = [r for r, _, _ in rows]
+        lens = [h.shape[0] for _, _, h in rows]
+        ids = [t for r, s, h in rows for t in r.all_ids[s + 1: s + 1 + h.shape[0]]]
+        ctx = self._ctx(cache, reqs, lens, [s for _, s, _ in rows])
+        hidden = self.layer.draft_hidden(self.model.embed_tokens(torch.tensor(ids, device=cache.device)),
+                                         torch.cat([h for _, _, h in rows]), ctx)
+        last = ctx.cu_seqlens[1:] - 1
+        live = [i for i, r in enumerate(reqs) if r.num_computed == r.num_tokens - 1 and self.eligible(r)]
+        budget = {i: self._budget(reqs[i]) for i in live}
+        live = [i for i in live if budget[i] > 0]
+        h = hidden[last[live]] if live else None
+        pos = [reqs[i].num_computed for i in live]        # the draft row of the pending token
+        for step in range(self.k):
+            if not live:
+                break
+            logits = self.model.lm_head(h).float().cpu()
+            q = distribution(logits, [reqs[i].params for i in live])
+            for j, i in enumerate(live):
+                r = reqs[i]
+                tok = int(q[j].argmax()) if r.params.greedy else int(torch.multinomial(q[j], 1, generator=r.generator))
+                r.draft_ids.append(tok)
+                r.draft_probs = q[j:j + 1] if r.draft_probs is None else torch.cat([r.draft_probs, q[j:j + 1]])
+            keep = [j for j, i in enumerate(live) if len(reqs[i].draft_ids) < budget[i]]
+            if step == self.k - 1 or not keep:
+                break
+            live, pos, h = [live[j] for j in keep], [pos[j] for j in keep], h[keep]
+            ctx = self._ctx(cache, [reqs[i] for i in live], [1] * len(live), pos)
+            toks = torch.tensor([reqs[i].draft_ids[-1] for i in live], device=cache.device)
+            h = self.layer.draft_hidden(self.model.embed_tokens(toks), h, ctx)
+            pos = [p + 1 for p in pos]
+
+    def _budget(self, r) -> int:
+        """Drafts this request may carry: K, fewer near max_tokens or the context, or where its
+        pages cannot grow to hold them."""
+        e = self.engine
+        room = min(self.k, r.params.max_tokens - len(r.output_ids) - 1, e.max_model_len - r.num_tokens)
+        if room <= 0 or not e.scheduler.grow(r, r.num_tokens + room):
+            return 0
+        return room
+
+    @staticmethod
+    def _ctx(cache, reqs, lens, starts) -> ForwardContext:
+        width = max(len(r.pages) for r in reqs)
+        table = [r.pages + [0] * (width - len(r.pages)) for r in reqs]
+        return ForwardContext.build(cache, lens, starts, [r.slot for r in reqs], table, logits="all")
