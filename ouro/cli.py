@@ -33,7 +33,7 @@ def _cmd_generate(args) -> int:
 
 def _cmd_bench(args) -> int:
     import json
-    from .config import EngineConfig
+    from .config import EngineConfig, speculative_args
     from .models.resolve import resolve_model
     EngineConfig(device=args.device, dtype=args.dtype).check_device()
     if args.kind == "serve" and args.compare_base_url:
@@ -61,7 +61,7 @@ def _cmd_bench(args) -> int:
         r = bench_offline(resolve_model(args.model), args.num_prompts, args.input_len, args.output_len,
                           args.max_concurrency, args.compare == "transformers", device=args.device, dtype=args.dtype,
                           compile=args.compile, compile_max_bs=args.torch_compile_max_bs,
-                          quantization=args.quantization)
+                          quantization=args.quantization, speculative=speculative_args(args))
         print(format_offline(r))
     if args.kind == "prefill" and args.cp > 1:
         from .bench.prefill_cp import bench_prefill_cp, format_prefill_cp
@@ -139,6 +139,17 @@ def add_compile_flag(p) -> None:
                    help="with --compile: the largest decode batch the graph runs (larger batches run eagerly)")
 
 
+def add_speculative_flags(p) -> None:
+    p.add_argument("--speculative-algorithm", default=None, type=str.upper, choices=["NEXTN", "MTP"],
+                   help="speculative decoding with the checkpoint's MTP layer (NEXTN; MTP is an alias)")
+    p.add_argument("--speculative-num-steps", type=int, default=3, metavar="K", help="draft tokens per step")
+    p.add_argument("--speculative-num-draft-tokens", type=int, default=None, metavar="N",
+                   help="tokens verified per step: K + 1 (chains only: if given it must equal --speculative-num-steps + 1)")
+    p.add_argument("--speculative-kda-state", default="replay", choices=["replay", "per_step"],
+                   help="how a verification keeps the KDA states: replay the accepted prefix from per-position inputs "
+                        "(default) or materialise a state per position (the baseline)")
+
+
 def add_quantization_flag(p) -> None:
     p.add_argument("--quantization", default=None, choices=["w8a8", "fp8"],
                    help="w8a8: int8 weights (per channel) and activations (per token) for the projections and "
@@ -181,6 +192,7 @@ def add_serve_parser(sub) -> None:
     add_compile_flag(sv)
     add_quantization_flag(sv)
     add_kv_cache_flags(sv)
+    add_speculative_flags(sv)
     sv.add_argument("--cp", "--context-parallel-size", dest="cp", type=int, default=1,
                     help="ranks of a context-parallel prefill: the engine plus N-1 helper processes, each holding the "
                          "model; prompts of --cp-threshold tokens or more are prefilled across them, decode stays on the engine")
@@ -247,6 +259,7 @@ def build_parser(argv=None) -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="auto (the fastest native GEMM dtype of this machine, timed once and cached), float32, bfloat16")
     add_quantization_flag(gen)
     add_kv_cache_flags(gen)
+    add_speculative_flags(gen)
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-p", type=float, default=1.0)
@@ -280,6 +293,7 @@ def build_parser(argv=None) -> argparse.ArgumentParser:
     bench.add_argument("--device", default="cpu", help="offline: cpu or cuda (both systems run there)")
     bench.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="offline: auto (the fastest native GEMM dtype of this machine, timed once and cached)")
     add_quantization_flag(bench)
+    add_speculative_flags(bench)
     from .measure.spans import TraceToFile
     bench.add_argument("--trace", default=None, metavar="FILE", action=TraceToFile,
                        help="record the run's spans into FILE (Chrome trace, written at exit)")

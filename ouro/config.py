@@ -238,6 +238,20 @@ def parse_layer_kv(text: str | None) -> dict[int, str]:
     return out
 
 
+def speculative_args(args) -> dict:
+    """EngineConfig fields from the command line's speculative flags (SGLang's names), checked
+    against each other; {} without --speculative-algorithm."""
+    algo = getattr(args, "speculative_algorithm", None)
+    if not algo:
+        return {}
+    k, n = args.speculative_num_steps, getattr(args, "speculative_num_draft_tokens", None)
+    if n is not None and n != k + 1:
+        raise ValueError(f"--speculative-num-draft-tokens {n} must be --speculative-num-steps + 1 = {k + 1} "
+                         "(ouro drafts one chain: no tree)")
+    return {"speculative_algorithm": algo, "speculative_num_steps": k,
+            "speculative_kda_state": getattr(args, "speculative_kda_state", "replay")}
+
+
 def split_patterns(text: str | None) -> tuple | None:
     """'a, b.*' -> ('a', 'b.*'); None stays None (a command line's comma-separated patterns)."""
     return None if text is None else tuple(p.strip() for p in text.split(",") if p.strip())

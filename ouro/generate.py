@@ -7,13 +7,21 @@ import sys
 from .config import CheckpointError, split_patterns
 
 
+def spec_config(args) -> dict | None:
+    from .config import speculative_args
+    kw = speculative_args(args)
+    return {"method": kw["speculative_algorithm"], "num_speculative_tokens": kw["speculative_num_steps"],
+            "kda_state": kw["speculative_kda_state"]} if kw else None
+
+
 def generate_cli(args) -> int:
     from .engine.llm import LLM
     from .engine.sampling import SamplingParams
     llm = LLM(args.model, device=args.device, dtype=args.dtype, max_memory=args.max_memory,
               memory_fraction=args.mem_fraction_static, verbose=True,
               quantization=getattr(args, "quantization", None), quantization_ignore=split_patterns(getattr(args, "quantization_ignore", None)),
-              kv_cache_dtype=args.kv_cache_dtype, kv_cache_layer_dtype=args.kv_cache_layer_dtype)
+              kv_cache_dtype=args.kv_cache_dtype, kv_cache_layer_dtype=args.kv_cache_layer_dtype,
+              speculative_config=spec_config(args))
     engine = llm.engine
     if args.prompt_token_ids:
         try:

@@ -27,13 +27,13 @@ def make_prompts(n, length, vocab, seed):
 
 
 def make_engine(model, tokenizer, input_len, output_len, concurrency, device="cpu", compile=False, compile_max_bs=32,
-                quantization=None):
+                quantization=None, speculative=None, model_dir=None):
     from ..config import EngineConfig
     from ..engine.llm_engine import LLMEngine
     cfg = EngineConfig(device=device, max_num_seqs=concurrency, max_num_batched_tokens=max(2048, input_len),
                        page_size=64, max_model_len=input_len + output_len, compile=compile,
-                       torch_compile_max_bs=compile_max_bs, quantization=quantization)
-    return LLMEngine(model, tokenizer, cfg, verbose=compile)
+                       torch_compile_max_bs=compile_max_bs, quantization=quantization, **(speculative or {}))
+    return LLMEngine(model, tokenizer, cfg, verbose=compile, model_dir=model_dir)
 
 
 def run_ouro(engine, prompts, output_len):
@@ -85,7 +85,7 @@ def decode_floor(model, roof: Roofline, context: int, batch: int) -> dict:
 
 def bench_offline(model_dir, num_prompts=64, input_len=256, output_len=64, concurrency=32, compare=False,
                   seed=0, progress=True, device="cpu", dtype="auto", compile=False, compile_max_bs=32,
-                  quantization=None) -> dict:
+                  quantization=None, speculative=None) -> dict:
     from tqdm import tqdm
 
     from ..config import EngineConfig
@@ -96,7 +96,7 @@ def bench_offline(model_dir, num_prompts=64, input_len=256, output_len=64, concu
     roof = Roofline.measure(device, model.embed_tokens.weight.dtype)
     prompts = make_prompts(num_prompts, input_len, model.config.vocab_size, seed)
     engine = make_engine(model, load_tokenizer(model_dir), input_len, output_len, concurrency, device, compile,
-                         compile_max_bs, quantization)
+                         compile_max_bs, quantization, speculative, model_dir)
     hf = load_transformers(model_dir, device, model.embed_tokens.weight.dtype) if compare else None
     waves, log, outs, hf_outs = [], [], [], []
     for i in tqdm(range(0, num_prompts, concurrency), desc="waves (ouro, transformers)", disable=not progress):
@@ -111,6 +111,7 @@ def bench_offline(model_dir, num_prompts=64, input_len=256, output_len=64, concu
             hf_outs += o
     r = {"seed": seed, "num_prompts": num_prompts, "input_len": input_len, "output_len": output_len,
          "concurrency": concurrency, "device": device, "compile": compile, "quantization": quantization,
+         "speculative": speculative or None,
          "dtype": str(model.embed_tokens.weight.dtype).replace("torch.", ""), "waves": waves,
          "ouro": _throughput(sum(w["ouro_s"] for w in waves), num_prompts * input_len, outs),
          "matmul_flops_per_s": roof.flops_per_s, "copy_bytes_per_s": roof.bytes_per_s}
@@ -126,6 +127,8 @@ def bench_offline(model_dir, num_prompts=64, input_len=256, output_len=64, concu
     r["decode_floor"] = decode_floor(model, roof, context, concurrency)
     if decode:
         r["decode_step_over_floor"] = r["ouro"]["decode_step_s"] / r["decode_floor"]["floor_s"]
+    if engine.speculator is not None:       # acceptance over the measured waves
+        r["speculative_stats"] = engine.speculator.stats.summary()
     r["prefill"] = _prefill(engine, model, roof, prompts[0])
     if hf is not None:
         r["transformers"] = _throughput(sum(w["transformers_s"] for w in waves), num_prompts * input_len, hf_outs)

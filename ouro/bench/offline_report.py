@@ -19,6 +19,11 @@ def format_offline(r: dict) -> str:
                if r.get("dtype_auto") else []),
              f"  ouro          {o['seconds']:8.2f} s  input {o['input_tok_s']:8.1f} tok/s  "
              f"output {o['output_tok_s']:7.1f} tok/s"]
+    if r.get("speculative_stats"):
+        sp = r["speculative_stats"]
+        lines.append(f"  speculative {r['speculative']['speculative_algorithm']} K={r['speculative']['speculative_num_steps']}: "
+                     f"accept length {sp['spec_accept_length']:.2f} tokens per verification, per draft position "
+                     + ", ".join(f"{100 * a:.0f}%" for a in sp["spec_accept_rate_per_position"]))
     if "transformers" in r:
         t = r["transformers"]
         lines.append(f"  transformers  {t['seconds']:8.2f} s  input {t['input_tok_s']:8.1f} tok/s  "

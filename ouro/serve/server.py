@@ -10,7 +10,7 @@ import signal
 import sys
 from pathlib import Path
 
-from ..config import split_patterns
+from ..config import speculative_args, split_patterns
 
 
 def engine_kwargs(args) -> dict:
@@ -26,7 +26,7 @@ def engine_kwargs(args) -> dict:
             "kv_cache_dtype": getattr(args, "kv_cache_dtype", "auto"),
             "kv_cache_layer_dtype": getattr(args, "kv_cache_layer_dtype", None),
             "enable_prefix_caching": args.enable_prefix_caching,
-            "prefix_checkpoint_interval": args.prefix_checkpoint_interval}
+            "prefix_checkpoint_interval": args.prefix_checkpoint_interval, **speculative_args(args)}
 
 
 def random_init_note(directory: Path) -> str | None:
