@@ -1,0 +1,197 @@
+"""MTP speculative decoding (`--speculative-algorithm NEXTN`) on the built-in `tiny-py`, whose
+trained MTP layer drafts: greedy outputs equal those without speculation token for token (K = 1,
+2, 3, batched, both KDA state modes, preemption, prefix hits, stops and max_tokens inside accepted
+drafts); the KDA state a verification commits equals the per-step materialised one bit for bit
+and the non-speculative run's to float32 rounding; the rejection sampler's output distribution is
+the target's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ouro.engine.llm import LLM
+from ouro.engine.sampling import SamplingParams
+from ouro.engine.speculative import KDARecord, accept
+
+PROMPTS = ["def add(a, b):\n    return", "import os\nimport sys\n\n\ndef main():\n",
+           "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, x):\n",
+           "for i in range(10):\n    if i % 2 == 0:\n", "    def __repr__(self):\n        return f\"",
+           "with open(path) as f:\n    for line in f:\n"]
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+def tokens(llm, prompts=PROMPTS, params=GREEDY):
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return LLM("tiny-py", max_memory=128 << 20, page_size=16)
+
+
+@pytest.fixture(scope="module")
+def reference(plain):
+    return tokens(plain)
+
+
+@pytest.mark.parametrize("k, state", [(1, "replay"), (2, "replay"), (3, "replay"), (3, "per_step")])
+def test_greedy_outputs_equal_those_without_speculation(reference, k, state):
+    llm = LLM("tiny-py", max_memory=128 << 20, page_size=16,
+              speculative_config={"method": "nextn", "num_speculative_tokens": k, "kda_state": state})
+    assert tokens(llm) == reference
+    stats = llm.engine.stats()
+    assert stats["spec_verify_steps"] > 0
+    assert 1.0 < stats["spec_accept_length"] <= k + 1               # the trained MTP layer does get drafts accepted
+    assert len(stats["spec_accept_rate_per_position"]) == k
+    assert llm.engine.pages.num_free == llm.engine.pages.num_total    # every page back
+
+
+def test_max_tokens_and_stops_inside_accepted_drafts(plain, reference):
+    llm = LLM("tiny-py", max_memory=128 << 20, page_size=16, speculative_config={"num_speculative_tokens": 3})
+    for n in (1, 2, 3, 5):
+        short = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        assert tokens(llm, params=short) == [t[:n] for t in reference]
+    stop = reference[0][6]                        # a token the first prompt reaches mid-run
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop_token_ids=[stop])
+    assert tokens(llm, params=params) == tokens(plain, params=params)
+
+
+def test_preemption_and_prefix_hits_keep_the_tokens(plain, reference):
+    # 3 state slots and 22 pages of 16 (slots get at most half the budget) for 6 prompts of 54-162
+    # tokens: requests are preempted and recomputed mid-speculation
+    from ouro.config import ModelConfig
+    from ouro.layers.context import ModelCache
+    from ouro.models.resolve import resolve_model
+    c = ModelConfig.from_hf(resolve_model("tiny-py")).with_mtp_layer()
+    long = [p * 6 for p in PROMPTS]
+    tight = LLM("tiny-py", max_memory=6 * ModelCache.bytes_per_slot(c), page_size=16, max_num_seqs=4,
+                max_num_batched_tokens=32, speculative_config={"num_speculative_tokens": 2})
+    expected = tokens(plain, long)
+    assert tokens(tight, long) == expected
+    assert tight.engine.stats()["preemptions"] > 0
+    cached = LLM("tiny-py", max_memory=128 << 20, page_size=16, enable_prefix_caching=True,
+                 speculative_config={"num_speculative_tokens": 2})
+    assert tokens(cached, long) == expected
+    assert tokens(cached, long) == expected             # the second pass hits the cached prompt pages
+    assert cached.engine.stats()["prefix_cached_tokens_served"] > 0
+
+
+def test_seeded_sampling_is_reproducible():
+    llm = LLM("tiny-py", max_memory=128 << 20, page_size=16, speculative_config={"num_speculative_tokens": 2})
+    params = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.95, seed=7)
+    first = tokens(llm, params=params)
+    assert tokens(llm, params=params) == first
+
+
+# ---- the KDA state a verification commits ----
+
+def _verify(llm, prompt_ids, drafts, mode):
+    """Run the trunk over a prompt, then one verification of `drafts` after its last token with
+    KDA records of `mode`; returns (cache, slot, record, the verification's inputs)."""
+    from ouro.layers.context import ForwardContext
+    eng = llm.engine
+    cache = eng.runner.cache
+    slot, pages = 0, list(range(8))
+    model = eng.model
+    with torch.inference_mode():
+        ctx = ForwardContext.build(cache, [len(prompt_ids) - 1], [0], [slot], [pages])
+        model(torch.tensor(prompt_ids[:-1]), ctx)
+        start = len(prompt_ids) - 1
+        rec = KDARecord(mode)
+        inputs = [prompt_ids[-1]] + drafts
+        ctx = ForwardContext.build(cache, [len(inputs)], [start], [slot], [pages], logits="all")
+        ctx.replay = {0: rec}
+        model(torch.tensor(inputs), ctx)
+    return cache, slot, rec, start, inputs
+
+
+def _state(cache, slot):
+    return cache.conv[:, slot].clone(), cache.recurrent[:, slot].clone()
+
+
+@pytest.mark.parametrize("m", [1, 2, 3])
+def test_replay_commits_the_per_step_state_bit_for_bit(plain, m):
+    from ouro.layers.context import ForwardContext
+    prompt = plain.engine.tokenizer.encode(PROMPTS[2]).ids
+    drafts = [30, 31, 32]
+    cache, slot, rec, start, inputs = _verify(plain, prompt, drafts, "replay")
+    before = _state(cache, slot)
+    rec.commit(cache, slot, m)
+    replayed = _state(cache, slot)
+    cache.conv[:, slot], cache.recurrent[:, slot] = before            # the same start for the baseline
+    cache2, _, rec2, _, _ = _verify(plain, prompt, drafts, "per_step")
+    assert torch.equal(_state(cache2, slot)[1], before[1])            # verification left the state alone
+    rec2.commit(cache2, slot, m)
+    per_step = _state(cache2, slot)
+    assert torch.equal(replayed[0], per_step[0]) and torch.equal(replayed[1], per_step[1])
+    assert rec.nbytes() < rec2.nbytes()                              # replay keeps inputs, not states
+    # the non-speculative run: the same m tokens as decode steps, one at a time
+    cache2.conv[:, slot], cache2.recurrent[:, slot] = before
+    with torch.inference_mode():
+        for i, tok in enumerate(inputs[:m]):
+            ctx = ForwardContext.build(cache2, [1], [start + i], [slot], [list(range(8))])
+            plain.engine.model(torch.tensor([tok]), ctx)
+    decoded = _state(cache2, slot)
+    # to float32 rounding, not bit for bit: the verification computes its inputs as one chunk (a
+    # 4-row GEMM, the chunk form of the conv and attention) where decode runs single rows
+    assert (replayed[0] - decoded[0]).abs().max() < 1e-5
+    assert (replayed[1] - decoded[1]).abs().max() < 1e-5
+    # committing one position too far (or not rolling the window back) is visible
+    cache2.conv[:, slot], cache2.recurrent[:, slot] = before
+    rec.commit(cache2, slot, m + 1)
+    assert not torch.equal(_state(cache2, slot)[1], replayed[1])
+    assert not torch.equal(_state(cache2, slot)[0], replayed[0])
+
+
+# ---- the rejection sampler ----
+
+def _first_token_counts(p, q, rule, draws=20000, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(p.shape[-1])
+    for _ in range(draws):
+        d = int(torch.multinomial(q[0], 1, generator=g))
+        counts[rule([d], q, p, False, g)[0]] += 1
+    return counts
+
+
+def _chi_square(counts, probs):
+    expected = probs * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def test_rejection_sampling_gives_the_target_distribution():
+    g = torch.Generator().manual_seed(1)
+    V = 6
+    p = torch.softmax(torch.randn(2, V, generator=g) * 1.5, -1)
+    q = torch.softmax(torch.randn(1, V, generator=g) * 1.5, -1)
+    # chi-square with V-1 = 5 degrees of freedom: P(X > 20.5) = 0.001
+    assert _chi_square(_first_token_counts(p, q, accept), p[0]) < 20.5
+
+    def always_accept(drafts, q, p, greedy, generator):          # a biased rule: the draft's distribution
+        return list(drafts) + [int(torch.multinomial(p[len(drafts)], 1, generator=generator))]
+    assert _chi_square(_first_token_counts(p, q, always_accept), p[0]) > 100
+
+
+def test_greedy_acceptance_stops_at_the_first_mismatch():
+    p = torch.eye(5)[[1, 2, 4, 0]]                 # the target's argmax at each position: 1, 2, 4, 0
+    assert accept([1, 2, 3], None, p, True, None) == [1, 2, 4]
+    assert accept([1, 2, 4], None, p, True, None) == [1, 2, 4, 0]
+    assert accept([3], None, p, True, None) == [1]
+
+
+def test_bad_speculative_options_are_refused(tmp_path):
+    from hf_reference import make_hf_checkpoint
+    from ouro.cli import build_parser
+    from ouro.config import EngineConfig, speculative_args
+    with pytest.raises(ValueError, match="speculative_algorithm must be NEXTN"):
+        EngineConfig(speculative_algorithm="eagle")
+    args = build_parser().parse_args(["serve", "--speculative-algorithm", "mtp", "--speculative-num-steps", "2",
+                                      "--speculative-num-draft-tokens", "4"])
+    with pytest.raises(ValueError, match="must be --speculative-num-steps \\+ 1"):
+        speculative_args(args)
+    make_hf_checkpoint("tiny", tmp_path)                       # no MTP layer
+    with pytest.raises(ValueError, match="needs a checkpoint with an MTP layer"):
+        LLM(str(tmp_path), max_memory=32 << 20, page_size=16, speculative_config={"method": "mtp"})
+    with pytest.raises(ValueError, match="does not combine with --compile"):
+        LLM("tiny-py", max_memory=32 << 20, page_size=16, compile=True, speculative_config={"method": "mtp"})
