@@ -38,6 +38,12 @@ class Metrics:
                                 lbl + ["status"], registry=r)
         self.preemptions = g("ouro:num_preemptions", "Preemptions since start (cumulative)")
         self.engine_up = g("ouro:engine_up", "1 while the engine process is alive and ready")
+        # speculative decoding (SGLang's spec_accept_length; ouro adds the rate and its value per draft position)
+        self.spec_accept_length = g("ouro:spec_accept_length", "Mean tokens a speculative verification emits")
+        self.spec_accept_rate = g("ouro:spec_accept_rate", "Fraction of verified draft tokens accepted")
+        self.spec_verify_steps = g("ouro:spec_verify_steps", "Speculative verifications (cumulative)")
+        self.spec_accept_at = Gauge("ouro:spec_accept_rate_per_position", "Acceptance rate of each draft position",
+                                    lbl + ["position"], registry=r)
         # disaggregated serving (set from the workers' heartbeats when a router runs)
         self.pd_rooms = g("ouro:pd_decode_rooms", "Decode-side rooms waiting for their prefilled state")
         self.pd_held = g("ouro:pd_prefill_held_requests", "Prefilled requests whose state is still being sent")
@@ -69,6 +75,12 @@ class Metrics:
                 gauge.set(s.get(key, 0))
             for v in s.get("transfer_latencies", ()):
                 self.pd_latency.observe(v)
+        if "spec_verify_steps" in s:
+            self.spec_accept_length.set(s["spec_accept_length"])
+            self.spec_accept_rate.set(s["spec_accept_rate"])
+            self.spec_verify_steps.set(s["spec_verify_steps"])
+            for i, v in enumerate(s.get("spec_accept_rate_per_position", ())):
+                self.spec_accept_at.labels(self.model_name, str(i + 1)).set(v)
         lookups = s.get("prefix_hits", 0) + s.get("prefix_misses", 0)
         self.prefix_hit_rate.set(s.get("prefix_hits", 0) / lookups if lookups else 0.0)
 

@@ -1,0 +1,43 @@
+"""`ouro serve --speculative-algorithm NEXTN` as a real process: the official client gets the
+plain engine's greedy text, and /metrics reports the acceptance (SGLang's spec_accept_length)."""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+import openai
+import pytest
+
+from serve_helpers import Server
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = Server("tiny-py", "--speculative-algorithm", "NEXTN", "--speculative-num-steps", "2",
+               "--speculative-num-draft-tokens", "3", tmp_path=tmp_path_factory.mktemp("spec_logs"))
+    yield s
+    s.stop()
+
+
+def test_speculative_server_gives_the_plain_engines_text_and_reports_acceptance(server):
+    from ouro import LLM, SamplingParams
+    client = openai.OpenAI(base_url=server.base + "/v1", api_key="none", max_retries=0)
+    prompt = "def fibonacci(n):\n    if n < 2:\n"
+    want = LLM("tiny-py", max_memory=64 << 20, page_size=16).generate(
+        prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0].outputs[0].text
+    got = client.completions.create(model=None, prompt=prompt, max_tokens=20, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert got.choices[0].text == want and got.usage.completion_tokens == 20
+    text = httpx.get(server.base + "/metrics").text
+    length = float(re.search(r'^ouro:spec_accept_length\{[^}]*\} (\S+)', text, re.M).group(1))
+    assert 1.0 < length <= 3.0
+    assert re.search(r'^ouro:spec_accept_rate_per_position\{[^}]*position="2"[^}]*\} \S+', text, re.M)
+
+
+def test_speculation_with_disaggregation_is_refused():
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "ouro.cli", "serve", "--model", "tiny-py", "--disagg", "1P1D",
+                        "--speculative-algorithm", "NEXTN"], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "does not combine with disaggregated serving" in r.stderr
