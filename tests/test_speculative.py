@@ -195,3 +195,17 @@ def test_bad_speculative_options_are_refused(tmp_path):
         LLM(str(tmp_path), max_memory=32 << 20, page_size=16, speculative_config={"method": "mtp"})
     with pytest.raises(ValueError, match="does not combine with --compile"):
         LLM("tiny-py", max_memory=32 << 20, page_size=16, compile=True, speculative_config={"method": "mtp"})
+
+
+def test_a_forced_prefix_is_drafted_and_emitted_exactly(plain):
+    """Inside a forced prefix the drafts are the forced ids; the output is the forced prefix, then
+    the model's own continuation, as without speculation (also when every step's last draft is
+    made wrong on purpose, as the lab's spec=nextn:K does)."""
+    llm = LLM("tiny-py", max_memory=128 << 20, page_size=16, speculative_config={"num_speculative_tokens": 3})
+    forced = [40, 41, 42, 43, 44, 45, 46]
+    params = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True, forced_prefix_ids=forced)
+    want = tokens(plain, PROMPTS[:2], params)
+    assert all(t[:7] == forced for t in want)
+    assert tokens(llm, PROMPTS[:2], params) == want
+    llm.engine.speculator.probe_reject_last = True
+    assert tokens(llm, PROMPTS[:2], params) == want

@@ -17,8 +17,11 @@ in one forward (a chunk of K+1 tokens among the batch's other rows). Then:
 - drafting: the MTP layer runs over the positions the trunk just committed (state at p and token
   p+1 give its cache row at p), and the last one's output is draft 1; K-1 more single steps feed
   the draft layer its own output. A row in prefill fills its draft-layer rows the same way.
-Requests with a forced prefix, and an engine with logits processors, are not speculated (their
-next-token distribution is not the model's alone)."""
+A request inside its forced prefix drafts the forced ids themselves (each accepted exactly when
+it is the forced one: the verification of a forced token is one-hot); an engine with logits
+processors does not speculate (their next-token distribution is not the model's alone).
+`probe_reject_last` (the lab's `spec=nextn:K`) replaces the last forced draft of every step with
+a wrong token, so every verification rejects one position and the rollback is exercised."""
 
 from __future__ import annotations
 
@@ -58,7 +61,6 @@ class KDARecord:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for parts in self.layers.values() for t in parts)
 
-    @span("replay", cat="compute")
     def commit(self, cache, slot: int, m: int) -> None:
         """Write the state after the first `m` verified positions into `slot`."""
         for si, parts in self.layers.items():
@@ -152,6 +154,7 @@ class Speculator:
         self.engine, self.layer, self.k, self.kda_state = engine, mtp_layer, num_steps, kda_state
         self.model = engine.model
         self.stats = SpecStats()
+        self.probe_reject_last = False
 
     # ---- before the forward ----
     def records_for(self, reqs, counts) -> dict:
@@ -163,8 +166,12 @@ class Speculator:
         return out
 
     def eligible(self, r) -> bool:
-        forced = r.params.forced_prefix_ids
-        return not self.engine.logits_processors and not (forced and len(r.output_ids) < len(forced))
+        return not self.engine.logits_processors
+
+    @staticmethod
+    def forced_left(r) -> list[int]:
+        forced = r.params.forced_prefix_ids or []
+        return forced[len(r.output_ids):]
 
     # ---- after the forward ----
     def verify(self, r, logits: torch.Tensor, start: int) -> list[int]:
@@ -172,6 +179,9 @@ class Speculator:
         (the KDA commit waits until the engine knows the request goes on)."""
         drafts = r.draft_ids[: logits.shape[0] - 1]
         p = distribution(logits, [r.params] * logits.shape[0])
+        for i, tok in enumerate(self.forced_left(r)[: p.shape[0]]):      # forced positions emit their id
+            p[i] = 0.0
+            p[i, tok] = 1.0
         emitted = accept(drafts, r.draft_probs, p, r.params.greedy, r.generator)
         self.stats.add(len(drafts), len(emitted))
         self.stats.replay_bytes = r.spec_record.nbytes()
@@ -179,7 +189,8 @@ class Speculator:
 
     def commit(self, r, start: int, n_emitted: int) -> None:
         m = n_emitted                     # the pending token and n_emitted - 1 accepted drafts were inputs
-        r.spec_record.commit(self.engine.runner.cache, r.slot, m)
+        with span("replay", cat="compute"):
+            r.spec_record.commit(self.engine.runner.cache, r.slot, m)
         r.spec_record = None
         r.num_computed = start + m
 
@@ -199,18 +210,22 @@ class Speculator:
         lens = [h.shape[0] for _, _, h in rows]
         ids = [t for r, s, h in rows for t in r.all_ids[s + 1: s + 1 + h.shape[0]]]
         ctx = self._ctx(cache, reqs, lens, [s for _, s, _ in rows])
-        hidden = self.layer.draft_hidden(self.model.embed_tokens(torch.tensor(ids, device=cache.device)),
+        hidden = self.layer.draft_hidden(self._embed(torch.tensor(ids, device=cache.device)),
                                          torch.cat([h for _, _, h in rows]), ctx)
         last = ctx.cu_seqlens[1:] - 1
         live = [i for i, r in enumerate(reqs) if r.num_computed == r.num_tokens - 1 and self.eligible(r)]
         budget = {i: self._budget(reqs[i]) for i in live}
         live = [i for i in live if budget[i] > 0]
+        forced = [i for i in live if self.forced_left(reqs[i])]
+        for i in forced:
+            self._forced_drafts(reqs[i], budget[i])
+        live = [i for i in live if i not in forced]
         h = hidden[last[live]] if live else None
         pos = [reqs[i].num_computed for i in live]        # the draft row of the pending token
         for step in range(self.k):
             if not live:
                 break
-            logits = self.model.lm_head(h).float().cpu()
+            logits = self.model.lm_head.forward(h).float().cpu()     # .forward: the trunk's hooks see trunk calls only
             q = distribution(logits, [reqs[i].params for i in live])
             for j, i in enumerate(live):
                 r = reqs[i]
@@ -223,8 +238,22 @@ class Speculator:
             live, pos, h = [live[j] for j in keep], [pos[j] for j in keep], h[keep]
             ctx = self._ctx(cache, [reqs[i] for i in live], [1] * len(live), pos)
             toks = torch.tensor([reqs[i].draft_ids[-1] for i in live], device=cache.device)
-            h = self.layer.draft_hidden(self.model.embed_tokens(toks), h, ctx)
+            h = self.layer.draft_hidden(self._embed(toks), h, ctx)
             pos = [p + 1 for p in pos]
+
+    def _forced_drafts(self, r, budget: int) -> None:
+        """Drafts of a request inside its forced prefix: the forced ids (one-hot draft distributions)."""
+        vocab = self.model.config.vocab_size
+        drafts = self.forced_left(r)[:budget]             # the outputs after the pending token
+        if drafts and self.probe_reject_last:
+            drafts[-1] = (drafts[-1] + 1) % vocab
+        r.draft_ids = drafts
+        r.draft_probs = torch.zeros(len(drafts), vocab)
+        if drafts:
+            r.draft_probs[torch.arange(len(drafts)), torch.tensor(drafts)] = 1.0
+
+    def _embed(self, ids):
+        return self.model.embed_tokens.forward(ids)      # not through the trunk module's hooks (taps, transfers)
 
     def _budget(self, r) -> int:
         """Drafts this request may carry: K, fewer near max_tokens or the context, or where its

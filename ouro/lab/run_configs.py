@@ -24,6 +24,9 @@ KEYS = {
     "cp": int, "precision": PRECISIONS,
     "quant": ("none", "w8a8", "w8a8_ref", "fp8", "fp8_ref"),   # *_ref: the naive modules (ouro.quant.reference)
     "kv": ("none", "fp8_e4m3", "int8"),      # the DSA latent / indexer-key cache rows (--kv-cache-dtype)
+    # MTP speculation over the decode tokens: drafts are the forced tokens with every step's last
+    # one made wrong, so each verification accepts some and rolls one back (engine.speculative)
+    "spec": ("off", "nextn:K"),
 }
 PAGE_SIZE = 16
 
@@ -42,7 +45,12 @@ class Config:
     precision: str = "fp32"       # the KCP state chain's products when cp > 1
     quant: str = "none"
     kv: str = "none"
+    spec: str = "off"
     text: str = ""
+
+    @property
+    def spec_steps(self) -> int:
+        return 0 if self.spec == "off" else int(self.spec.partition(":")[2])
 
     def __str__(self):   # a valid configuration string (the defaults when none was given)
         return self.text or "impl=ouro"
@@ -59,7 +67,12 @@ def parse_config(text: str) -> Config:
         allowed = KEYS[key]
         if not eq or not value:
             raise ValueError(f"configuration key {key!r} needs a value ({key}=...)")
-        if allowed is int:
+        if key == "spec":
+            k = value.partition(":")[2]
+            if value != "off" and not (value.startswith("nextn:") and k.isdigit() and int(k) >= 1):
+                raise ValueError(f"configuration key 'spec' must be off or nextn:K (K >= 1 draft tokens), got {value!r}")
+            values[key] = value
+        elif allowed is int:
             if not value.isdigit() or int(value) < 1:
                 raise ValueError(f"configuration key {key!r} needs a positive integer, got {value!r}")
             values[key] = int(value)
@@ -71,14 +84,15 @@ def parse_config(text: str) -> Config:
     if "decode" in values and cfg.mode != "decode":
         cfg = replace(cfg, mode="decode")
     if cfg.impl == "transformers":
-        bad = [k for k in ("prefix", "batch", "kda_chunk", "quant", "kv") if k in values and values[k] != getattr(Config(), k)]
+        bad = [k for k in ("prefix", "batch", "kda_chunk", "quant", "kv", "spec") if k in values
+               and values[k] != getattr(Config(), k)]
         if bad:
             raise ValueError(f"configuration key {bad[0]!r} applies to impl=ouro only (transformers runs "
                              "one sequence without ouro's prefix cache or kernels)")
     if "precision" in values and cfg.cp == 1:
         raise ValueError("configuration key 'precision' is the KCP state chain's: it needs cp=N with N >= 2")
     if cfg.cp > 1:
-        bad = [k for k in ("impl", "chunk", "mode", "decode", "prefix", "batch", "quant", "kv") if k in values
+        bad = [k for k in ("impl", "chunk", "mode", "decode", "prefix", "batch", "quant", "kv", "spec") if k in values
                and values[k] != getattr(Config(), k)]
         if bad:
             raise ValueError(f"configuration key {bad[0]!r} does not combine with cp={cfg.cp}: a context-parallel "
@@ -138,13 +152,16 @@ def _run_ouro(model_dir, cfg, prompt, rec, seed, device):
     parts = pieces(cfg, n)
     k = sum(1 for p in parts if p == 1) if cfg.mode == "decode" else 0
     pre = n - k
-    tokens = n + k + 2 * PAGE_SIZE
-    per_token = ModelCache.bytes_per_token(mc, getattr(torch, cfg.dtype))
+    tokens = n + k + 2 * PAGE_SIZE + cfg.spec_steps
+    per_token = ModelCache.bytes_per_token(mc.with_mtp_layer() if cfg.spec_steps else mc, getattr(torch, cfg.dtype))
     budget = 4 * (cfg.batch + 1) * (tokens * per_token + 2 * ModelCache.bytes_per_slot(mc)) + (1 << 20)
+    spec = dict(speculative_algorithm="NEXTN", speculative_num_steps=cfg.spec_steps) if cfg.spec_steps else {}
     ec = EngineConfig(device=device, page_size=PAGE_SIZE, max_num_seqs=cfg.batch + 1, max_memory=budget,
                       max_num_batched_tokens=cfg.chunk or max(4096, (cfg.batch + 1) * n), kda_chunk_size=cfg.kda_chunk,
-                      kv_cache_dtype="auto" if cfg.kv == "none" else cfg.kv)
-    engine = LLMEngine(model, None, ec, enable_prefix_caching=cfg.prefix == "hit", verbose=False)
+                      kv_cache_dtype="auto" if cfg.kv == "none" else cfg.kv, **spec)
+    engine = LLMEngine(model, None, ec, enable_prefix_caching=cfg.prefix == "hit", verbose=False, model_dir=model_dir)
+    if engine.speculator is not None:
+        engine.speculator.probe_reject_last = True
     probed = []
 
     def params(forced):
