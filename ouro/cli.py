@@ -151,6 +151,14 @@ def add_speculative_flags(p) -> None:
     p.add_argument("--speculative-kda-state", default="replay", choices=["replay", "per_step"],
                    help="how a verification keeps the KDA states: replay the accepted prefix from per-position inputs "
                         "(default) or materialise a state per position (the baseline)")
+    p.add_argument("--speculative-canary-min-accept-length", type=float, default=None, metavar="L",
+                   help="online canary: a request whose mean accept length (tokens per verification) is below L after "
+                        "--speculative-canary-after tokens stops speculating")
+    p.add_argument("--speculative-canary-max-accept-rate", type=float, default=None, metavar="R",
+                   help="online canary: a request accepting more than this fraction of its drafts (a verification that "
+                        "accepts everything is broken) stops speculating")
+    p.add_argument("--speculative-canary-after", type=int, default=None, metavar="N",
+                   help="output tokens before the canary judges a request (default 32)")
 
 
 def add_quantization_flag(p) -> None:

@@ -248,8 +248,12 @@ def speculative_args(args) -> dict:
     if n is not None and n != k + 1:
         raise ValueError(f"--speculative-num-draft-tokens {n} must be --speculative-num-steps + 1 = {k + 1} "
                          "(ouro drafts one chain: no tree)")
-    return {"speculative_algorithm": algo, "speculative_num_steps": k,
-            "speculative_kda_state": getattr(args, "speculative_kda_state", "replay")}
+    out = {"speculative_algorithm": algo, "speculative_num_steps": k,
+           "speculative_kda_state": getattr(args, "speculative_kda_state", "replay")}
+    for name in ("speculative_canary_min_accept_length", "speculative_canary_max_accept_rate", "speculative_canary_after"):
+        if getattr(args, name, None) is not None:
+            out[name] = getattr(args, name)
+    return out
 
 
 def split_patterns(text: str | None) -> tuple | None:
@@ -283,6 +287,11 @@ class EngineConfig:
     speculative_algorithm: str | None = None
     speculative_num_steps: int = 3     # draft tokens per step (K)
     speculative_kda_state: str = "replay"   # replay: per-position inputs, the accepted prefix replayed; per_step: a state per position
+    # the online canary: after `after` output tokens a request whose mean accept length is below the
+    # floor, or whose acceptance rate is above the ceiling (a verification accepting everything), stops speculating
+    speculative_canary_min_accept_length: float = 0.0
+    speculative_canary_max_accept_rate: float = 1.0
+    speculative_canary_after: int = 32
 
     DTYPES = ("auto", "float32", "bfloat16", "float16")
     QUANTIZATIONS = ("w8a8", "fp8")
@@ -318,6 +327,13 @@ class EngineConfig:
         if self.speculative_algorithm is not None and str(self.speculative_algorithm).upper() not in self.SPECULATIVE:
             raise ValueError(f"speculative_algorithm must be NEXTN (alias MTP) or None, got {self.speculative_algorithm!r}")
         count("speculative_num_steps")
+        count("speculative_canary_after")
+        if not isinstance(self.speculative_canary_min_accept_length, (int, float)) or self.speculative_canary_min_accept_length < 0:
+            raise ValueError("speculative_canary_min_accept_length must be a number >= 0 (0: off), "
+                             f"got {self.speculative_canary_min_accept_length!r}")
+        if not isinstance(self.speculative_canary_max_accept_rate, (int, float)) or not 0 < self.speculative_canary_max_accept_rate <= 1:
+            raise ValueError("speculative_canary_max_accept_rate must be in (0, 1] (1: off), "
+                             f"got {self.speculative_canary_max_accept_rate!r}")
         if self.speculative_kda_state not in ("replay", "per_step"):
             raise ValueError(f"speculative_kda_state must be replay or per_step, got {self.speculative_kda_state!r}")
         if not _is_int(self.seed):

@@ -209,3 +209,18 @@ def test_a_forced_prefix_is_drafted_and_emitted_exactly(plain):
     assert tokens(llm, PROMPTS[:2], params) == want
     llm.engine.speculator.probe_reject_last = True
     assert tokens(llm, PROMPTS[:2], params) == want
+
+
+def test_the_online_canary_takes_requests_off_speculation(reference):
+    """A floor no request can reach (more tokens per verification than K + 1) and a ceiling every
+    request passes both switch speculation off after the given tokens; outputs stay exact."""
+    for key, value in (("canary_min_accept_length", 9.0), ("canary_max_accept_rate", 0.01)):
+        llm = LLM("tiny-py", max_memory=128 << 20, page_size=16,
+                  speculative_config={"num_speculative_tokens": 2, key: value, "canary_after": 6})
+        assert tokens(llm) == reference
+        stats = llm.engine.stats()
+        assert stats["spec_canary_trips"] == len(PROMPTS)
+        # off after the first verifications: far fewer than one per two output tokens
+        assert stats["spec_verify_steps"] < len(PROMPTS) * 6
+    quiet = LLM("tiny-py", max_memory=128 << 20, page_size=16, speculative_config={"num_speculative_tokens": 2})
+    assert tokens(quiet) == reference and quiet.engine.stats()["spec_canary_trips"] == 0

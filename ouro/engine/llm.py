@@ -55,14 +55,18 @@ def speculative_options(spec: dict | None) -> dict:
         return {}
     if not isinstance(spec, dict):
         raise ValueError(f"speculative_config must be a dict, got {type(spec).__name__}")
-    unknown = set(spec) - {"method", "num_speculative_tokens", "kda_state"}
+    canary = {"canary_min_accept_length", "canary_max_accept_rate", "canary_after"}
+    unknown = set(spec) - {"method", "num_speculative_tokens", "kda_state"} - canary
     if unknown:
-        raise ValueError(f"speculative_config: unknown keys {sorted(unknown)} (method, num_speculative_tokens, kda_state)")
+        raise ValueError(f"speculative_config: unknown keys {sorted(unknown)} (method, num_speculative_tokens, "
+                         f"kda_state, {', '.join(sorted(canary))})")
     out = {"speculative_algorithm": str(spec.get("method", "mtp")).upper()}
     if "num_speculative_tokens" in spec:
         out["speculative_num_steps"] = spec["num_speculative_tokens"]
     if "kda_state" in spec:
         out["speculative_kda_state"] = spec["kda_state"]
+    for key in canary & set(spec):
+        out[f"speculative_{key}"] = spec[key]
     return out
 
 

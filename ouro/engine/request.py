@@ -46,6 +46,8 @@ class Request:
     draft_ids: list[int] = field(default_factory=list)
     draft_probs: torch.Tensor | None = None
     spec_record: object | None = None
+    spec_counts: list = field(default_factory=lambda: [0, 0, 0])   # verifications, tokens emitted, drafts verified
+    spec_off: bool = False               # the online canary stopped this request's speculation
 
     @property
     def all_ids(self) -> list[int]:

@@ -25,6 +25,7 @@ a wrong token, so every verification rejects one position and the rollback is ex
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 
@@ -34,6 +35,8 @@ from ..layers.context import ForwardContext
 from ..measure.spans import span
 from ..ops.kda import kda_recurrent_step
 from .sampling import SamplingParams, _keep_mask
+
+log = logging.getLogger("ouro.speculative")
 
 
 class KDARecord:
@@ -127,6 +130,7 @@ class SpecStats:
     accepted_at: list = field(default_factory=list)   # per draft position: accepted count
     proposed_at: list = field(default_factory=list)
     replay_bytes: int = 0            # KDA records held during verification (the last step's, per request)
+    canary_trips: int = 0            # requests the online canary took off speculation
 
     def add(self, n_drafts: int, n_emitted: int) -> None:
         self.steps += 1
@@ -144,7 +148,7 @@ class SpecStats:
                 "spec_accept_length": self.emitted / self.steps if self.steps else 0.0,
                 "spec_accept_rate": (self.emitted - self.steps) / self.proposed if self.proposed else 0.0,
                 "spec_accept_rate_per_position": [a / p if p else 0.0 for a, p in zip(self.accepted_at, self.proposed_at)],
-                "spec_replay_bytes_per_request": self.replay_bytes}
+                "spec_replay_bytes_per_request": self.replay_bytes, "spec_canary_trips": self.canary_trips}
 
 
 class Speculator:
@@ -166,7 +170,7 @@ class Speculator:
         return out
 
     def eligible(self, r) -> bool:
-        return not self.engine.logits_processors
+        return not self.engine.logits_processors and not r.spec_off
 
     @staticmethod
     def forced_left(r) -> list[int]:
@@ -185,7 +189,27 @@ class Speculator:
         emitted = accept(drafts, r.draft_probs, p, r.params.greedy, r.generator)
         self.stats.add(len(drafts), len(emitted))
         self.stats.replay_bytes = r.spec_record.nbytes()
+        c = r.spec_counts
+        c[0], c[1], c[2] = c[0] + 1, c[1] + len(emitted), c[2] + len(drafts)
+        self._canary(r)
         return emitted
+
+    def _canary(self, r) -> None:
+        """Stop speculating for a request whose acceptance is too low to pay (or too high to be
+        true) once it has produced `after` tokens. Its tokens so far were all verified by the
+        target, so it goes on from where it is rather than being retried."""
+        cfg = self.engine.config
+        steps, emitted, proposed = r.spec_counts
+        if r.spec_off or emitted < cfg.speculative_canary_after or not proposed:
+            return
+        length, rate = emitted / steps, (emitted - steps) / proposed
+        why = ("accept length" if length < cfg.speculative_canary_min_accept_length else
+               "accept rate" if rate > cfg.speculative_canary_max_accept_rate else None)
+        if why:
+            r.spec_off = True
+            self.stats.canary_trips += 1
+            log.warning("speculation off for %s: %s out of bounds after %d tokens (length %.2f, rate %.3f)",
+                        r.request_id, why, emitted, length, rate)
 
     def commit(self, r, start: int, n_emitted: int) -> None:
         m = n_emitted                     # the pending token and n_emitted - 1 accepted drafts were inputs
