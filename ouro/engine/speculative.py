@@ -129,7 +129,7 @@ class SpecStats:
     proposed: int = 0                # drafts verified
     accepted_at: list = field(default_factory=list)   # per draft position: accepted count
     proposed_at: list = field(default_factory=list)
-    replay_bytes: int = 0            # KDA records held during verification (the last step's, per request)
+    replay_bytes: int = 0            # the largest KDA record one request held during a verification
     canary_trips: int = 0            # requests the online canary took off speculation
 
     def add(self, n_drafts: int, n_emitted: int) -> None:
@@ -188,7 +188,7 @@ class Speculator:
             p[i, tok] = 1.0
         emitted = accept(drafts, r.draft_probs, p, r.params.greedy, r.generator)
         self.stats.add(len(drafts), len(emitted))
-        self.stats.replay_bytes = r.spec_record.nbytes()
+        self.stats.replay_bytes = max(self.stats.replay_bytes, r.spec_record.nbytes())
         c = r.spec_counts
         c[0], c[1], c[2] = c[0] + 1, c[1] + len(emitted), c[2] + len(drafts)
         self._canary(r)
