@@ -22,21 +22,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ouro.engine.llm import LLM  # noqa: E402
 from ouro.engine.sampling import SamplingParams  # noqa: E402
-from ouro.eval.corpus import load_split  # noqa: E402
+from ouro.eval.corpus import held_out_prefixes  # noqa: E402
 from ouro.measure import spans  # noqa: E402
 
 PROMPT_LEN, OUTPUT_LEN = 96, 48
 
 
 def held_out_prompts(tokenizer, n: int) -> list[dict]:
-    out = []
-    for doc in load_split("held_out"):
-        ids = tokenizer.encode(doc.text).ids
-        if len(ids) >= PROMPT_LEN:
-            out.append({"prompt_token_ids": ids[:PROMPT_LEN]})
-        if len(out) == n:
-            return out
-    raise RuntimeError("not enough held-out files")
+    return [{"prompt_token_ids": ids} for ids in held_out_prefixes(tokenizer, n, PROMPT_LEN)]
 
 
 def run(llm, prompts):
@@ -101,6 +94,17 @@ def main():
         st = engines[name].engine.stats()
         print(f"| {name} | {total.get('forward', 0):.3f} | {total.get('draft', 0):.3f} | {total.get('replay', 0):.3f} | "
               f"{st['spec_replay_bytes_per_request']:,} |")
+    # the flash projection: a verification of K+1 tokens at small batch reads the weights once (~ one
+    # decode step, memory-bound), and one draft step runs 1 of flash's 46 layers (45 + MTP)
+    from ouro.models.presets import PRESETS
+    flash_layers = PRESETS["flash"].num_hidden_layers + 1
+    print(f"\nProjected for the flash shape at the same acceptance (batch 1): speed-up = accept length / "
+          f"(1 + K / {flash_layers})")
+    print("| K | accept length (tiny-py, held-out, batch 4 run) | projected flash speed-up |")
+    print("|---|---|---|")
+    for k in ks:
+        length = engines[f"K={k}"].engine.stats()["spec_accept_length"]
+        print(f"| {k} | {length:.2f} | {length / (1 + k / flash_layers):.2f}x |")
 
 
 if __name__ == "__main__":

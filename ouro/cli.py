@@ -123,9 +123,6 @@ def add_eval_parser(sub) -> None:
 def _cmd_serve(args) -> int:
     from .disagg.command import run_role, serve_disagg
     from .serve.server import serve
-    if (args.role or args.disagg) and getattr(args, "speculative_algorithm", None):
-        raise ValueError("speculative decoding does not combine with disaggregated serving (--disagg / --role) yet: "
-                         "the prefill worker's transfer does not carry the MTP layer's cache rows")
     if args.role:
         return run_role(args)
     if args.disagg:

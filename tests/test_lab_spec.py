@@ -36,3 +36,15 @@ def test_planted_speculation_faults_are_found_where_they_are(name):
     top = findings[0]
     assert top.severity == "error", top.summary
     assert localises(top, fault.localised, set()), top.where
+
+
+def test_thrown_away_draft_work_is_a_redundancy_finding():
+    from ouro.lab.spec_waste import spec_waste_finding
+    f = spec_waste_finding("tiny-py", k=4, n_prompts=2, prompt_len=48, output_len=16)
+    assert f.where["function"] == "Speculator.draft" and f.where["file"] == "ouro/engine/speculative.py"
+    rates = f.evidence["accept_rate_per_position"]
+    assert len(rates) == 4 and all(0 <= a <= 1 for a in rates)
+    assert 0 < f.measured["reject_share"] < 1 and f.measured["wasted_us"] > 0
+    assert f.evidence["drafts_rejected"] == round(f.measured["reject_share"] * f.evidence["drafts_verified"])
+    weak = [i + 1 for i, a in enumerate(rates) if a < 0.5]
+    assert ("--speculative-num-steps" in f.next) == bool(weak)

@@ -35,9 +35,18 @@ def test_speculative_server_gives_the_plain_engines_text_and_reports_acceptance(
     assert re.search(r'^ouro:spec_accept_rate_per_position\{[^}]*position="2"[^}]*\} \S+', text, re.M)
 
 
-def test_speculation_with_disaggregation_is_refused():
-    import subprocess
-    import sys
-    r = subprocess.run([sys.executable, "-m", "ouro.cli", "serve", "--model", "tiny-py", "--disagg", "1P1D",
-                        "--speculative-algorithm", "NEXTN"], capture_output=True, text=True, timeout=120)
-    assert r.returncode != 0 and "does not combine with disaggregated serving" in r.stderr
+def test_disaggregated_workers_get_the_same_speculation():
+    """`ouro serve --disagg 1P1D --speculative-algorithm NEXTN`: both roles lay their caches out with the
+    draft layer and run the same speculation (the transfer itself: tests/test_speculative.py)."""
+    from ouro.cli import build_parser
+    from ouro.disagg.command import worker_argv
+    args = build_parser().parse_args(["serve", "--model", "tiny-py", "--disagg", "1P1D", "--speculative-algorithm", "mtp",
+                                      "--speculative-num-steps", "2", "--speculative-canary-min-accept-length", "1.2"])
+    for role in ("prefill", "decode"):
+        argv = worker_argv(args, role, 30000)
+        assert argv[argv.index("--speculative-algorithm") + 1] == "MTP"
+        assert argv[argv.index("--speculative-num-steps") + 1] == "2"
+        assert argv[argv.index("--speculative-canary-min-accept-length") + 1] == "1.2"
+        assert build_parser().parse_args(argv[3:]).speculative_num_steps == 2      # the worker parses it back
+    plain = build_parser().parse_args(["serve", "--model", "tiny-py", "--disagg", "1P1D"])
+    assert "--speculative-algorithm" not in worker_argv(plain, "prefill", 30000)

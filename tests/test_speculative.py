@@ -224,3 +224,43 @@ def test_the_online_canary_takes_requests_off_speculation(reference):
         assert stats["spec_verify_steps"] < len(PROMPTS) * 6
     quiet = LLM("tiny-py", max_memory=128 << 20, page_size=16, speculative_config={"num_speculative_tokens": 2})
     assert tokens(quiet) == reference and quiet.engine.stats()["spec_canary_trips"] == 0
+
+
+@pytest.mark.parametrize("backend", ["tcp", "shm"])
+def test_a_prefill_decode_pair_speculates_and_keeps_the_tokens(backend):
+    """Both workers speculate: the prefill worker sends the draft layer's rows of the prompt as one
+    more layer, the decode worker drafts from them; greedy tokens equal one plain engine's."""
+    import time
+
+    from ouro.config import EngineConfig
+    from ouro.disagg.decode_engine import DecodeEngine
+    from ouro.disagg.prefill_engine import PrefillEngine
+    from ouro.engine.llm_engine import LLMEngine
+    from ouro.models.loader import load_model
+    from ouro.models.resolve import resolve_model
+    d = resolve_model("tiny-py")
+    kw = dict(max_memory=64 << 20, page_size=16, dtype="float32", max_num_batched_tokens=64,
+              speculative_algorithm="NEXTN", speculative_num_steps=2)
+    prefill = PrefillEngine(LLMEngine(load_model(d), None, EngineConfig(**kw), verbose=False, model_dir=d))
+    decode = DecodeEngine(LLMEngine(load_model(d), None, EngineConfig(**kw), verbose=False, model_dir=d), backend)
+    plain = LLM("tiny-py", max_memory=64 << 20, page_size=16)
+    tok = plain.engine.tokenizer
+    prompts = [tok.encode(p * 3).ids for p in PROMPTS[:4]]             # 27-81 tokens: several chunks
+    want = [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)]
+    try:
+        for i, ids in enumerate(prompts):
+            room = decode.reserve(f"r{i}", ids, GREEDY)
+            prefill.add(f"r{i}", ids, GREEDY, room)
+        got, t = {}, time.monotonic()
+        while (prefill.has_work() or decode.has_work()) and time.monotonic() - t < 120:
+            prefill.step()
+            for o in decode.step():
+                got.setdefault(o.request_id, []).extend(o.new_token_ids)
+            time.sleep(0.001)
+        assert [got[f"r{i}"] for i in range(len(prompts))] == want
+        stats = decode.engine.stats()
+        assert stats["spec_verify_steps"] > 0 and stats["spec_accept_length"] > 1.3   # the sent rows draft well
+        assert decode.transfers == {"completed": len(prompts), "failed": 0}
+    finally:
+        prefill.close()
+        decode.close()

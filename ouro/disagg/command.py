@@ -106,6 +106,14 @@ def worker_argv(args, role: str, port: int) -> list[str]:
         argv += ["--kv-cache-layer-dtype", args.kv_cache_layer_dtype]
     if args.max_model_len:
         argv += ["--max-model-len", str(args.max_model_len)]
+    if getattr(args, "speculative_algorithm", None):   # both sides: the cache holds the draft layer's rows
+        argv += ["--speculative-algorithm", args.speculative_algorithm,
+                 "--speculative-num-steps", str(args.speculative_num_steps),
+                 "--speculative-kda-state", args.speculative_kda_state]
+        for flag in ("min_accept_length", "max_accept_rate", "after"):
+            value = getattr(args, f"speculative_canary_{flag}", None)
+            if value is not None:
+                argv += [f"--speculative-canary-{flag.replace('_', '-')}", str(value)]
     return argv
 
 

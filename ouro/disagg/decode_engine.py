@@ -46,7 +46,7 @@ class DecodeEngine:
             self.target = MooncakeTarget(engine.runner.cache, address.rsplit(":", 1)[0])   # kept: its engine listens
             self.spec = self.target.spec
         self.events = WakeQueue()          # the receiver threads' events; its fd wakes the worker's poll
-        self.kv = KVReceiver(engine.runner.cache, engine.model.config, lambda *e: self.events.put(e), address,
+        self.kv = KVReceiver(engine.runner.cache, engine.runner.cache.config, lambda *e: self.events.put(e), address,
                              backend, self.spec)
         self.reserved: dict[str, Request] = {}
         self.client_aborted: set[str] = set()

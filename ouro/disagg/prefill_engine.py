@@ -43,7 +43,7 @@ class PrefillEngine:
         self.rooms: dict[str, dict] = {}       # rid -> its decode room, while this side has it
         self.released = WakeQueue()        # the transfer thread's endings; its fd wakes the worker's poll
         self.outcomes: dict[str, str] = {}      # rid -> how its transfer ended (for the caller)
-        self.kv = KVSender(engine.runner.cache, engine.model.config, self._on_released, timeout_s)
+        self.kv = KVSender(engine.runner.cache, engine.runner.cache.config, self._on_released, timeout_s)
         self._rows: list = []
         self._opened: set[str] = set()         # requests whose transfer the thread has begun
         model = engine.model
@@ -70,7 +70,15 @@ class PrefillEngine:
         """Return the held pages of finished transfers, then one engine step. Requests whose
         prefill finished are handed to the transfer thread's `done`."""
         self.drain_released()
+        self._rows = []
         outs = self.engine.step() if self.engine.has_unfinished() else []
+        if self.engine.speculator is not None:
+            # the step also filled the MTP draft layer's rows of the positions it computed (the
+            # decode side drafts from them): they travel as one more layer
+            mtp = self.engine.model.config.num_hidden_layers
+            for rid, t0, t1, final, pages in self._rows:
+                job = (rid, mtp, t0, t1, final, pages)
+                self.kv.layer_ready(*job) if self.overlap else self._deferred.setdefault(rid, []).append(job)
         for o in outs:
             if o.finished and o.request_id in self.rooms:
                 req = self.engine.scheduler.held.get(o.request_id)

@@ -281,7 +281,8 @@ class LLMEngine:
                     r.spec_record = None
                     continue
                 self.speculator.commit(r, start, len(emitted))
-            if r.is_finished or r.request_id not in self.requests:
+            # a finished request's draft-layer rows are still wanted when its state is being sent on
+            if not r.hold_on_finish and (r.is_finished or r.request_id not in self.requests):
                 continue
             rows.append((r, start, hidden[int(cu[b]): int(cu[b]) + r.num_computed - start]))
         self.speculator.draft(rows)

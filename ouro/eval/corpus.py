@@ -77,3 +77,16 @@ def load_split(split: str, root: str | Path | None = None, max_bytes: int | None
     if not docs:
         raise ValueError(f"corpus {root} has no {split} files (held-out share {percent}%)")
     return docs
+
+
+def held_out_prefixes(tokenizer, n: int, length: int) -> list[list[int]]:
+    """The first `length` tokens of the first `n` held-out files that have that many (prompts of
+    real code for speed measurements)."""
+    out = []
+    for doc in load_split("held_out"):
+        ids = tokenizer.encode(doc.text).ids
+        if len(ids) >= length:
+            out.append(ids[:length])
+            if len(out) == n:
+                return out
+    raise ValueError(f"the held-out split has fewer than {n} files of {length} tokens")

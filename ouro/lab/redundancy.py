@@ -131,11 +131,20 @@ def add_arguments(p) -> None:
     p.add_argument("--measure", action="store_true",
                    help="time ops with this machine's measured roofline (default: a fixed cost model, so "
                         "findings do not depend on the machine)")
+    p.add_argument("--spec", default=None, metavar="nextn:K",
+                   help="also run held-out prompts with MTP speculation (K drafts) and report the draft work thrown "
+                        "away (a checkpoint with an MTP layer, e.g. tiny-py)")
     p.add_argument("--graph", action="store_true",
                    help="also trace the compiled decode step (--compile's graph, aot_eager) at two batch sizes "
                         "and report whether it is one graph with no break")
 
 
 def run(args) -> list[Finding]:
-    return probe_redundancy(args.model, args.prompt_len, args.context, args.batch, args.dtype,
-                            measure=args.measure, graph=args.graph)
+    findings = probe_redundancy(args.model, args.prompt_len, args.context, args.batch, args.dtype,
+                                measure=args.measure, graph=args.graph)
+    if args.spec:
+        from .run_configs import parse_config
+        from .spec_waste import spec_waste_finding
+        f = spec_waste_finding(args.model, parse_config(f"spec={args.spec}").spec_steps)
+        findings.insert(0 if f.severity != "info" else len(findings), f)
+    return findings

@@ -34,6 +34,7 @@ class ModelCache:
         if page_size % config.index_kpool:
             raise ValueError(f"page_size {page_size} must be a multiple of index_kpool {config.index_kpool}")
         c = config
+        self.config = config        # the layout's config (the model's, or with the MTP draft layer)
         self.page_size = page_size
         self.n_slots, self.n_pages = n_slots, n_pages
         kw = dict(device=device)
@@ -278,6 +279,8 @@ class GraphContext:
     slot_range = None
     any_fresh = True
     logits_index = None
+    replay = None            # a compiled decode step carries no speculative rows
+    keep_hidden = False
 
     def __init__(self, cache: ModelCache, positions, slot_mapping, state_slots, fresh, page_table, scratch_page: int):
         self.cache, self.positions, self.slot_mapping = cache, positions, slot_mapping
