@@ -105,6 +105,7 @@ def spin_wait(q):
     return q.get_nowait()
 
 
+@pytest.mark.slow     # 46 s on 2 cores (the spinning thread slows everything); the fault suite runs it too
 def test_planted_gil_hog_is_named(monkeypatch):
     from ouro.lab import scenarios
     scenarios._engine(str(resolve_model("tiny")))          # load before the hog starts

@@ -264,3 +264,23 @@ def test_a_prefill_decode_pair_speculates_and_keeps_the_tokens(backend):
     finally:
         prefill.close()
         decode.close()
+
+
+def test_n_samples_and_an_abort_mid_speculation(reference):
+    """n > 1 fans out into requests that each speculate (seeded: reproducible); an abort between
+    steps of a request carrying drafts returns its pages and leaves the others' tokens alone."""
+    llm = LLM("tiny-py", max_memory=128 << 20, page_size=16, speculative_config={"num_speculative_tokens": 2})
+    params = SamplingParams(n=3, max_tokens=12, temperature=0.9, seed=3, ignore_eos=True)
+    first = [[c.token_ids for c in o.outputs] for o in llm.generate(PROMPTS[:2], params)]
+    assert [[c.token_ids for c in o.outputs] for o in llm.generate(PROMPTS[:2], params)] == first
+    assert all(len(set(map(tuple, outs))) > 1 for outs in first)       # the children differ
+    eng = llm.engine
+    ids = [eng.add_request(p, GREEDY) for p in PROMPTS[:3]]
+    while not eng.requests[ids[1]].draft_ids:                         # until the victim carries drafts
+        eng.step()
+    assert eng.abort(ids[1])
+    done = {}
+    while eng.has_unfinished():
+        done.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
+    assert set(done) == {ids[0], ids[2]} and [done[ids[0]], done[ids[2]]] == [reference[0], reference[2]]
+    assert eng.pages.num_free == eng.pages.num_total and eng.slots.num_free == eng.slots.num_total
