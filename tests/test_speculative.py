@@ -284,3 +284,16 @@ def test_n_samples_and_an_abort_mid_speculation(reference):
         done.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
     assert set(done) == {ids[0], ids[2]} and [done[ids[0]], done[ids[2]]] == [reference[0], reference[2]]
     assert eng.pages.num_free == eng.pages.num_total and eng.slots.num_free == eng.slots.num_total
+
+
+@pytest.mark.slow       # compiles tiny-py's decode step (aot_eager), ~30 s
+def test_compiled_decode_steps_with_speculation(reference, monkeypatch):
+    """--compile with speculation: draft-carrying rows run eagerly (K+1 tokens), steps of plain
+    decode rows run the compiled graph, which also returns the hidden states drafting reads; the
+    canary takes every request off speculation after 6 tokens, so the graph does run."""
+    from ouro.engine import decode_graph
+    monkeypatch.setattr(decode_graph, "BACKEND", "aot_eager")
+    llm = LLM("tiny-py", max_memory=128 << 20, page_size=16, compile=True, max_num_seqs=8,
+              speculative_config={"num_speculative_tokens": 2, "canary_min_accept_length": 9.0, "canary_after": 6})
+    assert tokens(llm) == reference
+    assert llm.engine.runner.graph.runs > 0 and llm.engine.stats()["spec_verify_steps"] > 0

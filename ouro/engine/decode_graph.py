@@ -58,8 +58,9 @@ def _next_pow2(n: int) -> int:
 
 class DecodeGraph:
     def __init__(self, model, cache: ModelCache, scratch_slot: int, scratch_page: int, max_bs: int,
-                 backend=None, mode: str | None = None):
-        self.model, self.cache = model, cache
+                 backend=None, mode: str | None = None, keep_hidden: bool = False):
+        """keep_hidden: the step also returns every row's final hidden state (speculative drafting)."""
+        self.model, self.cache, self.keep_hidden = model, cache, keep_hidden
         self.scratch_slot, self.scratch_page = scratch_slot, scratch_page
         self.buckets = buckets(max_bs)
         self.max_bs = self.buckets[-1]
@@ -90,6 +91,10 @@ class DecodeGraph:
 
     def _forward(self, ids, positions, slot_mapping, state_slots, fresh, page_table):
         ctx = GraphContext(self.cache, positions, slot_mapping, state_slots, fresh, page_table, self.scratch_page)
+        if self.keep_hidden:
+            ctx.keep_hidden = True
+            logits = self.model(ids, ctx)
+            return logits, ctx.hidden
         return self.model(ids, ctx)
 
     def accepts(self, counts, prompt_logprobs: bool) -> bool:
@@ -113,9 +118,12 @@ class DecodeGraph:
 
     def run(self, ids, start_pos, slots, pages) -> torch.Tensor:
         """Logits [B, V] of a decode batch: token ids, their positions (tokens already cached),
-        state slots and page lists, one per sequence."""
+        state slots and page lists, one per sequence (with keep_hidden: and the hidden states [B, D])."""
         self.runs += 1
-        return self._step(*self.inputs(ids, start_pos, slots, pages))[:len(ids)]
+        out = self._step(*self.inputs(ids, start_pos, slots, pages))
+        if self.keep_hidden:
+            return out[0][:len(ids)], out[1][:len(ids)]
+        return out[:len(ids)]
 
     def warm_up(self, progress: bool = True) -> dict:
         """Compile for every bucket now (all-padding batches: they touch only scratch state)."""

@@ -74,7 +74,8 @@ class LLMEngine:
             self.quantized = quantize_model(model, config.quantization, config.quantization_ignore)
         self.runner = ModelRunner(model, self.plan, config.device,
                                   min(config.torch_compile_max_bs, config.max_num_seqs) if config.compile else 0,
-                                  cp=self.cp, kv_kinds=self.kv_kinds, cache_config=cache_config)
+                                  cp=self.cp, kv_kinds=self.kv_kinds, cache_config=cache_config,
+                                  keep_hidden=bool(config.speculative_algorithm))
         self.speculator = None
         if config.speculative_algorithm:
             from .speculative import Speculator
@@ -118,9 +119,8 @@ class LLMEngine:
         config.check_device()
         if isinstance(checkpoint_interval, bool) or not isinstance(checkpoint_interval, int) or checkpoint_interval < 1:
             raise ValueError(f"prefix checkpoint_interval must be an integer >= 1 (pages), got {checkpoint_interval!r}")
-        if config.speculative_algorithm and (config.compile or config.context_parallel_size > 1):
-            raise ValueError("speculative decoding does not combine with --compile or context parallelism yet; "
-                             "drop one of them")
+        if config.speculative_algorithm and config.context_parallel_size > 1:
+            raise ValueError("speculative decoding does not combine with context parallelism yet; drop one of them")
         if config.speculative_algorithm and not mc.has_mtp:
             raise ValueError("speculative decoding with NEXTN needs a checkpoint with an MTP layer "
                              "(num_nextn_predict_layers >= 1); this one has none")

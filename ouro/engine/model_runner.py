@@ -42,7 +42,7 @@ class CheckpointStore:
 
 class ModelRunner:
     def __init__(self, model, plan: MemoryPlan, device="cpu", compile_max_bs: int = 0, cp=None, kv_kinds=None,
-                 cache_config=None):
+                 cache_config=None, keep_hidden: bool = False):
         """compile_max_bs > 0: decode batches up to that size run as a compiled graph
         (`ouro.engine.decode_graph`); it takes one more state slot and page, for padding rows.
         cache_config: the config the cache is laid out for (the model's, or with the MTP draft layer)."""
@@ -61,7 +61,7 @@ class ModelRunner:
         self.graph = None
         if compile_max_bs:
             from .decode_graph import DecodeGraph
-            self.graph = DecodeGraph(model, self.cache, plan.n_slots, plan.n_pages, compile_max_bs)
+            self.graph = DecodeGraph(model, self.cache, plan.n_slots, plan.n_pages, compile_max_bs, keep_hidden=keep_hidden)
 
     @span("execute", cat="compute")
     @torch.inference_mode()  # no autograd bookkeeping at all: cheaper per op than no_grad
@@ -91,6 +91,9 @@ class ModelRunner:
             with span("forward", cat="compute"):
                 logits = self.graph.run(ids, [r.num_computed for r in reqs], [r.slot for r in reqs],
                                         [r.pages for r in reqs])
+            if self.graph.keep_hidden:       # drafting reads every row's final hidden state
+                logits, hidden = logits
+                self.step_extra = ({}, hidden, torch.arange(len(reqs) + 1))
             for r in reqs:
                 r.num_computed += 1
             return logits.float().cpu()
