@@ -33,6 +33,9 @@ def test_speculative_server_gives_the_plain_engines_text_and_reports_acceptance(
     length = float(re.search(r'^ouro:spec_accept_length\{[^}]*\} (\S+)', text, re.M).group(1))
     assert 1.0 < length <= 3.0
     assert re.search(r'^ouro:spec_accept_rate_per_position\{[^}]*position="2"[^}]*\} \S+', text, re.M)
+    from ouro.bench.serve import speculative_metrics
+    spec = speculative_metrics(server.base)                 # what `ouro bench serve` prints
+    assert spec["accept_length"] == length and len(spec["accept_rate_per_position"]) == 2
 
 
 def test_disaggregated_workers_get_the_same_speculation():

@@ -152,6 +152,25 @@ def _run_offline(model_dir, prompts, output_len, max_num_seqs, device, dtype, ma
             "prefill_tokens": len(prompts[0]), "prefill_ms": 1e3 * prefill}
 
 
+def speculative_metrics(base_url: str, api_key: str | None = None) -> dict | None:
+    """The server's speculation figures from /metrics (None when it does not speculate):
+    accept length and the acceptance of each draft position, as SGLang's bench prints them."""
+    import re
+
+    import httpx
+    try:
+        text = httpx.get(base_url.rstrip("/") + "/metrics", timeout=10,
+                         headers={"Authorization": f"Bearer {api_key}"} if api_key else None).text
+    except httpx.HTTPError:
+        return None
+    length = re.search(r"^ouro:spec_accept_length\{[^}]*\} (\S+)", text, re.M)
+    if length is None:
+        return None
+    at = sorted((int(m.group(1)), float(m.group(2))) for m in re.finditer(
+        r'^ouro:spec_accept_rate_per_position\{[^}]*position="(\d+)"[^}]*\} (\S+)', text, re.M))
+    return {"accept_length": float(length.group(1)), "accept_rate_per_position": [v for _, v in at]}
+
+
 def _drain(engine) -> None:
     while engine.has_unfinished():
         engine.step()
@@ -177,6 +196,9 @@ def bench_serve(args) -> dict:
          "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
          "max_concurrency": args.max_concurrency, "seed": args.seed, "vocab_range": list(rng),
          "vocab_range_from": rng_from, "metrics": calculate_metrics(recs, duration), "requests": recs}
+    spec = speculative_metrics(args.base_url, args.api_key)
+    if spec is not None and spec["accept_length"] > 0:
+        r["speculative"] = spec
     errors = sorted({x["error"] for x in recs if x["error"]})
     if errors:
         r["errors"] = errors[:10]
@@ -208,6 +230,11 @@ def format_serve(r: dict) -> str:
              _row("Input token throughput (tok/s):", m["input_throughput"]),
              _row("Output token throughput (tok/s):", m["output_throughput"]),
              _row("Total token throughput (tok/s):", m["total_token_throughput"])]
+    if r.get("speculative"):
+        sp = r["speculative"]
+        lines.append(_row("Accept length:", sp["accept_length"]))
+        lines.append(_row("Acceptance per draft position:", ", ".join(
+            f"{100 * a:.0f}%" for a in sp["accept_rate_per_position"]), None))
     for key, title, short in LATENCIES:
         s = m[f"{key}_ms"]
         lines.append("{s:{c}^{n}}".format(s=title, n=50, c="-"))
