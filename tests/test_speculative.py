@@ -193,8 +193,15 @@ def test_bad_speculative_options_are_refused(tmp_path):
     make_hf_checkpoint("tiny", tmp_path)                       # no MTP layer
     with pytest.raises(ValueError, match="needs a checkpoint with an MTP layer"):
         LLM(str(tmp_path), max_memory=32 << 20, page_size=16, speculative_config={"method": "mtp"})
-    with pytest.raises(ValueError, match="does not combine with --compile"):
-        LLM("tiny-py", max_memory=32 << 20, page_size=16, compile=True, speculative_config={"method": "mtp"})
+    with pytest.raises(ValueError, match="does not combine with context parallelism"):
+        EngineConfig(speculative_algorithm="MTP", context_parallel_size=2)
+        from ouro.engine.llm_engine import LLMEngine
+        from ouro.config import ModelConfig
+        from ouro.models.resolve import resolve_model
+        LLMEngine.check_options(EngineConfig(speculative_algorithm="MTP", context_parallel_size=2),
+                                ModelConfig.from_hf(resolve_model("tiny-py")), False, 1)
+    with pytest.raises(ValueError, match="unknown keys"):
+        LLM("tiny-py", max_memory=32 << 20, page_size=16, speculative_config={"method": "mtp", "topk": 4})
 
 
 def test_a_forced_prefix_is_drafted_and_emitted_exactly(plain):

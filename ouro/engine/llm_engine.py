@@ -264,7 +264,7 @@ class LLMEngine:
         every request still running from the hidden states this step computed."""
         spec_logits, hidden, cu = self.runner.step_extra
         self.runner.step_extra = None
-        outputs, rows = [], []
+        outputs, commits = [], []
         for b, (r, start) in enumerate(zip(batch.requests, starts)):
             if b in spec_logits:
                 emitted = self.speculator.verify(r, spec_logits[b], start)
@@ -279,8 +279,11 @@ class LLMEngine:
                 outputs.append(self._output(r, new_ids, new_text))
                 if r.is_finished:
                     r.spec_record = None
-                    continue
-                self.speculator.commit(r, start, len(emitted))
+                else:
+                    commits.append((r, start, len(emitted)))
+        self.speculator.commit(commits)
+        rows = []
+        for b, (r, start) in enumerate(zip(batch.requests, starts)):
             # a finished request's draft-layer rows are still wanted when its state is being sent on
             if not r.hold_on_finish and (r.is_finished or r.request_id not in self.requests):
                 continue

@@ -66,19 +66,36 @@ class KDARecord:
 
     def commit(self, cache, slot: int, m: int) -> None:
         """Write the state after the first `m` verified positions into `slot`."""
-        for si, parts in self.layers.items():
-            if self.mode == "per_step":
-                states, windows = parts
+        commit_many(cache, [(self, slot, m)])
+
+
+def commit_many(cache, commits) -> None:
+    """commits: (KDARecord, slot, m) of several requests. Replay records step their recurrences
+    together, one batched step per position: a row whose accepted prefix has ended steps with gate
+    0 and beta 0, which leaves its state exactly as it is."""
+    replay = [(rec, slot, m) for rec, slot, m in commits if rec.mode == "replay"]
+    for rec, slot, m in commits:
+        if rec.mode == "per_step":
+            for si, (states, windows) in rec.layers.items():
                 cache.recurrent[si][slot] = states[m - 1]
                 cache.conv[si][slot] = windows[m - 1]
-                continue
-            pre_conv, k, v, g, beta = parts
-            state = cache.recurrent[si][slot:slot + 1]
-            for t in range(m):   # the decode step's own recurrence, one position at a time
-                kda_recurrent_step(k[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], state)
+    if not replay:
+        return
+    slots = torch.tensor([slot for _, slot, _ in replay], device=cache.recurrent.device)
+    for si in replay[0][0].layers:
+        parts = [rec.layers[si] for rec, _, _ in replay]
+        steps = max(p[1].shape[0] for p in parts)                # the verified positions
+        state = cache.recurrent[si][slots]                        # [R, H, dk, dv], a gathered copy
+        k, v, g, beta = (torch.zeros(len(replay), steps, *parts[0][i].shape[1:]) for i in range(1, 5))
+        for j, ((pre_conv, kj, vj, gj, bj), (_, slot, m)) in enumerate(zip(parts, replay)):
+            n = m                                                  # positions whose update commits
+            k[j, :n], v[j, :n], g[j, :n], beta[j, :n] = kj[:n], vj[:n], gj[:n], bj[:n]
             window = cache.conv[si][slot]
             full = torch.cat([window, pre_conv[:m].T.to(window.dtype)], dim=-1)
             cache.conv[si][slot] = full[:, full.shape[-1] - window.shape[-1]:]
+        for t in range(steps):   # the decode step's own recurrence, one position at a time
+            kda_recurrent_step(k[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state)
+        cache.recurrent[si][slots] = state
 
 
 def distribution(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -211,12 +228,14 @@ class Speculator:
             log.warning("speculation off for %s: %s out of bounds after %d tokens (length %.2f, rate %.3f)",
                         r.request_id, why, emitted, length, rate)
 
-    def commit(self, r, start: int, n_emitted: int) -> None:
-        m = n_emitted                     # the pending token and n_emitted - 1 accepted drafts were inputs
+    def commit(self, rows) -> None:
+        """rows: (request, first verified position, tokens emitted) of the verifications that go
+        on: the pending token and the accepted drafts were inputs, so that many positions commit."""
         with span("replay", cat="compute"):
-            r.spec_record.commit(self.engine.runner.cache, r.slot, m)
-        r.spec_record = None
-        r.num_computed = start + m
+            commit_many(self.engine.runner.cache, [(r.spec_record, r.slot, n) for r, _, n in rows])
+        for r, start, n in rows:
+            r.spec_record = None
+            r.num_computed = start + n
 
     @span("draft", cat="compute")
     @torch.inference_mode()

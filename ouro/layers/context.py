@@ -121,6 +121,9 @@ def _flat(storage: torch.Tensor, kind, d: int):
     return storage.view(-1, d) if kind is None else QuantisedRows(storage.view(-1, storage.shape[-1]), kind, d)
 
 
+SHORT_ROWS = 8      # new tokens per sequence up to which DSA layers run rows as independent queries
+
+
 @dataclass
 class ForwardContext:
     """Batch metadata for one forward over a flat batch of B sequences' new tokens."""
@@ -202,6 +205,14 @@ class ForwardContext:
         return all(n == 1 for n in self.query_lens)
 
     @cached_property
+    def rows_as_queries(self) -> bool:
+        """Every sequence adds at most SHORT_ROWS tokens to a context it already has (decode rows,
+        speculative verifications, a draft layer's rows): the DSA layers then treat each new token
+        as its own query over its sequence's cache, in one batched pass, instead of looping over
+        sequences as a prefill does."""
+        return all(0 < n <= SHORT_ROWS for n in self.query_lens) and all(s > 0 for s in self.start_pos)
+
+    @cached_property
     def query_lens_tensor(self) -> torch.Tensor:
         return torch.tensor(self.query_lens, device=self.positions.device)
 
@@ -275,6 +286,7 @@ class GraphContext:
       place, the rest to the scratch page (`completed_pools`);
     - the indexer reads `page_table`'s whole width of pools, masked per row by position."""
     is_decode = True
+    rows_as_queries = True
     split_decode = None
     slot_range = None
     any_fresh = True

@@ -75,7 +75,7 @@ class Indexer(nn.Module):
         q = self.wq_b(q_resid).view(-1, self.Hi, self.d)
         w = self.weights_proj(x).float() * self.Hi ** -0.5
         args = (self.select_k, self.kpool, self.d ** -0.5, self.width)
-        if ctx.is_decode:  # one query per sequence: pools padded to the longest context
+        if ctx.rows_as_queries:  # each new token one query: pools padded to the longest context
             n_pools = ctx.decode_pools(self.kpool)
             pooled = self._pooled(ctx, ctx.seq_index, n_pools)
             return index_select(q, w, pooled, ctx.positions, *args)
@@ -106,7 +106,7 @@ class DSAttention(nn.Module):
 
     def forward(self, x, ctx, prev_selection=None):
         """Returns (output [T, D], the selection this layer used)."""
-        parts = ctx.split_decode
+        parts = None if ctx.rows_as_queries else ctx.split_decode
         if parts is None:
             return self._forward(x, ctx, prev_selection)
         out, selection = x.new_empty(x.shape[0], self.o_proj.out_features), None
@@ -132,7 +132,7 @@ class DSAttention(nn.Module):
         else:
             selection = prev_selection
         w_uk, w_uv = absorb_weights(self.kv_b_proj.weight, self.H, self.qk, self.v)
-        if ctx.is_decode:
+        if ctx.rows_as_queries:
             out = sparse_mla(q, flat, cache_rows(ctx, ctx.seq_index, selection), w_uk, w_uv, self.scale)
         else:
             out = q.new_full((q.shape[0], self.H, self.v), float("nan"))

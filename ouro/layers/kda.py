@@ -102,6 +102,13 @@ class KDAttention(KeepFloat32):
         if ctx.is_decode:
             o = kda_recurrent_step(q, k, v, g, beta, rec_state)
             new_rec = rec_state
+        elif ctx.rows_as_queries:
+            # a few new tokens per sequence (a speculative verification): the decode step position by
+            # position, batched over sequences (padding steps have g = 0, beta = 0: no change)
+            new_rec = rec_state.clone()
+            qp, kp, vp, gp, bp = (ctx.pad(t) for t in (q, k, v, g, beta))
+            o = ctx.unpad(torch.stack([kda_recurrent_step(qp[:, t], kp[:, t], vp[:, t], gp[:, t], bp[:, t], new_rec)
+                                       for t in range(qp.shape[1])], dim=1))
         else:  # padding steps get g = 0, beta = 0: they leave the state untouched
             o, new_rec = ctx.delta_rule(ctx.pad(q), ctx.pad(k), ctx.pad(v), ctx.pad(g), ctx.pad(beta),
                                         rec_state, self.chunk_size)

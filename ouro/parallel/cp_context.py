@@ -64,6 +64,7 @@ class CPForwardContext(ForwardContext):
     # every rank runs the chunked forms, whatever its slice length
     split_decode = None
     is_decode = False
+    rows_as_queries = False
 
     def write_rows(self, flat, values):
         values = values.to(flat.dtype)
