@@ -75,3 +75,19 @@ def test_float32_kernel_convolves_bfloat16_input_in_float32():
         out, new_state = causal_conv1d(t, weight, state, lens.clamp(max=t.shape[-1]))
         ref, ref_state = causal_conv1d(t.float(), weight, state, lens.clamp(max=t.shape[-1]))
         assert out.dtype == torch.float32 and torch.equal(out, ref) and torch.equal(new_state, ref_state)
+
+
+def test_a_few_tokens_round_as_decode_steps_do():
+    """Up to SHORT new tokens, each output is decode's K-tap product over the same window: the
+    same bits as feeding the tokens one decode step at a time (a speculative verification's conv
+    then matches the plain decode run's exactly)."""
+    from ouro.ops.conv1d import SHORT
+    g = torch.Generator().manual_seed(5)
+    C, K, T = 24, 4, SHORT
+    x, weight = torch.randn(2, C, T, generator=g), torch.randn(C, K, generator=g)
+    state = torch.randn(2, C, K - 1, generator=g)
+    out, _ = causal_conv1d(x, weight, state, torch.tensor([T, T]))
+    window = state
+    for t in range(T):
+        step, window = causal_conv1d(x[:, :, t:t + 1], weight, window, torch.tensor([1, 1]))
+        assert torch.equal(out[:, :, t:t + 1], step)

@@ -3,6 +3,8 @@
 import torch
 import torch.nn.functional as F
 
+SHORT = 8     # up to this many new tokens the conv is decode's K-tap product at each position (same rounding)
+
 
 def causal_conv1d(x, weight, conv_state, lengths):
     """x: [B, C, T] new inputs, right-padded per sequence to T; weight: [C, K];
@@ -16,6 +18,8 @@ def causal_conv1d(x, weight, conv_state, lengths):
     full = torch.cat([conv_state.to(dt), x.to(dt)], dim=-1)               # [B, C, K-1+T]
     if x.shape[-1] == 1:  # decode: one output per channel, a K-tap dot product (far cheaper than conv1d)
         out = (full * weight.to(dt)).sum(-1, keepdim=True)
+    elif x.shape[-1] <= SHORT:   # a few tokens (a speculative verification): decode's dot product per position
+        out = (full.unfold(-1, K, 1) * weight.to(dt).unsqueeze(1)).sum(-1)
     else:
         out = F.conv1d(full, weight.to(dt).unsqueeze(1), groups=x.shape[1])
     return out, last_columns(full, lengths, K - 1)
