@@ -166,6 +166,7 @@ def test_pinned_packed_falls_back_where_onednn_cannot_run(monkeypatch):
     assert gemm_pick.pick_forms(torch.zeros(4, 4)) == ["linear"] * len(gemm_pick.ROWS)
 
 
+@pytest.mark.slow     # 21 s: measures every shape from an empty cache; the picking itself is tested above
 def test_engine_takes_the_measured_forms_on_every_projection(monkeypatch, tmp_path):
     monkeypatch.delenv("OURO_GEMM_PICK", raising=False)
     monkeypatch.setenv("OURO_CACHE", str(tmp_path))
