@@ -267,7 +267,7 @@ class LLMEngine:
         outputs, commits = [], []
         for b, (r, start) in enumerate(zip(batch.requests, starts)):
             if b in spec_logits:
-                emitted = self.speculator.verify(r, spec_logits[b], start)
+                emitted = self.speculator.verify(r, spec_logits[b])
                 sampled = self.sampler._with_logprobs(spec_logits[b][:len(emitted)], [r.params] * len(emitted), emitted)
                 new_ids, new_text = [], ""
                 for k, tok in enumerate(emitted):

@@ -195,7 +195,7 @@ class Speculator:
         return forced[len(r.output_ids):]
 
     # ---- after the forward ----
-    def verify(self, r, logits: torch.Tensor, start: int) -> list[int]:
+    def verify(self, r, logits: torch.Tensor) -> list[int]:
         """Accept the row's drafts against the target's logits [n, V]; returns the emitted tokens
         (the KDA commit waits until the engine knows the request goes on)."""
         drafts = r.draft_ids[: logits.shape[0] - 1]
