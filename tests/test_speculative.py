@@ -304,3 +304,22 @@ def test_compiled_decode_steps_with_speculation(reference, monkeypatch):
               speculative_config={"num_speculative_tokens": 2, "canary_min_accept_length": 9.0, "canary_after": 6})
     assert tokens(llm) == reference
     assert llm.engine.runner.graph.runs > 0 and llm.engine.stats()["spec_verify_steps"] > 0
+
+
+def test_logprobs_and_stop_strings_under_speculation(plain):
+    """Each emitted token's logprob comes from the verification row that chose it: the plain run's
+    values to float32 rounding; a stop string met inside accepted drafts ends the text where the
+    plain run ends it."""
+    llm = LLM("tiny-py", max_memory=128 << 20, page_size=16, speculative_config={"num_speculative_tokens": 3})
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=2)
+    for spec, ref in zip(llm.generate(PROMPTS[:3], params), plain.generate(PROMPTS[:3], params)):
+        a, b = spec.outputs[0], ref.outputs[0]
+        assert a.token_ids == b.token_ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+        assert [[t for t, _ in row] for row in a.top_logprobs] == [[t for t, _ in row] for row in b.top_logprobs]
+    text = plain.generate(PROMPTS[0], GREEDY)[0].outputs[0].text
+    stop = text[len(text) // 2: len(text) // 2 + 2]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=[stop])
+    want = plain.generate(PROMPTS[0], params)[0].outputs[0]
+    got = llm.generate(PROMPTS[0], params)[0].outputs[0]
+    assert got.text == want.text and got.finish_reason == want.finish_reason == "stop"
