@@ -64,7 +64,7 @@ numerics = ["\\\\bdtype\\\\b", "float16|bfloat16|float64|tf32|fp32_precision|all
             "\\\\btol(erance)?s?\\\\b|\\\\batol\\\\b|\\\\brtol\\\\b", "accumulat", "lru_cache|functools\\\\.cache|memoi[sz]"]
 async = ["\\\\bthreading\\\\b|Thread\\\\(|\\\\bLock\\\\(|\\\\bRLock\\\\(|Condition\\\\(", "\\\\basyncio\\\\b|\\\\bawait\\\\b|async def",
          "\\\\bGIL\\\\b|gil_scoped", "multiprocessing|subprocess|\\\\bzmq\\\\b|socket"]
-production = ["ouro/serve/**", "ouro/engine/scheduler.py", "ouro/config.py", "ouro/disagg/rooms.py",
+production = ["ouro/serve/**", "ouro/engine/scheduler.py", "ouro/config/**", "ouro/disagg/rooms.py",
               "ouro/serve/messages.py"]
 
 [limits]
