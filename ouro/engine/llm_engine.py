@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import numbers
 import sys
 
 import torch
@@ -15,21 +14,11 @@ from .detokenizer import IncrementalDetokenizer
 from .memory import available_bytes, plan_memory
 from .model_runner import ModelRunner
 from .page_pool import PagePool, SlotPool
-from .request import Request, RequestFailed, RequestOutput
+from .request import Request, RequestFailed, RequestOutput, prompt_token_ids
 from .sampling import Sampler, SamplingParams, make_generator
 from .scheduler import Scheduler
 
 log = logging.getLogger("ouro.engine")
-
-
-def token_id_list(ids) -> list[int]:
-    """A list (or tuple) of integer token ids, taken as is: no coercion of strings or floats."""
-    if not isinstance(ids, (list, tuple)):
-        raise ValueError(f"prompt_token_ids must be a list of integers, got {type(ids).__name__}")
-    bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
-    if bad:
-        raise ValueError(f"prompt_token_ids must be integers; got {bad[0]!r} ({type(bad[0]).__name__})")
-    return [int(t) for t in ids]
 
 
 class LLMEngine:
@@ -167,7 +156,7 @@ class LLMEngine:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         if request_id is not None and request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
-        ids = self._prompt_ids(prompt)
+        ids = prompt_token_ids(prompt, self.tokenizer)
         if not ids:
             raise ValueError("the prompt is empty")
         bad = [t for t in ids if not 0 <= t < self.model.config.vocab_size]
@@ -185,20 +174,6 @@ class LLMEngine:
         if self.tokenizer is None and params.stop_list:
             raise ValueError("stop strings need a tokenizer; this checkpoint has none (use stop_token_ids)")
         return ids, params
-
-    def _prompt_ids(self, prompt) -> list[int]:
-        if isinstance(prompt, dict):
-            if set(prompt) != {"prompt_token_ids"}:
-                raise ValueError(f"a token prompt is {{'prompt_token_ids': [int, ...]}}, got keys {sorted(prompt)}")
-            return token_id_list(prompt["prompt_token_ids"])
-        if isinstance(prompt, (list, tuple)):
-            return token_id_list(prompt)
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this checkpoint has no tokenizer (tokenizer.json missing): "
-                                 "pass {'prompt_token_ids': [...]} instead of text")
-            return self.tokenizer.encode(prompt).ids
-        raise ValueError(f"a prompt is a string or {{'prompt_token_ids': [int, ...]}}, got {type(prompt).__name__}")
 
     def abort(self, request_id: str) -> bool:
         req = self.requests.pop(request_id, None)
@@ -256,39 +231,7 @@ class LLMEngine:
                   for r, n in zip(batch.requests, batch.num_new_tokens)]
         outputs = self._sample(batch, logits)
         if self.speculator is not None:
-            outputs += self._speculate(batch, starts)
-        return outputs
-
-    def _speculate(self, batch, starts) -> list[RequestOutput]:
-        """Verify the draft-carrying rows (accept, emit, commit their KDA states), then draft for
-        every request still running from the hidden states this step computed."""
-        spec_logits, hidden, cu = self.runner.step_extra
-        self.runner.step_extra = None
-        outputs, commits = [], []
-        for b, (r, start) in enumerate(zip(batch.requests, starts)):
-            if b in spec_logits:
-                emitted = self.speculator.verify(r, spec_logits[b])
-                sampled = self.sampler._with_logprobs(spec_logits[b][:len(emitted)], [r.params] * len(emitted), emitted)
-                new_ids, new_text = [], ""
-                for k, tok in enumerate(emitted):
-                    new_ids.append(tok)
-                    new_text += self._emit(r, tok, sampled.logprobs[k], sampled.top_logprobs[k],
-                                           spec_logits[b][k] if self.record_logits else None)
-                    if r.is_finished:
-                        break
-                outputs.append(self._output(r, new_ids, new_text))
-                if r.is_finished:
-                    r.spec_record = None
-                else:
-                    commits.append((r, start, len(emitted)))
-        self.speculator.commit(commits)
-        rows = []
-        for b, (r, start) in enumerate(zip(batch.requests, starts)):
-            # a finished request's draft-layer rows are still wanted when its state is being sent on
-            if not r.hold_on_finish and (r.is_finished or r.request_id not in self.requests):
-                continue
-            rows.append((r, start, hidden[int(cu[b]): int(cu[b]) + r.num_computed - start]))
-        self.speculator.draft(rows)
+            outputs += self.speculator.finish_step(batch, starts)
         return outputs
 
     def _sample(self, batch, logits) -> list[RequestOutput]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import numbers
 import time
 from dataclasses import dataclass, field
 
@@ -89,3 +90,30 @@ class RequestFailed(RuntimeError):
     def __init__(self, request_id: str, message: str):
         super().__init__(message)
         self.request_id = request_id
+
+
+def token_id_list(ids) -> list[int]:
+    """A list (or tuple) of integer token ids, taken as is: no coercion of strings or floats."""
+    if not isinstance(ids, (list, tuple)):
+        raise ValueError(f"prompt_token_ids must be a list of integers, got {type(ids).__name__}")
+    bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
+    if bad:
+        raise ValueError(f"prompt_token_ids must be integers; got {bad[0]!r} ({type(bad[0]).__name__})")
+    return [int(t) for t in ids]
+
+
+def prompt_token_ids(prompt, tokenizer) -> list[int]:
+    """A prompt as a request takes it: text (through `tokenizer`), a list of ids, or
+    {'prompt_token_ids': [...]}; anything else is a ValueError saying what is expected."""
+    if isinstance(prompt, dict):
+        if set(prompt) != {"prompt_token_ids"}:
+            raise ValueError(f"a token prompt is {{'prompt_token_ids': [int, ...]}}, got keys {sorted(prompt)}")
+        return token_id_list(prompt["prompt_token_ids"])
+    if isinstance(prompt, (list, tuple)):
+        return token_id_list(prompt)
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("this checkpoint has no tokenizer (tokenizer.json missing): "
+                             "pass {'prompt_token_ids': [...]} instead of text")
+        return tokenizer.encode(prompt).ids
+    raise ValueError(f"a prompt is a string or {{'prompt_token_ids': [int, ...]}}, got {type(prompt).__name__}")

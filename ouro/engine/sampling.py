@@ -168,10 +168,7 @@ class Sampler:
             for i, t in zip(greedy, picks):
                 token_ids[i] = t
         if sampled:
-            sub = logits[torch.tensor(sampled, device=logits.device)]
-            temps, top_k, top_p, min_p = self._row_params([params[i] for i in sampled], logits)
-            keep = _keep_mask(sub, temps, top_k, top_p, min_p)
-            probs = (sub / temps[:, None]).masked_fill(~keep, -math.inf).softmax(dim=-1)
+            probs = self._filtered(logits[torch.tensor(sampled, device=logits.device)], [params[i] for i in sampled])
             # One draw per row from that row's own generator: batch-invariant streams.
             for j, i in enumerate(sampled):
                 row, gen = probs[j], generators[i]
@@ -179,6 +176,27 @@ class Sampler:
                     row = row.to(gen.device)
                 token_ids[i] = int(torch.multinomial(row, 1, generator=gen))
         return self._with_logprobs(logits, params, token_ids)
+
+    def _filtered(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """Sampled rows' distributions: temperature, then top-k, top-p and min-p, renormalised."""
+        temps, top_k, top_p, min_p = self._row_params(params, logits)
+        keep = _keep_mask(logits, temps, top_k, top_p, min_p)
+        return (logits / temps[:, None]).masked_fill(~keep, -math.inf).softmax(dim=-1)
+
+    def probabilities(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """[B, V] float32: the distribution each row is drawn from; greedy rows one-hot at the
+        argmax (what speculative acceptance compares drafts against)."""
+        logits = logits.float()
+        out = torch.zeros_like(logits)
+        greedy = [i for i, p in enumerate(params) if p.greedy]
+        sampled = [i for i, p in enumerate(params) if not p.greedy]
+        if greedy:
+            rows = torch.tensor(greedy, device=logits.device)
+            out[rows, logits[rows].argmax(dim=-1)] = 1.0
+        if sampled:
+            rows = torch.tensor(sampled, device=logits.device)
+            out[rows] = self._filtered(logits[rows], [params[i] for i in sampled])
+        return out
 
     @staticmethod
     def _with_logprobs(logits: torch.Tensor, params: list[SamplingParams], token_ids: list[int]) -> SampleOutput:

@@ -26,7 +26,6 @@ a wrong token, so every verification rejects one position and the rollback is ex
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -34,7 +33,6 @@ import torch
 from ..layers.context import ForwardContext
 from ..measure.spans import span
 from ..ops.kda import kda_recurrent_step
-from .sampling import SamplingParams, _keep_mask
 
 log = logging.getLogger("ouro.speculative")
 
@@ -96,24 +94,6 @@ def commit_many(cache, commits) -> None:
         for t in range(steps):   # the decode step's own recurrence, one position at a time
             kda_recurrent_step(k[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state)
         cache.recurrent[si][slots] = state
-
-
-def distribution(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """[N, V] float32 probabilities a row would be drawn from (temperature, top-k, top-p, min-p);
-    greedy rows: one-hot at the argmax."""
-    logits = logits.float()
-    out = torch.zeros_like(logits)
-    for i, p in enumerate(params):
-        if p.greedy:
-            out[i, int(logits[i].argmax())] = 1.0
-            continue
-        row = logits[i:i + 1]
-        vocab = row.shape[-1]
-        temps = torch.tensor([p.temperature])
-        top_k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab])
-        keep = _keep_mask(row, temps, top_k, torch.tensor([p.top_p]), torch.tensor([p.min_p]))
-        out[i] = (row / temps[:, None]).masked_fill(~keep, -math.inf).softmax(-1)[0]
-    return out
 
 
 def accept(drafts: list[int], q: torch.Tensor | None, p: torch.Tensor, greedy: bool,
@@ -195,11 +175,44 @@ class Speculator:
         return forced[len(r.output_ids):]
 
     # ---- after the forward ----
+    def finish_step(self, batch, starts) -> list:
+        """Verify the draft-carrying rows (accept, emit, commit their KDA states), then draft for
+        every request still running from the hidden states this step computed."""
+        e = self.engine
+        spec_logits, hidden, cu = e.runner.step_extra
+        e.runner.step_extra = None
+        outputs, commits = [], []
+        for b, (r, start) in enumerate(zip(batch.requests, starts)):
+            if b in spec_logits:
+                emitted = self.verify(r, spec_logits[b])
+                sampled = e.sampler._with_logprobs(spec_logits[b][:len(emitted)], [r.params] * len(emitted), emitted)
+                new_ids, new_text = [], ""
+                for k, tok in enumerate(emitted):
+                    new_ids.append(tok)
+                    new_text += e._emit(r, tok, sampled.logprobs[k], sampled.top_logprobs[k],
+                                           spec_logits[b][k] if e.record_logits else None)
+                    if r.is_finished:
+                        break
+                outputs.append(e._output(r, new_ids, new_text))
+                if r.is_finished:
+                    r.spec_record = None
+                else:
+                    commits.append((r, start, len(emitted)))
+        self.commit(commits)
+        rows = []
+        for b, (r, start) in enumerate(zip(batch.requests, starts)):
+            # a finished request's draft-layer rows are still wanted when its state is being sent on
+            if not r.hold_on_finish and (r.is_finished or r.request_id not in e.requests):
+                continue
+            rows.append((r, start, hidden[int(cu[b]): int(cu[b]) + r.num_computed - start]))
+        self.draft(rows)
+        return outputs
+
     def verify(self, r, logits: torch.Tensor) -> list[int]:
         """Accept the row's drafts against the target's logits [n, V]; returns the emitted tokens
         (the KDA commit waits until the engine knows the request goes on)."""
         drafts = r.draft_ids[: logits.shape[0] - 1]
-        p = distribution(logits, [r.params] * logits.shape[0])
+        p = self.engine.sampler.probabilities(logits, [r.params] * logits.shape[0])
         for i, tok in enumerate(self.forced_left(r)[: p.shape[0]]):      # forced positions emit their id
             p[i] = 0.0
             p[i, tok] = 1.0
@@ -269,7 +282,7 @@ class Speculator:
             if not live:
                 break
             logits = self.model.lm_head.forward(h).float().cpu()     # .forward: the trunk's hooks see trunk calls only
-            q = distribution(logits, [reqs[i].params for i in live])
+            q = self.engine.sampler.probabilities(logits, [reqs[i].params for i in live])
             for j, i in enumerate(live):
                 r = reqs[i]
                 tok = int(q[j].argmax()) if r.params.greedy else int(torch.multinomial(q[j], 1, generator=r.generator))
