@@ -9,9 +9,9 @@ from .config import CheckpointError, split_patterns
 
 def spec_config(args) -> dict | None:
     from .config import speculative_args
-    kw = speculative_args(args)
-    return {"method": kw["speculative_algorithm"], "num_speculative_tokens": kw["speculative_num_steps"],
-            "kda_state": kw["speculative_kda_state"]} if kw else None
+    # EngineConfig's field names -> speculative_config's keys (canary options included)
+    rename = {"speculative_algorithm": "method", "speculative_num_steps": "num_speculative_tokens"}
+    return {rename.get(k, k.removeprefix("speculative_")): v for k, v in speculative_args(args).items()} or None
 
 
 def generate_cli(args) -> int:
