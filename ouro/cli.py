@@ -61,7 +61,8 @@ def _cmd_bench(args) -> int:
         r = bench_offline(resolve_model(args.model), args.num_prompts, args.input_len, args.output_len,
                           args.max_concurrency, args.compare == "transformers", device=args.device, dtype=args.dtype,
                           compile=args.compile, compile_max_bs=args.torch_compile_max_bs,
-                          quantization=args.quantization, speculative=speculative_args(args))
+                          quantization=args.quantization, speculative=speculative_args(args),
+                          deterministic=args.enable_deterministic_inference)
         print(format_offline(r))
     if args.kind == "prefill" and args.cp > 1:
         from .bench.prefill_cp import bench_prefill_cp, format_prefill_cp
@@ -158,6 +159,12 @@ def add_speculative_flags(p) -> None:
                    help="output tokens before the canary judges a request (default 32)")
 
 
+def add_determinism_flag(p) -> None:
+    p.add_argument("--enable-deterministic-inference", action="store_true",
+                   help="batch-invariant kernels: a request's logits do not depend on what it is batched with "
+                        "(speculative and plain runs agree bit for bit); slower, not with --compile")
+
+
 def add_quantization_flag(p) -> None:
     p.add_argument("--quantization", default=None, choices=["w8a8", "fp8"],
                    help="w8a8: int8 weights (per channel) and activations (per token) for the projections and "
@@ -201,6 +208,7 @@ def add_serve_parser(sub) -> None:
     add_quantization_flag(sv)
     add_kv_cache_flags(sv)
     add_speculative_flags(sv)
+    add_determinism_flag(sv)
     sv.add_argument("--cp", "--context-parallel-size", dest="cp", type=int, default=1,
                     help="ranks of a context-parallel prefill: the engine plus N-1 helper processes, each holding the "
                          "model; prompts of --cp-threshold tokens or more are prefilled across them, decode stays on the engine")
@@ -268,6 +276,7 @@ def build_parser(argv=None) -> argparse.ArgumentParser:
     add_quantization_flag(gen)
     add_kv_cache_flags(gen)
     add_speculative_flags(gen)
+    add_determinism_flag(gen)
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-p", type=float, default=1.0)
@@ -302,6 +311,7 @@ def build_parser(argv=None) -> argparse.ArgumentParser:
     bench.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="offline: auto (the fastest native GEMM dtype of this machine, timed once and cached)")
     add_quantization_flag(bench)
     add_speculative_flags(bench)
+    add_determinism_flag(bench)
     from .measure.spans import TraceToFile
     bench.add_argument("--trace", default=None, metavar="FILE", action=TraceToFile,
                        help="record the run's spans into FILE (Chrome trace, written at exit)")

@@ -21,7 +21,8 @@ def generate_cli(args) -> int:
               memory_fraction=args.mem_fraction_static, verbose=True,
               quantization=getattr(args, "quantization", None), quantization_ignore=split_patterns(getattr(args, "quantization_ignore", None)),
               kv_cache_dtype=args.kv_cache_dtype, kv_cache_layer_dtype=args.kv_cache_layer_dtype,
-              speculative_config=spec_config(args))
+              speculative_config=spec_config(args),
+              enable_deterministic_inference=bool(getattr(args, "enable_deterministic_inference", False)))
     engine = llm.engine
     if args.prompt_token_ids:
         try:

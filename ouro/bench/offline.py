@@ -27,12 +27,13 @@ def make_prompts(n, length, vocab, seed):
 
 
 def make_engine(model, tokenizer, input_len, output_len, concurrency, device="cpu", compile=False, compile_max_bs=32,
-                quantization=None, speculative=None, model_dir=None):
+                quantization=None, speculative=None, model_dir=None, deterministic=False):
     from ..config import EngineConfig
     from ..engine.llm_engine import LLMEngine
     cfg = EngineConfig(device=device, max_num_seqs=concurrency, max_num_batched_tokens=max(2048, input_len),
                        page_size=64, max_model_len=input_len + output_len, compile=compile,
-                       torch_compile_max_bs=compile_max_bs, quantization=quantization, **(speculative or {}))
+                       torch_compile_max_bs=compile_max_bs, quantization=quantization,
+                       deterministic_inference=deterministic, **(speculative or {}))
     return LLMEngine(model, tokenizer, cfg, verbose=compile, model_dir=model_dir)
 
 
@@ -85,7 +86,7 @@ def decode_floor(model, roof: Roofline, context: int, batch: int) -> dict:
 
 def bench_offline(model_dir, num_prompts=64, input_len=256, output_len=64, concurrency=32, compare=False,
                   seed=0, progress=True, device="cpu", dtype="auto", compile=False, compile_max_bs=32,
-                  quantization=None, speculative=None) -> dict:
+                  quantization=None, speculative=None, deterministic=False) -> dict:
     from tqdm import tqdm
 
     from ..config import EngineConfig
@@ -96,7 +97,7 @@ def bench_offline(model_dir, num_prompts=64, input_len=256, output_len=64, concu
     roof = Roofline.measure(device, model.embed_tokens.weight.dtype)
     prompts = make_prompts(num_prompts, input_len, model.config.vocab_size, seed)
     engine = make_engine(model, load_tokenizer(model_dir), input_len, output_len, concurrency, device, compile,
-                         compile_max_bs, quantization, speculative, model_dir)
+                         compile_max_bs, quantization, speculative, model_dir, deterministic)
     hf = load_transformers(model_dir, device, model.embed_tokens.weight.dtype) if compare else None
     waves, log, outs, hf_outs = [], [], [], []
     for i in tqdm(range(0, num_prompts, concurrency), desc="waves (ouro, transformers)", disable=not progress):

@@ -77,6 +77,9 @@ class EngineConfig:
     speculative_canary_min_accept_length: float = 0.0
     speculative_canary_max_accept_rate: float = 1.0
     speculative_canary_after: int = 32
+    # batch-invariant kernels (ouro.ops.batch_invariant): a row's logits do not depend on its batch,
+    # so speculative and plain runs, batch 1 and batch 16, agree bit for bit; slower, eager only
+    deterministic_inference: bool = False
 
     DTYPES = ("auto", "float32", "bfloat16", "float16")
     QUANTIZATIONS = ("w8a8", "fp8")
@@ -107,8 +110,9 @@ class EngineConfig:
             raise ValueError(f"cp_precision must be one of auto, fp32, tf32, tf32x3, got {self.cp_precision!r}")
         count("max_model_len", optional=True)
         count("max_memory", optional=True)
-        if not isinstance(self.compile, bool):
-            raise ValueError(f"compile must be True or False, got {self.compile!r}")
+        for name in ("compile", "deterministic_inference"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.speculative_algorithm is not None and str(self.speculative_algorithm).upper() not in self.SPECULATIVE:
             raise ValueError(f"speculative_algorithm must be NEXTN (alias MTP) or None, got {self.speculative_algorithm!r}")
         count("speculative_num_steps")

@@ -106,6 +106,8 @@ def worker_argv(args, role: str, port: int) -> list[str]:
         argv += ["--kv-cache-layer-dtype", args.kv_cache_layer_dtype]
     if args.max_model_len:
         argv += ["--max-model-len", str(args.max_model_len)]
+    if getattr(args, "enable_deterministic_inference", False):   # both sides: a prefill row equals a decode row
+        argv += ["--enable-deterministic-inference"]
     if getattr(args, "speculative_algorithm", None):   # both sides: the cache holds the draft layer's rows
         argv += ["--speculative-algorithm", args.speculative_algorithm,
                  "--speculative-num-steps", str(args.speculative_num_steps),

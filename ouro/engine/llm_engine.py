@@ -56,6 +56,12 @@ class LLMEngine:
                                 config.dtype, config.device, config.kda_chunk_size,
                                 quantization=config.quantization, quantization_ignore=config.quantization_ignore,
                                 kv_kinds=self.kv_kinds)
+        if config.deterministic_inference:
+            from ..ops import batch_invariant
+            block = batch_invariant.enable()        # process-wide, before any product is measured or run
+            if verbose:
+                print(f"ouro: deterministic inference: products padded to {block}-row blocks; batch-invariant "
+                      f"kernels for {', '.join(batch_invariant.replaced())}", file=sys.stderr)
         self.quantized = None
         if config.quantization:
             from ..quant.w8a8 import quantize_model
@@ -113,6 +119,9 @@ class LLMEngine:
         if config.speculative_algorithm and not mc.has_mtp:
             raise ValueError("speculative decoding with NEXTN needs a checkpoint with an MTP layer "
                              "(num_nextn_predict_layers >= 1); this one has none")
+        if config.deterministic_inference and config.compile:
+            raise ValueError("--enable-deterministic-inference runs torch's kernels eagerly (a compiled graph would "
+                             "bypass the batch-invariant ones); drop --compile")
         if config.kv_kinds(mc) and config.compile:
             raise ValueError("a quantised KV cache (--kv-cache-dtype / --kv-cache-layer-dtype) does not combine with "
                              "--compile yet; drop one of them")

@@ -4,6 +4,7 @@ import torch
 from torch import nn
 
 from ..gemm_pick import ROWS, best_time, form_for, packed_for, product
+from ..ops import batch_invariant
 from ..ops.capture import reads_host
 from ..ops.opaque import call_opaque
 from ..ops.moe import clamped_swiglu, experts_grouped, experts_looped, route
@@ -92,7 +93,7 @@ class Experts(nn.Module):
 
     def eager(self, x, weights, experts):
         E = self.gate_up_proj.shape[0]
-        if self.forms is not None and not torch.is_grad_enabled() and reads_host(x) and \
+        if self.forms is not None and not torch.is_grad_enabled() and reads_host(x) and not batch_invariant.enabled() and \
                 form_for(self.forms, max(1, experts.numel() // E)) == "packed":
             packs = packed_for(self, self.packed_weights())
             ups, downs = packs[:E], packs[E:]

@@ -3,6 +3,8 @@
 import torch
 import torch.nn.functional as F
 
+from . import batch_invariant
+
 SHORT = 8     # up to this many new tokens the conv is decode's K-tap product at each position (same rounding)
 
 
@@ -16,7 +18,13 @@ def causal_conv1d(x, weight, conv_state, lengths):
     K = weight.shape[-1]
     dt = torch.promote_types(x.dtype, weight.dtype)
     full = torch.cat([conv_state.to(dt), x.to(dt)], dim=-1)               # [B, C, K-1+T]
-    if x.shape[-1] == 1:  # decode: one output per channel, a K-tap dot product (far cheaper than conv1d)
+    if batch_invariant.enabled():   # one summation order for every length: tap by tap
+        T = x.shape[-1]
+        w = weight.to(dt)
+        out = full[..., :T] * w[:, :1]
+        for j in range(1, K):
+            out = out + full[..., j:j + T] * w[:, j:j + 1]
+    elif x.shape[-1] == 1:  # decode: one output per channel, a K-tap dot product (far cheaper than conv1d)
         out = (full * weight.to(dt)).sum(-1, keepdim=True)
     elif x.shape[-1] <= SHORT:   # a few tokens (a speculative verification): decode's dot product per position
         out = (full.unfold(-1, K, 1) * weight.to(dt).unsqueeze(1)).sum(-1)

@@ -25,6 +25,7 @@ def engine_kwargs(args) -> dict:
             "quantization_ignore": split_patterns(getattr(args, "quantization_ignore", None)),
             "kv_cache_dtype": getattr(args, "kv_cache_dtype", "auto"),
             "kv_cache_layer_dtype": getattr(args, "kv_cache_layer_dtype", None),
+            "deterministic_inference": bool(getattr(args, "enable_deterministic_inference", False)),
             "enable_prefix_caching": args.enable_prefix_caching,
             "prefix_checkpoint_interval": args.prefix_checkpoint_interval, **speculative_args(args)}
 

@@ -47,7 +47,6 @@ def index_select(q, weights, pooled, positions, select_k: int, kpool: int, scale
     dev = q.device
     n_vis = torch.div(positions + 1, kpool, rounding_mode="floor")                 # complete pools seen
     out = torch.full((n, width), -1, dtype=torch.long, device=dev)
-    n_sel = 0
     if P > 0:
         pool_ids = torch.arange(P, device=dev)
         visible = pool_ids[None, :] < n_vis[:, None]
@@ -67,11 +66,12 @@ def index_select(q, weights, pooled, positions, select_k: int, kpool: int, scale
         tok = pools[..., None] * kpool + torch.arange(kpool, device=dev)
         tok = tok.masked_fill(pools[..., None] < 0, -1).flatten(1)
         out[:, : tok.shape[1]] = tok
-        n_sel *= kpool
-    # the incomplete tail pool: tokens n_vis*kpool .. pos
+    # the incomplete tail pool: tokens n_vis*kpool .. pos, always in the last kpool-1 columns, so a
+    # row's layout (and the attention's summation order over it) does not depend on the pools
+    # padded in for the longest context of its batch
     tail = n_vis[:, None] * kpool + torch.arange(kpool - 1, device=dev)
     tail = tail.masked_fill(tail > positions[:, None], -1)
-    out[:, n_sel: n_sel + kpool - 1] = tail
+    out[:, width - (kpool - 1):] = tail
     return out
 
 

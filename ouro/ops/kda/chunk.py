@@ -14,6 +14,8 @@ normal range, and A becomes a plain matmul; otherwise the exact pairwise form is
 import torch
 import torch.nn.functional as F
 
+from .. import batch_invariant
+
 # Decays below exp(-60) ~ 1e-26 are flushed to exactly 0: left alone they turn into denormal
 # floats, which x86 CPUs process ~100x slower (measured: chunk 64 went from 3.2 s to 0.05 s).
 FLUSH_BELOW = -60.0
@@ -30,6 +32,18 @@ def _pair_scores(a, b, gc):
     lower = torch.ones(C, C, dtype=torch.bool, device=gc.device).tril()
     diff = (gc.unsqueeze(-2) - gc.unsqueeze(-3)).masked_fill(~lower[..., None], float("-inf"))
     return torch.einsum("...ic,...jc,...ijc->...ij", a, b, _decay(diff))
+
+
+def unit_lower_inverse(lhs):
+    """(lhs [n, C, C], unit lower triangular)^-1 by forward substitution, row by row: row i is
+    e_i - lhs[i, :i] @ rows[:i]. Batch-invariant (each step a product the batch-invariant bmm
+    pads), where LAPACK's batched solve rounds a matrix differently with the batch's size."""
+    n, C, _ = lhs.shape
+    eye = torch.eye(C, device=lhs.device, dtype=lhs.dtype).expand(n, C, C)
+    rows = eye[:, :1]
+    for i in range(1, C):
+        rows = torch.cat([rows, eye[:, i:i + 1] - lhs[:, i:i + 1, :i] @ rows], 1)
+    return rows
 
 
 def kda_chunk(q, k, v, g, beta, initial_state=None, chunk_size: int = 16, mm=None):
@@ -84,8 +98,11 @@ def kda_chunk(q, k, v, g, beta, initial_state=None, chunk_size: int = 16, mm=Non
     # CPU 3.2 ms against 8-10 ms for solving the [C, dv + dk] right-hand side directly. The solve
     # takes a 3-D batch: torch's CPU solve is ~1000x slower on 4-D+ batches (measured, torch 2.13)
     lhs = (torch.eye(C, device=q.device, dtype=cdt) + b * a_kk).reshape(-1, C, C)
-    eye = torch.eye(C, device=q.device, dtype=cdt).expand(lhs.shape[0], C, C)
-    t_inv = torch.linalg.solve_triangular(lhs, eye, upper=False, unitriangular=True).view(B, H, N, C, C)
+    if batch_invariant.enabled():
+        t_inv = unit_lower_inverse(lhs).view(B, H, N, C, C)
+    else:
+        eye = torch.eye(C, device=q.device, dtype=cdt).expand(lhs.shape[0], C, C)
+        t_inv = torch.linalg.solve_triangular(lhs, eye, upper=False, unitriangular=True).view(B, H, N, C, C)
     w_v, w_k = t_inv @ (b * v), t_inv @ (b * k_egc)
     S = q.new_zeros(B, H, dk, dv) if initial_state is None else initial_state.to(cdt).clone()
     # chunks by unbind and outputs by one stack, not per-chunk indexing and slice assignment:

@@ -2,6 +2,8 @@
 
 import torch
 
+from .. import batch_invariant
+
 
 def sinkhorn(comb, iters: int, eps: float):
     """Alternately normalise columns and rows of comb [..., n, n] towards a doubly-stochastic matrix
@@ -13,17 +15,33 @@ def sinkhorn(comb, iters: int, eps: float):
     4.1 against 0.67 ms). The matrix sits in an (n+1) x (n+1) frame whose extra row and column hold
     eps, so a sum over the frame's n+1 rows is already `sum + eps` and each pass is two ops, the
     division in place (the decode step runs 39 passes per hyper-connection, twice per layer, on a
-    few matrices: there dispatch, not arithmetic, is the cost)."""
+    few matrices: there dispatch, not arithmetic, is the cost).
+
+    Under `batch_invariant` the sums are the last entries of a cumulative sum: a fixed order,
+    whatever the batch (torch's sum over a short strided axis changes its grouping with T; the
+    cumsum form costs 1.3x at decode and 2.6x at T = 2048 here, so it is not the default)."""
     n = comb.shape[-1]
     flat = comb.reshape(-1, n, n)
     frame = comb.new_full((n + 1, n + 1, flat.shape[0]), eps)
     m = frame[:n, :n]
     m.copy_(flat.permute(1, 2, 0))
     down, across = frame[:, :n], frame[:n, :]     # n+1 rows / n+1 columns (eps last)
-    m.div_(down.sum(0, keepdim=True))
+    if batch_invariant.enabled():
+        def col_sums():
+            return down.cumsum(0)[n:]
+
+        def row_sums():
+            return across.cumsum(1)[:, n:]
+    else:
+        def col_sums():
+            return down.sum(0, keepdim=True)
+
+        def row_sums():
+            return across.sum(1, keepdim=True)
+    m.div_(col_sums())
     for _ in range(iters - 1):
-        m.div_(across.sum(1, keepdim=True))
-        m.div_(down.sum(0, keepdim=True))
+        m.div_(row_sums())
+        m.div_(col_sums())
     return m.permute(2, 0, 1).contiguous().view(comb.shape)
 
 
