@@ -1,9 +1,9 @@
 """MTP speculative decoding (`--speculative-algorithm NEXTN`) on the built-in `tiny-py`, whose
 trained MTP layer drafts: greedy outputs equal those without speculation token for token (K = 1,
 2, 3, batched, both KDA state modes, preemption, prefix hits, stops and max_tokens inside accepted
-drafts); the KDA state a verification commits equals the per-step materialised one bit for bit
-and the non-speculative run's to float32 rounding; the rejection sampler's output distribution is
-the target's."""
+drafts); the KDA state a verification commits equals the per-step materialised one bit for bit,
+and the non-speculative run's bit for bit under deterministic inference (batch-invariant kernels;
+to float32 rounding without them); the rejection sampler's output distribution is the target's."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch
 from ouro.engine.llm import LLM
 from ouro.engine.sampling import SamplingParams
 from ouro.engine.speculative import KDARecord, accept
+from ouro.ops import batch_invariant
 
 PROMPTS = ["def add(a, b):\n    return", "import os\nimport sys\n\n\ndef main():\n",
            "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, x):\n",
@@ -106,6 +107,17 @@ def _verify(llm, prompt_ids, drafts, mode):
     return cache, slot, rec, start, inputs
 
 
+def _decoded(llm, cache, slot, before, tokens, start):
+    """The state after `tokens` run as decode steps one at a time from `before`."""
+    from ouro.layers.context import ForwardContext
+    cache.conv[:, slot], cache.recurrent[:, slot] = before
+    with torch.inference_mode():
+        for i, tok in enumerate(tokens):
+            ctx = ForwardContext.build(cache, [1], [start + i], [slot], [list(range(8))])
+            llm.engine.model(torch.tensor([tok]), ctx)
+    return _state(cache, slot)
+
+
 def _state(cache, slot):
     return cache.conv[:, slot].clone(), cache.recurrent[:, slot].clone()
 
@@ -127,14 +139,10 @@ def test_replay_commits_the_per_step_state_bit_for_bit(plain, m):
     assert torch.equal(replayed[0], per_step[0]) and torch.equal(replayed[1], per_step[1])
     assert rec.nbytes() < rec2.nbytes()                              # replay keeps inputs, not states
     # the non-speculative run: the same m tokens as decode steps, one at a time
-    cache2.conv[:, slot], cache2.recurrent[:, slot] = before
-    with torch.inference_mode():
-        for i, tok in enumerate(inputs[:m]):
-            ctx = ForwardContext.build(cache2, [1], [start + i], [slot], [list(range(8))])
-            plain.engine.model(torch.tensor([tok]), ctx)
-    decoded = _state(cache2, slot)
-    # to float32 rounding, not bit for bit: the verification computes its inputs as one chunk (a
-    # 4-row GEMM, the chunk form of the conv and attention) where decode runs single rows
+    decoded = _decoded(plain, cache2, slot, before, inputs[:m], start)
+    # to float32 rounding, not bit for bit: the verification computes its inputs as one 4-row
+    # block where decode runs single rows, and this BLAS rounds those apart (the deterministic
+    # mode below removes that)
     assert (replayed[0] - decoded[0]).abs().max() < 1e-5
     assert (replayed[1] - decoded[1]).abs().max() < 1e-5
     # committing one position too far (or not rolling the window back) is visible
@@ -323,3 +331,35 @@ def test_logprobs_and_stop_strings_under_speculation(plain):
     want = plain.generate(PROMPTS[0], params)[0].outputs[0]
     got = llm.generate(PROMPTS[0], params)[0].outputs[0]
     assert got.text == want.text and got.finish_reason == want.finish_reason == "stop"
+
+
+# ---- deterministic inference: the speculative run is the plain run, bit for bit ----
+
+@pytest.fixture(scope="module")
+def deterministic():
+    kw = dict(max_memory=128 << 20, page_size=16, enable_deterministic_inference=True)
+    yield LLM("tiny-py", **kw), LLM("tiny-py", speculative_config={"num_speculative_tokens": 3}, **kw)
+    batch_invariant.disable()
+
+
+@pytest.mark.parametrize("p", range(len(PROMPTS)))
+def test_replayed_state_equals_the_decoded_one_bit_for_bit(deterministic, p):
+    plain = deterministic[0]
+    prompt = plain.engine.tokenizer.encode(PROMPTS[p]).ids
+    for m in (1, 2, 3, 4):
+        cache, slot, rec, start, inputs = _verify(plain, prompt, [30, 31, 32], "replay")
+        before = _state(cache, slot)
+        rec.commit(cache, slot, m)
+        replayed = _state(cache, slot)
+        decoded = _decoded(plain, cache, slot, before, inputs[:m], start)
+        assert torch.equal(replayed[0], decoded[0]) and torch.equal(replayed[1], decoded[1]), (p, m)
+
+
+def test_speculative_logprobs_equal_the_plain_run_bit_for_bit(deterministic):
+    plain, spec = deterministic
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=0)
+    lp = lambda llm, prompts: [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]
+    batched = lp(plain, PROMPTS)
+    assert lp(spec, PROMPTS) == batched                                   # K=3 drafts, verified and replayed
+    assert [lp(plain, [p])[0] for p in PROMPTS] == batched               # batch 1 against batch 6
+    assert spec.engine.stats()["spec_accept_length"] > 1.0
