@@ -2,7 +2,8 @@
 trained MTP layer drafts: greedy outputs equal those without speculation token for token (K = 1,
 2, 3, batched, both KDA state modes, preemption, prefix hits, stops and max_tokens inside accepted
 drafts); the KDA state a verification commits equals the per-step materialised one bit for bit,
-and the non-speculative run's bit for bit under deterministic inference (batch-invariant kernels;
+and the non-speculative run's bit for bit under deterministic inference (in
+test_speculative_deterministic.py;
 to float32 rounding without them); the rejection sampler's output distribution is the target's."""
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import torch
 from ouro.engine.llm import LLM
 from ouro.engine.sampling import SamplingParams
 from ouro.engine.speculative import KDARecord, accept
-from ouro.ops import batch_invariant
 
 PROMPTS = ["def add(a, b):\n    return", "import os\nimport sys\n\n\ndef main():\n",
            "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, x):\n",
@@ -124,7 +124,6 @@ def _state(cache, slot):
 
 @pytest.mark.parametrize("m", [1, 2, 3])
 def test_replay_commits_the_per_step_state_bit_for_bit(plain, m):
-    from ouro.layers.context import ForwardContext
     prompt = plain.engine.tokenizer.encode(PROMPTS[2]).ids
     drafts = [30, 31, 32]
     cache, slot, rec, start, inputs = _verify(plain, prompt, drafts, "replay")
@@ -332,34 +331,3 @@ def test_logprobs_and_stop_strings_under_speculation(plain):
     got = llm.generate(PROMPTS[0], params)[0].outputs[0]
     assert got.text == want.text and got.finish_reason == want.finish_reason == "stop"
 
-
-# ---- deterministic inference: the speculative run is the plain run, bit for bit ----
-
-@pytest.fixture(scope="module")
-def deterministic():
-    kw = dict(max_memory=128 << 20, page_size=16, enable_deterministic_inference=True)
-    yield LLM("tiny-py", **kw), LLM("tiny-py", speculative_config={"num_speculative_tokens": 3}, **kw)
-    batch_invariant.disable()
-
-
-@pytest.mark.parametrize("p", range(len(PROMPTS)))
-def test_replayed_state_equals_the_decoded_one_bit_for_bit(deterministic, p):
-    plain = deterministic[0]
-    prompt = plain.engine.tokenizer.encode(PROMPTS[p]).ids
-    for m in (1, 2, 3, 4):
-        cache, slot, rec, start, inputs = _verify(plain, prompt, [30, 31, 32], "replay")
-        before = _state(cache, slot)
-        rec.commit(cache, slot, m)
-        replayed = _state(cache, slot)
-        decoded = _decoded(plain, cache, slot, before, inputs[:m], start)
-        assert torch.equal(replayed[0], decoded[0]) and torch.equal(replayed[1], decoded[1]), (p, m)
-
-
-def test_speculative_logprobs_equal_the_plain_run_bit_for_bit(deterministic):
-    plain, spec = deterministic
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=0)
-    lp = lambda llm, prompts: [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]
-    batched = lp(plain, PROMPTS)
-    assert lp(spec, PROMPTS) == batched                                   # K=3 drafts, verified and replayed
-    assert [lp(plain, [p])[0] for p in PROMPTS] == batched               # batch 1 against batch 6
-    assert spec.engine.stats()["spec_accept_length"] > 1.0
