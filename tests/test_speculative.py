@@ -2,9 +2,8 @@
 trained MTP layer drafts: greedy outputs equal those without speculation token for token (K = 1,
 2, 3, batched, both KDA state modes, preemption, prefix hits, stops and max_tokens inside accepted
 drafts); the KDA state a verification commits equals the per-step materialised one bit for bit,
-and the non-speculative run's bit for bit under deterministic inference (in
-test_speculative_deterministic.py;
-to float32 rounding without them); the rejection sampler's output distribution is the target's."""
+and the non-speculative run's to float32 rounding (bit for bit under deterministic inference:
+test_speculative_deterministic.py); the rejection sampler's output distribution is the target's."""
 
 from __future__ import annotations
 
