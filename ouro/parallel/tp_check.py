@@ -1,0 +1,69 @@
+"""Run a checkpoint tensor-parallel for a few steps and return what rank 0 saw: the check behind
+the TP tests, `ouro probe numerics --b tp=2` and the TP benchmark. `run_steps` is the per-rank
+function `groups.launch` starts: each rank loads the checkpoint, keeps its shard, and runs one
+batched prefill of the prompts then `decode_steps` greedy decode steps on its own cache."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .tp_shard import shard_model
+
+
+def _memory(model) -> int:
+    return sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+
+
+def run_steps(groups, model_dir: str, prompts: list[list[int]], decode_steps: int, ep: bool = False,
+              dtype=torch.float32, page_size: int = 16, taps: list[str] | None = None, threads: int | None = None):
+    """-> dict(logits [steps+1, B, V] float32, tokens [B, steps], weight_bytes, cache_bytes,
+    seconds {prefill, decode}, taps {module name: gathered output of the prefill}) on rank 0."""
+    from ..layers.context import ForwardContext, ModelCache
+    from ..models.loader import load_model
+    if threads:
+        torch.set_num_threads(threads)
+    group = groups.cp if groups.world_size > 1 else None
+    model = load_model(model_dir, dtype=dtype)
+    if group is not None:
+        shard_model(model, group, ep=ep)
+    B = len(prompts)
+    pages_per = -(-(max(map(len, prompts)) + decode_steps + 1) // page_size)
+    cache = ModelCache(model.config, B, B * pages_per, page_size, dtype=dtype)
+    table = [list(range(b * pages_per, (b + 1) * pages_per)) for b in range(B)]
+    recorded = {}
+    hooks = [model.get_submodule(name).register_forward_hook(
+        lambda mod, inp, out, name=name: recorded.setdefault(name, out[0] if isinstance(out, tuple) else out))
+        for name in (taps or [])]
+    logits, tokens, seconds = [], [], {}
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        ctx = ForwardContext.build(cache, [len(p) for p in prompts], [0] * B, list(range(B)), table)
+        logits.append(model(torch.tensor([t for p in prompts for t in p]), ctx).float())
+        seconds["prefill"] = time.perf_counter() - t0
+        for h in hooks:
+            h.remove()
+        pos = [len(p) for p in prompts]
+        t0 = time.perf_counter()
+        for _ in range(decode_steps):
+            nxt = logits[-1].argmax(-1)
+            tokens.append(nxt)
+            ctx = ForwardContext.build(cache, [1] * B, pos, list(range(B)), table)
+            logits.append(model(nxt, ctx).float())
+            pos = [p + 1 for p in pos]
+        seconds["decode"] = time.perf_counter() - t0
+    cache_bytes = sum(t.numel() * t.element_size() for t in (cache.conv, cache.recurrent))
+    if groups.rank != 0:
+        return None
+    return {"logits": torch.stack(logits), "tokens": torch.stack(tokens, 1) if tokens else None,
+            "weight_bytes": _memory(model), "state_bytes": cache_bytes, "seconds": seconds,
+            "taps": {k: v.float() for k, v in recorded.items()}}
+
+
+def run(model_dir: str, prompts, decode_steps: int, tp: int = 1, ep: bool = False, dtype=torch.float32,
+        page_size: int = 16, taps: list[str] | None = None, threads: int | None = None) -> dict:
+    """run_steps on `tp` new processes (tp = 1: one process too, so every run pays the same
+    start-up); rank 0's result."""
+    from .groups import launch
+    return launch(run_steps, tp, str(model_dir), prompts, decode_steps, ep, dtype, page_size, taps, threads)[0]

@@ -1,0 +1,124 @@
+"""The modules a tensor-parallel rank swaps in (`tp_shard.shard_model`): each holds its rank's
+slice of a weight and does the one collective its split needs. They subclass the modules they
+replace, so hooks, state-dict names and the lab's taps see the same model.
+
+- `RowParallelLinear`: input features split, partial products summed by one all-reduce;
+- `VocabParallelEmbedding`: rows of the vocabulary split; a token's row comes from the rank that
+  holds it (the others add zeros), one all-reduce;
+- `VocabParallelLMHead`: rows of the output layer split; the local logits are all-gathered into
+  the full vocabulary (padding columns dropped) or, for greedy picks, reduced to (max, index)
+  pairs per rank (`greedy_pick`);
+- `ShardedMoE`: routed experts split by intermediate channels (TP) or whole experts per rank
+  (EP), the shared expert by channels; every rank's partial output summed by one all-reduce.
+
+The collectives run on `group` (a torch.distributed ProcessGroup); gloo on a CPU."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ..layers.linear import Linear
+from ..layers.moe import MoE
+from ..ops.moe import clamped_swiglu, experts_grouped
+
+
+def all_reduce(x, group):
+    dist.all_reduce(x, group=group)
+    return x
+
+
+class RowParallelLinear(Linear):
+    """y = all_reduce(x_local @ W[:, local].T): x arrives split along its features."""
+    group = None
+
+    def forward(self, x):
+        return all_reduce(super().forward(x), self.group)
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """Rows [first, first + n) of the vocabulary; other ids read zeros here."""
+    group = None
+    first = 0
+
+    def forward(self, ids):
+        local = ids - self.first
+        mine = (local >= 0) & (local < self.num_embeddings)
+        out = F.embedding(local.clamp(0, self.num_embeddings - 1), self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
+        return all_reduce(out, self.group)
+
+
+class VocabParallelLMHead(Linear):
+    """Output rows [first, first + n); `vocab` the real vocabulary (the last rank's slice may hold
+    padding rows past it, whose logits never count). forward gathers the full logits [T, vocab]."""
+    group = None
+    first = 0
+    vocab = 0
+
+    def local_logits(self, x):
+        logits = super().forward(x)
+        real = self.vocab - self.first
+        if real < self.out_features:            # padding rows: never the pick, never in a softmax
+            logits[..., max(real, 0):] = float("-inf")
+        return logits
+
+    def forward(self, x):
+        local = self.local_logits(x).contiguous()
+        parts = [torch.empty_like(local) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(parts, local, group=self.group)
+        return torch.cat(parts, -1)[..., :self.vocab]
+
+    def greedy_pick(self, x):
+        """The global argmax of each row without gathering the logits: every rank's (max, index)
+        pair; the largest wins, ties to the lower index (as torch.argmax over the full row)."""
+        local = self.local_logits(x)
+        best, idx = local.max(-1)
+        pair = torch.stack([best.float(), (idx + self.first).float()], -1).contiguous()
+        parts = [torch.empty_like(pair) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(parts, pair, group=self.group)
+        allp = torch.stack(parts, 0)                                    # [ranks, T, 2], ranks in vocab order
+        winner = allp[..., 0].argmax(0)                                 # first rank holding the max: the lower index
+        return allp[..., 1].gather(0, winner.unsqueeze(0)).squeeze(0).long()
+
+
+def experts_subset(x, weights, experts, gate_up, down, limit: float, first: int):
+    """Expert parallelism: only experts [first, first + E_local) live here (gate_up, down hold
+    them); returns the weighted sum of their outputs [T, D], choices of other experts adding 0.
+    Each local expert runs its own tokens' rows."""
+    E = gate_up.shape[0]
+    out = torch.zeros_like(x)
+    local = (experts >= first) & (experts < first + E)
+    t, j = local.nonzero(as_tuple=True)
+    if t.numel() == 0:
+        return out
+    e = experts[t, j] - first
+    order = e.argsort(stable=True)
+    t, j, e = t[order], j[order], e[order]
+    start = 0
+    ys = torch.empty(t.numel(), x.shape[1], dtype=x.dtype, device=x.device)
+    for i, n in enumerate(torch.bincount(e, minlength=E).tolist()):
+        if n:
+            gate, up = (x[t[start:start + n]] @ gate_up[i].T).chunk(2, dim=-1)
+            ys[start:start + n] = clamped_swiglu(gate, up, limit) @ down[i].T
+            start += n
+    return out.index_add_(0, t, ys * weights[t, j].unsqueeze(-1).to(x.dtype))
+
+
+class ShardedMoE(MoE):
+    """The MoE block with its experts split across the group's ranks (`ep`: whole experts, else
+    channels of every expert) and the shared expert split by channels; one all-reduce sums the
+    ranks' partial outputs. The router is replicated: every rank routes every token alike."""
+    group = None
+    ep = False
+    first_expert = 0
+
+    def forward(self, x):
+        weights, experts = self.gate(x)
+        e = self.experts
+        if self.ep:
+            routed = experts_subset(x, weights, experts, e.gate_up_proj, e.down_proj, e.limit, self.first_expert)
+        else:
+            routed = experts_grouped(x, weights, experts, e.gate_up_proj, e.down_proj, e.limit)
+        return all_reduce(routed + self.shared_experts(x), self.group)
