@@ -67,3 +67,20 @@ def run(model_dir: str, prompts, decode_steps: int, tp: int = 1, ep: bool = Fals
     start-up); rank 0's result."""
     from .groups import launch
     return launch(run_steps, tp, str(model_dir), prompts, decode_steps, ep, dtype, page_size, taps, threads)[0]
+
+
+def lm_head_check(groups, weight, x):
+    """The vocabulary-parallel output layer built from a full `weight` [V, D] on this rank: rank
+    0 returns (gathered logits, greedy picks) for rows `x` [T, D]."""
+    from torch import nn
+    from .tp_shard import _shard_vocab
+    V, D = weight.shape
+    holder = nn.Module()
+    holder.config = type("C", (), {"vocab_size": V})()
+    holder.embed_tokens = nn.Embedding(V, D)
+    holder.lm_head = nn.Linear(D, V, bias=False)
+    holder.lm_head.weight.data.copy_(weight)
+    _shard_vocab(holder, groups.rank, groups.world_size, groups.cp)
+    with torch.inference_mode():
+        out = holder.lm_head(x), holder.lm_head.greedy_pick(x)
+    return out if groups.rank == 0 else None

@@ -1,0 +1,83 @@
+"""Tensor and expert parallelism (`ouro.parallel.tp_shard`) over real torch.distributed ranks (gloo,
+one process each): TP = 2 and EP = 2 give TP = 1's greedy tokens and its logits to float32
+rounding on `tiny`, on a hidden shape with every weight randomised (shared indexer layers, an
+odd vocabulary that needs padding) and on `small` (slow); each rank holds about half the weights
+and exactly half the KDA state; splits that do not divide are refused with the numbers; the
+vocabulary-parallel output layer's greedy pick is the gathered argmax, ties included."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ouro.config import ModelConfig
+from ouro.models.resolve import resolve_model
+from ouro.parallel.groups import launch
+from ouro.parallel.tp_check import lm_head_check, run
+from ouro.parallel.tp_shard import check_split, rank_config
+
+from hf_reference import make_hf_checkpoint
+from numerics import rel_rms
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22], list(range(30, 60))]
+
+
+@pytest.fixture(scope="module")
+def hidden_shape(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tp_hidden")
+    make_hf_checkpoint("shared", d, seed=11, num_attention_heads=4, num_key_value_heads=4, linear_num_heads=4,
+                       vocab_size=383)
+    return d
+
+
+def _check(model_dir, steps=6):
+    one = run(model_dir, PROMPTS, steps, tp=1)
+    for ep in (False, True):
+        two = run(model_dir, PROMPTS, steps, tp=2, ep=ep)
+        assert torch.equal(two["tokens"], one["tokens"]), ("ep" if ep else "tp")
+        assert rel_rms(two["logits"], one["logits"]) < 1e-5
+        assert two["state_bytes"] * 2 == one["state_bytes"]
+        assert two["weight_bytes"] < 0.7 * one["weight_bytes"]
+    return one, two
+
+
+def test_tiny_tp2_and_ep2_equal_tp1():
+    _check(resolve_model("tiny"))
+
+
+def test_hidden_shape_with_padded_vocabulary(hidden_shape):
+    one, two = _check(hidden_shape)
+    assert one["logits"].shape[-1] == 383 == two["logits"].shape[-1]      # the padding never shows
+
+
+@pytest.mark.slow
+def test_small_tp2_and_ep2_equal_tp1():
+    _check(resolve_model("small"), steps=4)
+
+
+def test_splits_that_do_not_divide_are_refused_with_the_numbers():
+    from hf_reference import text_config
+    c = ModelConfig.from_dict(text_config("shared"))       # 3 KDA heads, 3 attention heads, 12 experts
+    with pytest.raises(ValueError, match=r"linear_num_heads\) = 3.*num_attention_heads\) = 3"):
+        check_split(c, 2)
+    check_split(c, 3, ep=True) if c.intermediate_size % 3 == 0 else None
+    with pytest.raises(ValueError, match=r"intermediate_size\) = 160"):
+        check_split(c, 3)
+    local = rank_config(ModelConfig.from_hf(resolve_model("tiny")), 2)
+    assert local.linear_num_heads == 1 and local.num_attention_heads == 1
+
+
+def test_vocab_parallel_greedy_pick_is_the_argmax_with_ties_to_the_lower_index():
+    g = torch.Generator().manual_seed(3)
+    V, D = 11, 8                                              # 6 rows per rank, one padding row
+    w = torch.nn.functional.normalize(torch.randn(V, D, generator=g), dim=-1)   # x = c * w[i] picks row i
+    w[9] = w[2]                                               # a tie across ranks: the lower index wins
+    w[4] = w[1]                                               # a tie inside rank 0
+    x = torch.randn(5, D, generator=g)
+    x[0] = w[2] * 10                                          # rows whose best is a tied pair
+    x[1] = w[1] * 10
+    logits, picks = launch(lm_head_check, 2, w, x)[0]
+    full = x @ w.T
+    assert logits.shape == (5, V) and torch.allclose(logits, full, rtol=1e-6, atol=1e-6)
+    assert torch.equal(picks, full.argmax(-1))
+    assert picks[0] == 2 and picks[1] == 1
