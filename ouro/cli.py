@@ -159,6 +159,15 @@ def add_speculative_flags(p) -> None:
                    help="output tokens before the canary judges a request (default 32)")
 
 
+def add_parallel_flags(p) -> None:
+    p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1, metavar="N",
+                   help="split the weights over N ranks (processes, gloo on a CPU): KDA and attention heads, MLP "
+                        "channels, vocabulary")
+    p.add_argument("--ep", "--expert-parallel-size", dest="ep", type=int, default=1, metavar="N",
+                   help="with --tp N: routed experts whole per rank (N must equal --tp); default: every expert's "
+                        "channels split")
+
+
 def add_determinism_flag(p) -> None:
     p.add_argument("--enable-deterministic-inference", action="store_true",
                    help="batch-invariant kernels: a request's logits do not depend on what it is batched with "
@@ -209,6 +218,7 @@ def add_serve_parser(sub) -> None:
     add_kv_cache_flags(sv)
     add_speculative_flags(sv)
     add_determinism_flag(sv)
+    add_parallel_flags(sv)
     sv.add_argument("--cp", "--context-parallel-size", dest="cp", type=int, default=1,
                     help="ranks of a context-parallel prefill: the engine plus N-1 helper processes, each holding the "
                          "model; prompts of --cp-threshold tokens or more are prefilled across them, decode stays on the engine")
@@ -277,6 +287,7 @@ def build_parser(argv=None) -> argparse.ArgumentParser:
     add_kv_cache_flags(gen)
     add_speculative_flags(gen)
     add_determinism_flag(gen)
+    add_parallel_flags(gen)
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-p", type=float, default=1.0)

@@ -15,6 +15,7 @@ def spec_config(args) -> dict | None:
 
 
 def generate_cli(args) -> int:
+    from .config import tp_args
     from .engine.llm import LLM
     from .engine.sampling import SamplingParams
     llm = LLM(args.model, device=args.device, dtype=args.dtype, max_memory=args.max_memory,
@@ -22,7 +23,8 @@ def generate_cli(args) -> int:
               quantization=getattr(args, "quantization", None), quantization_ignore=split_patterns(getattr(args, "quantization_ignore", None)),
               kv_cache_dtype=args.kv_cache_dtype, kv_cache_layer_dtype=args.kv_cache_layer_dtype,
               speculative_config=spec_config(args),
-              enable_deterministic_inference=bool(getattr(args, "enable_deterministic_inference", False)))
+              enable_deterministic_inference=bool(getattr(args, "enable_deterministic_inference", False)),
+              tensor_parallel_size=tp_args(args)["tensor_parallel_size"], enable_expert_parallel=tp_args(args)["expert_parallel"])
     engine = llm.engine
     if args.prompt_token_ids:
         try:

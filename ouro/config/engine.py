@@ -41,6 +41,14 @@ def speculative_args(args) -> dict:
     return out
 
 
+def tp_args(args) -> dict:
+    """EngineConfig fields from the command line's --tp / --ep, checked against each other."""
+    tp, ep = getattr(args, "tp", 1), getattr(args, "ep", 1)
+    if ep not in (1, tp):
+        raise ValueError(f"--ep {ep} must be 1 or equal --tp ({tp}): experts are sharded over the tensor-parallel ranks")
+    return {"tensor_parallel_size": tp, "expert_parallel": ep > 1}
+
+
 def split_patterns(text: str | None) -> tuple | None:
     """'a, b.*' -> ('a', 'b.*'); None stays None (a command line's comma-separated patterns)."""
     return None if text is None else tuple(p.strip() for p in text.split(",") if p.strip())
@@ -61,6 +69,8 @@ class EngineConfig:
     seed: int = 0
     compile: bool = False              # run decode steps as a compiled graph (ouro.engine.decode_graph)
     torch_compile_max_bs: int = 32     # the largest decode batch the graph runs (larger ones run eagerly)
+    tensor_parallel_size: int = 1      # ranks the weights are split over (ouro.parallel.tp_shard, ouro.engine.tp_workers)
+    expert_parallel: bool = False      # with tensor parallelism: routed experts whole per rank (else channels split)
     context_parallel_size: int = 1     # ranks of a context-parallel prefill (ouro.parallel.cp_prefill)
     cp_threshold: int = 4096           # prompts of at least this many tokens take the CP prefill
     cp_precision: str = "auto"         # the KDA state chain's precision; auto: fp32 on a CPU, tf32x3 on CUDA
@@ -97,7 +107,7 @@ class EngineConfig:
             if not _is_int(v) or v < minimum:
                 raise ValueError(f"{name} must be an integer >= {minimum}{' or None' if optional else ''}, got {v!r}")
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "kda_chunk_size", "torch_compile_max_bs",
-                     "context_parallel_size", "cp_threshold"):
+                     "context_parallel_size", "cp_threshold", "tensor_parallel_size"):
             count(name)
         if self.quantization is not None and self.quantization not in self.QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(self.QUANTIZATIONS)} or None, got {self.quantization!r}")
@@ -110,7 +120,7 @@ class EngineConfig:
             raise ValueError(f"cp_precision must be one of auto, fp32, tf32, tf32x3, got {self.cp_precision!r}")
         count("max_model_len", optional=True)
         count("max_memory", optional=True)
-        for name in ("compile", "deterministic_inference"):
+        for name in ("compile", "deterministic_inference", "expert_parallel"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.speculative_algorithm is not None and str(self.speculative_algorithm).upper() not in self.SPECULATIVE:

@@ -123,6 +123,8 @@ def serve_disagg(args) -> int:
     """`ouro serve --disagg XPYD`: the workers as child processes, then the router in this one."""
     from ..serve.server import serve
     from .router_client import DisaggClient
+    if getattr(args, "tp", 1) > 1:
+        raise ValueError("--disagg does not combine with --tp yet: each worker would need its own ranks")
     n_prefill, n_decode = parse_layout(args.disagg)
     procs, roles = {}, {"prefill": [], "decode": []}
     for role, n in (("prefill", n_prefill), ("decode", n_decode)):
@@ -156,8 +158,8 @@ def run_role(args) -> int:
     from ..models.resolve import resolve_model
     from ..serve.server import engine_kwargs
     from .worker import run_worker
-    if args.cp > 1:
-        raise ValueError("--role does not combine with --cp yet")
+    if args.cp > 1 or getattr(args, "tp", 1) > 1:
+        raise ValueError("--role does not combine with --cp or --tp yet")
     directory = resolve_model(args.model, progress=True)
     run_worker(args.role, str(directory), engine_kwargs(args), args.host, args.port, args.transfer_backend,
                args.bootstrap_port, args.transfer_timeout, args.exit_with_parent)

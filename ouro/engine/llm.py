@@ -78,7 +78,8 @@ class LLM:
                  verbose: bool = False, compile: bool = False, torch_compile_max_bs: int = 32,
                  quantization: str | None = None, quantization_ignore: tuple | None = None,
                  kv_cache_dtype: str = "auto", kv_cache_layer_dtype: str | None = None,
-                 speculative_config: dict | None = None, enable_deterministic_inference: bool = False):
+                 speculative_config: dict | None = None, enable_deterministic_inference: bool = False,
+                 tensor_parallel_size: int = 1, enable_expert_parallel: bool = False):
         from ..models.resolve import load_tokenizer
         from ..models.loader import load_model
         from ..models.resolve import resolve_model
@@ -88,6 +89,7 @@ class LLM:
                            compile=compile, torch_compile_max_bs=torch_compile_max_bs, quantization=quantization,
                            quantization_ignore=quantization_ignore, kv_cache_dtype=kv_cache_dtype,
                            kv_cache_layer_dtype=kv_cache_layer_dtype, deterministic_inference=enable_deterministic_inference,
+                           tensor_parallel_size=tensor_parallel_size, expert_parallel=enable_expert_parallel,
                            **speculative_options(speculative_config))
         directory = resolve_model(model, progress=verbose)
         # options checked against the model's config before any weight is read

@@ -27,8 +27,9 @@ class LLMEngine:
                  logits_processors=(), model_dir=None, mtp_layer=None):
         """model_dir: the checkpoint `model` came from; context parallelism loads it on its helper ranks,
         speculative decoding its MTP layer (or pass `mtp_layer`, an `ouro.models.mtp.MTPLayer`)."""
+        self.check_options(config, model.config, enable_prefix_caching, checkpoint_interval)
+        self.tp = self._start_tp(model, config, model_dir)     # the model now holds this rank's shard
         mc = model.config
-        self.check_options(config, mc, enable_prefix_caching, checkpoint_interval)
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.record_logits = record_logits    # keep each sampled step's logits (tests, probes)
         # callables (prompt_ids, output_ids, logits [V]) -> logits, applied before sampling
@@ -71,6 +72,13 @@ class LLMEngine:
                                   min(config.torch_compile_max_bs, config.max_num_seqs) if config.compile else 0,
                                   cp=self.cp, kv_kinds=self.kv_kinds, cache_config=cache_config,
                                   keep_hidden=bool(config.speculative_algorithm))
+        if self.tp is not None:
+            self.tp.send({"op": "cache", "n_slots": self.runner.cache.n_slots, "n_pages": self.runner.cache.n_pages,
+                          "page_size": config.page_size, "n_checkpoints": self.plan.n_checkpoints,
+                          "kv_kinds": {str(k): v for k, v in self.kv_kinds.items()}})
+            model.register_forward_pre_hook(self.tp.forward_hook)
+            if self.runner.checkpoints is not None:
+                self.runner.checkpoints.mirror = self.tp.mirror
         self.speculator = None
         if config.speculative_algorithm:
             from .speculative import Speculator
@@ -108,12 +116,45 @@ class LLMEngine:
         self.num_failed_steps = 0
 
     @staticmethod
+    def _start_tp(model, config: EngineConfig, model_dir):
+        """Tensor parallelism: start the follower ranks and keep rank 0's shard; None at size 1."""
+        if config.tensor_parallel_size == 1:
+            return None
+        if model_dir is None:
+            raise ValueError("tensor parallelism needs the model's checkpoint directory (model_dir): every rank loads it")
+        from ..parallel.tp_shard import shard_model
+        from .tp_workers import TPWorkers
+        tp = TPWorkers(model_dir, config.tensor_parallel_size,
+                       {"dtype": config.dtype, "device": config.device, "kda_chunk_size": config.kda_chunk_size,
+                        "ep": config.expert_parallel, "quantization": config.quantization,
+                        "quantization_ignore": config.quantization_ignore, "deterministic": config.deterministic_inference})
+        shard_model(model, tp.group, ep=config.expert_parallel)
+        return tp
+
+    def close(self) -> None:
+        """Stop the helper ranks (tensor and context parallelism); the engine computes no more after."""
+        for helper in (self.tp, self.cp):
+            if helper is not None:
+                helper.close()
+
+    @staticmethod
     def check_options(config: EngineConfig, mc, enable_prefix_caching: bool, checkpoint_interval: int) -> None:
         """Engine options against each other, the model's config and the machine (no weights needed)."""
         config.validate()
         config.check_device()
         if isinstance(checkpoint_interval, bool) or not isinstance(checkpoint_interval, int) or checkpoint_interval < 1:
             raise ValueError(f"prefix checkpoint_interval must be an integer >= 1 (pages), got {checkpoint_interval!r}")
+        if config.tensor_parallel_size > 1:
+            from ..parallel.tp_shard import check_split
+            check_split(mc, config.tensor_parallel_size, config.expert_parallel)
+            for on, what in ((config.speculative_algorithm, "speculative decoding"), (config.compile, "--compile"),
+                             (config.context_parallel_size > 1, "context parallelism (--cp)"),
+                             (config.device != "cpu", "a device other than the CPU")):
+                if on:
+                    raise ValueError(f"tensor parallelism (--tp) does not combine with {what} yet; drop one of them")
+        elif config.expert_parallel:
+            raise ValueError("expert parallelism shards the routed experts over the tensor-parallel ranks: "
+                             "it needs --tp N (and --ep N, the same N)")
         if config.speculative_algorithm and config.context_parallel_size > 1:
             raise ValueError("speculative decoding does not combine with context parallelism yet; drop one of them")
         if config.speculative_algorithm and not mc.has_mtp:
@@ -224,7 +265,7 @@ class LLMEngine:
                 log.error("context parallelism is off (%s): long prompts now prefill on this rank alone", self.cp.broken)
                 self.scheduler.cp_threshold = 0
             raise
-        except BaseException:
+        except BaseException as e:
             # The forward may have advanced KDA states and written cache rows of every request
             # in the batch while their computed-token counts did not move: such a state must
             # never be resumed. Recompute them from scratch (their tokens so far are kept).
@@ -233,6 +274,11 @@ class LLMEngine:
                 if r.request_id in self.requests:
                     self._drop_checkpoints(r)
                     self.scheduler.reset(r)
+            if self.tp is not None:     # the ranks may be out of step: no later forward can be trusted
+                from .tp_workers import TPBroken
+                why = self.tp.broken or f"{type(e).__name__}: {e}"
+                self.tp.broken = why
+                raise TPBroken(f"tensor parallelism is broken: {why}") from e
             raise
         with span("checkpoint", cat="cache"):
             self._checkpoint(batch)

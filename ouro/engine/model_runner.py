@@ -22,16 +22,24 @@ class CheckpointStore:
         self.conv = cache.conv.new_zeros(cache.conv.shape[0], n, *cache.conv.shape[2:])
         self.recurrent = cache.recurrent.new_zeros(cache.recurrent.shape[0], n, *cache.recurrent.shape[2:])
         self.free_ids = list(range(n - 1, -1, -1))
+        self.mirror = None       # (op, a, b) -> None: tensor-parallel followers do the same to their caches
 
     def save(self, slot: int) -> int | None:
         if not self.free_ids:
             return None
         i = self.free_ids.pop()
-        self.conv[:, i] = self.cache.conv[:, slot]
-        self.recurrent[:, i] = self.cache.recurrent[:, slot]
+        if self.mirror is not None:
+            self.mirror("save", slot, i)
+        self.save_at(slot, i)
         return i
 
+    def save_at(self, slot: int, i: int) -> None:
+        self.conv[:, i] = self.cache.conv[:, slot]
+        self.recurrent[:, i] = self.cache.recurrent[:, slot]
+
     def restore(self, i: int, slot: int) -> None:
+        if self.mirror is not None:
+            self.mirror("restore", i, slot)
         self.cache.conv[:, slot] = self.conv[:, i]
         self.cache.recurrent[:, slot] = self.recurrent[:, i]
 

@@ -17,6 +17,7 @@ import time
 from ..measure import spans
 from ..measure.spans import span
 from ..engine.request import RequestFailed
+from ..engine.tp_workers import TPBroken
 
 log = logging.getLogger("ouro.engine_process")
 
@@ -171,6 +172,12 @@ def _loop(engine, inbox, sender, decode, params_from_wire) -> None:
                 log.error("request %s failed: %s", e.request_id, e)
                 sender.send({"type": "error", "rid": e.request_id, "status": 500, "message": str(e)})
                 outs = []
+            except TPBroken as e:    # a tensor-parallel rank is gone: fail everything and stop (unhealthy)
+                log.error("%s", e)
+                for rid in list(engine.requests):
+                    engine.abort(rid)
+                    sender.send({"type": "error", "rid": rid, "status": 500, "message": str(e)})
+                return
             except Exception as e:   # the engine reset the batch for recompute; don't loop forever
                 failures += 1
                 log.exception("engine step failed (%d in a row)", failures)

@@ -10,7 +10,7 @@ import signal
 import sys
 from pathlib import Path
 
-from ..config import speculative_args, split_patterns
+from ..config import speculative_args, split_patterns, tp_args
 
 
 def engine_kwargs(args) -> dict:
@@ -27,7 +27,7 @@ def engine_kwargs(args) -> dict:
             "kv_cache_layer_dtype": getattr(args, "kv_cache_layer_dtype", None),
             "deterministic_inference": bool(getattr(args, "enable_deterministic_inference", False)),
             "enable_prefix_caching": args.enable_prefix_caching,
-            "prefix_checkpoint_interval": args.prefix_checkpoint_interval, **speculative_args(args)}
+            "prefix_checkpoint_interval": args.prefix_checkpoint_interval, **speculative_args(args), **tp_args(args)}
 
 
 def random_init_note(directory: Path) -> str | None:

@@ -1,0 +1,144 @@
+"""The engine's tensor-parallel ranks (`--tp N`): the engine process is rank 0 and owns the
+scheduler; it starts N - 1 follower processes (`python -m ouro.engine.tp_workers`), each loading
+the checkpoint and keeping its shard (`parallel.tp_shard`). Every operation that touches a rank's
+model or cache reaches the followers as one JSON line on their stdin, in the order rank 0 runs
+it: a forward (the flat batch's ids and the arguments `ForwardContext.build` takes), a KDA
+checkpoint save or restore. The forward's collectives (gloo on a CPU) then keep the ranks in
+step. stdin closing (the engine exits) ends a follower.
+
+A follower that dies makes rank 0's next collective fail (a closed connection ends it at once;
+the group timeout bounds the rest): `TPWorkers.broken` says why, the engine fails what it was
+running and stops (the server then reports itself unhealthy), and nothing waits on a collective
+past the timeout."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+from ..parallel.groups import _free_port, init
+
+JOIN_TIMEOUT_S = 300.0       # followers load the checkpoint before they join
+
+
+class TPBroken(RuntimeError):
+    """A tensor-parallel rank is gone: the engine cannot compute any more."""
+
+
+class TPWorkers:
+    def __init__(self, model_dir: str, size: int, options: dict, timeout_s: float = 120.0):
+        """options: what every rank builds its model with (dtype, device, kda_chunk_size, ep,
+        quantization, quantization_ignore)."""
+        self.size, self.broken = size, None
+        port = _free_port()
+        threads = max(1, (os.cpu_count() or 1) // size)
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+        self.procs = [subprocess.Popen([sys.executable, "-m", "ouro.engine.tp_workers", str(model_dir), str(r), str(size),
+                                        str(port), str(timeout_s), json.dumps(options)],
+                                       stdin=subprocess.PIPE, env=env, text=True)
+                      for r in range(1, size)]
+        torch.set_num_threads(threads)
+        self.groups = init(0, size, f"tcp://127.0.0.1:{port}", None, JOIN_TIMEOUT_S)
+        self.group = self.groups.cp
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def send(self, op: dict) -> None:
+        """One operation to every follower, before rank 0 runs it itself."""
+        if self.broken:
+            raise TPBroken(f"tensor parallelism is broken: {self.broken}")
+        line = json.dumps(op) + "\n"
+        for r, p in enumerate(self.procs, start=1):
+            if p.poll() is not None:
+                self.fail(f"TP rank {r} of {self.size} exited (code {p.returncode})")
+            try:
+                p.stdin.write(line)
+                p.stdin.flush()
+            except (BrokenPipeError, OSError) as e:
+                self.fail(f"TP rank {r} of {self.size} is gone ({e})")
+
+    def fail(self, why: str):
+        self.broken = why
+        raise TPBroken(f"tensor parallelism is broken: {why}")
+
+    def forward_hook(self, module, args):
+        """A forward pre-hook on rank 0's model: the followers run the same batch."""
+        ids, ctx = args
+        logits = ctx.logits_index.tolist() if ctx.logits_index is not None else "all"
+        self.send({"op": "forward", "ids": ids.tolist(), "query_lens": list(ctx.query_lens), "start_pos": list(ctx.start_pos),
+                   "slots": list(ctx.state_slots_list), "table": ctx.page_table.tolist(), "logits": logits})
+
+    def mirror(self, op: str, a: int, b: int) -> None:
+        """A KDA checkpoint operation (CheckpointStore) on the followers' caches too."""
+        self.send({"op": op, "a": a, "b": b})
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    p.stdin.close()
+                except OSError:
+                    pass
+        for p in self.procs:
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        import torch.distributed as dist
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:       # a group broken by a lost rank
+                pass
+
+
+def follower_main(model_dir, rank, size, port, timeout_s, options) -> None:
+    from ..config import EngineConfig
+    from ..gemm_pick import apply_to
+    from ..layers.context import ForwardContext, ModelCache
+    from ..models.loader import load_model
+    from ..parallel.tp_shard import shard_model
+    from .model_runner import CheckpointStore
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    o = json.loads(options)
+    dtype = EngineConfig(device=o["device"], dtype=o["dtype"]).torch_dtype()
+    model = load_model(model_dir, dtype=dtype, device=o["device"], kda_chunk_size=o["kda_chunk_size"])
+    groups = init(int(rank), int(size), f"tcp://127.0.0.1:{port}", None, float(timeout_s))
+    shard_model(model, groups.cp, ep=o["ep"])
+    if o.get("quantization"):
+        from ..quant.w8a8 import quantize_model
+        quantize_model(model, o["quantization"], o.get("quantization_ignore"))
+    if o.get("deterministic"):
+        from ..ops import batch_invariant
+        batch_invariant.enable()
+    apply_to(model)
+    cache = checkpoints = None
+    with torch.inference_mode():
+        for line in sys.stdin:
+            op = json.loads(line)
+            kind = op["op"]
+            if kind == "cache":
+                kinds = {int(k): v for k, v in op["kv_kinds"].items()}
+                cache = ModelCache(model.config, op["n_slots"], op["n_pages"], op["page_size"], dtype=dtype,
+                                   device=o["device"], kv_kinds=kinds)
+                checkpoints = CheckpointStore(cache, op["n_checkpoints"]) if op["n_checkpoints"] else None
+            elif kind == "forward":
+                logits = op["logits"]
+                ctx = ForwardContext.build(cache, op["query_lens"], op["start_pos"], op["slots"], op["table"],
+                                           logits=logits if isinstance(logits, str) else torch.tensor(logits))
+                model(torch.tensor(op["ids"], device=o["device"]), ctx)
+            elif kind == "save":
+                checkpoints.save_at(op["a"], op["b"])
+            elif kind == "restore":
+                checkpoints.restore(op["a"], op["b"])
+
+
+if __name__ == "__main__":
+    follower_main(*sys.argv[1:])
