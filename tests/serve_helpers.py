@@ -108,3 +108,17 @@ def post(server, path, body, key=..., raw=None):
         return httpx.post(server.base + path, content=raw, headers={**headers, "content-type": "application/json"},
                           timeout=30)
     return httpx.post(server.base + path, json=body, headers=headers, timeout=30)
+
+
+def pids_running(marker: bytes) -> list[int]:
+    """Processes whose command line contains `marker` (e.g. b"ouro.engine.tp_workers")."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/cmdline", "rb") as f:
+                    if marker in f.read():
+                        out.append(int(d))
+            except OSError:
+                pass
+    return out

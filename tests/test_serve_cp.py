@@ -14,7 +14,7 @@ from ouro.config import EngineConfig
 from ouro.engine.sampling import SamplingParams
 from ouro.models.loader import load_model
 
-from serve_helpers import Server, idle, post
+from serve_helpers import Server, idle, pids_running, post
 
 THRESHOLD = 64
 
@@ -53,16 +53,7 @@ def cpu_seconds(pid):
 
 
 def helper_pids():
-    out = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/cmdline", "rb") as f:
-                    if b"ouro.parallel.cp_prefill" in f.read():
-                        out.append(int(d))
-            except OSError:
-                pass
-    return out
+    return pids_running(b"ouro.parallel.cp_prefill")
 
 
 @pytest.mark.slow
