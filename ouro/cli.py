@@ -81,7 +81,7 @@ def _cmd_bench(args) -> int:
 
 def _cmd_plan(args) -> int:
     import torch
-    from .config import ModelConfig
+    from .config import ModelConfig, tp_args
     from .engine.plan_report import format_plan
     from .models.presets import PRESETS
     config = PRESETS[args.model] if args.model in PRESETS else ModelConfig.from_hf(args.model)
@@ -96,7 +96,8 @@ def _cmd_plan(args) -> int:
     memory = parse_bytes(args.device_memory) if args.device_memory else None
     for c in contexts:
         print(format_device_plan(args.model, device_plan(config, c, args.tp, args.cp, getattr(torch, args.kv_cache_dtype),
-                                                         device_bytes=memory, prefill_chunk=args.prefill_chunk)))
+                                                         device_bytes=memory, prefill_chunk=args.prefill_chunk,
+                                                         ep=tp_args(args)["expert_parallel"])))
     return 0
 
 
@@ -336,6 +337,7 @@ def build_parser(argv=None) -> argparse.ArgumentParser:
     plan.add_argument("--context", default="4096,131072,1048576", help="comma-separated context lengths")
     plan.add_argument("--kv-cache-dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     plan.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (weights and KDA state split)")
+    plan.add_argument("--ep", type=int, default=1, help="with --tp N: routed experts whole per rank (N = --tp)")
     plan.add_argument("--cp", type=int, default=1, help="context-parallel ranks of one prefill")
     plan.add_argument("--device-memory", default=None, help="memory of one device, e.g. 141GB or 80GiB: how many requests fit")
     plan.add_argument("--prefill-chunk", type=int, default=8192, help="most prompt tokens one rank prefills at once")

@@ -14,7 +14,8 @@ from ouro.config import ModelConfig
 from ouro.models.resolve import resolve_model
 from ouro.parallel.groups import launch
 from ouro.parallel.tp_check import lm_head_check, run
-from ouro.parallel.tp_shard import check_split, rank_config
+from ouro.engine.device_plan import device_plan
+from ouro.parallel.tp_shard import check_split, rank_config, rank_weight_bytes
 
 from hf_reference import make_hf_checkpoint
 from numerics import rel_rms
@@ -31,13 +32,20 @@ def hidden_shape(tmp_path_factory):
 
 
 def _check(model_dir, steps=6):
+    config = ModelConfig.from_hf(model_dir)
     one = run(model_dir, PROMPTS, steps, tp=1)
+    assert one["weight_bytes"] == rank_weight_bytes(config, 1)
     for ep in (False, True):
         two = run(model_dir, PROMPTS, steps, tp=2, ep=ep)
         assert torch.equal(two["tokens"], one["tokens"]), ("ep" if ep else "tp")
         assert rel_rms(two["logits"], one["logits"]) < 1e-5
         assert two["state_bytes"] * 2 == one["state_bytes"]
         assert two["weight_bytes"] < 0.7 * one["weight_bytes"]
+        # `ouro plan --tp 2` figures are rank 0's real allocations
+        assert two["weight_bytes"] == rank_weight_bytes(config, 2, ep)
+        plan = device_plan(config, 64, tp=2, weight_dtype=torch.float32, ep=ep)
+        assert plan.weight_bytes == two["weight_bytes"]
+        assert plan.kda_state_bytes == two["state_bytes"] // len(PROMPTS)
     return one, two
 
 
@@ -81,3 +89,21 @@ def test_vocab_parallel_greedy_pick_is_the_argmax_with_ties_to_the_lower_index()
     assert logits.shape == (5, V) and torch.allclose(logits, full, rtol=1e-6, atol=1e-6)
     assert torch.equal(picks, full.argmax(-1))
     assert picks[0] == 2 and picks[1] == 1
+
+
+def test_command_line_refuses_mismatched_parallel_options():
+    from argparse import Namespace
+    from ouro.config import EngineConfig, tp_args
+    from ouro.engine.llm_engine import LLMEngine
+    with pytest.raises(ValueError, match="--ep 2 must be 1 or equal --tp"):
+        tp_args(Namespace(tp=4, ep=2))
+    assert tp_args(Namespace(tp=2, ep=2)) == {"tensor_parallel_size": 2, "expert_parallel": True}
+    c = ModelConfig.from_hf(resolve_model("tiny-py"))
+    for kw, message in (({"speculative_algorithm": "NEXTN"}, "speculative decoding"), ({"compile": True}, "--compile"),
+                        ({"context_parallel_size": 2}, "context parallelism")):
+        with pytest.raises(ValueError, match=message):
+            LLMEngine.check_options(EngineConfig(tensor_parallel_size=2, **kw), c, False, 1)
+    with pytest.raises(ValueError, match="needs --tp N"):
+        LLMEngine.check_options(EngineConfig(expert_parallel=True), c, False, 1)
+    with pytest.raises(ValueError, match="linear_num_heads\\) = 4"):
+        LLMEngine.check_options(EngineConfig(tensor_parallel_size=3), c, False, 1)

@@ -87,20 +87,19 @@ def activation_bytes(config: ModelConfig, tokens: int, tp: int, context: int, dt
 
 def device_plan(config: ModelConfig, context: int, tp: int = 1, cp: int = 1, kv_dtype=torch.bfloat16,
                 weight_dtype=torch.bfloat16, device_bytes: int | None = None, prefill_chunk: int = 8192,
-                page_size: int = 64) -> DevicePlan:
-    from ..models.presets import parameter_count
+                page_size: int = 64, ep: bool = False) -> DevicePlan:
+    from ..parallel.tp_shard import rank_weight_bytes
     for name, v in (("tp", tp), ("cp", cp), ("context", context), ("prefill_chunk", prefill_chunk)):
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
-    if config.linear_num_heads % tp or config.num_attention_heads % tp:
-        raise ValueError(f"--tp {tp} must divide the attention heads ({config.num_attention_heads}) and the KDA heads "
-                         f"({config.linear_num_heads})")
-    we = torch.empty(0, dtype=weight_dtype).element_size()
+    # rank 0's weights as `--tp` shards them: split parts / tp plus everything replicated (refuses
+    # a size that does not divide, naming the counts)
+    weights = rank_weight_bytes(config, tp, ep, weight_dtype)
     seq = sequence_bytes(config, context, kv_dtype, page_size)
     ke = torch.empty(0, dtype=kv_dtype).element_size()
     all_mla = -(-context // page_size) * page_size * config.num_hidden_layers * config.kv_lora_rank * ke
     chunk = min(prefill_chunk, -(-context // cp))
-    return DevicePlan(context, tp, cp, parameter_count(config) * we // tp, seq["paged_bytes"],
+    return DevicePlan(context, tp, cp, weights, seq["paged_bytes"],
                       seq["state_bytes"] // tp, activation_bytes(config, chunk, tp, context, weight_dtype),
                       chunk, device_bytes, all_mla)
 

@@ -145,7 +145,22 @@ def shard_model(model, group, ep: bool = False):
     place; returns the model, whose `config` is now the rank's (`rank_config`; `full_config` the
     checkpoint's). size 1 leaves the model as it is."""
     import torch.distributed as dist
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    return shard_for(model, dist.get_rank(group), dist.get_world_size(group), group, ep)
+
+
+def rank_weight_bytes(config, size: int, ep: bool = False, dtype=torch.float32) -> int:
+    """Bytes of weights rank 0 holds at `size` ranks (the largest share: the replicated parts and
+    rank 0's slices), from a model built on the meta device and sharded by the same rules."""
+    from ..models.glm5_next import Glm5NextModel
+    with torch.device("meta"):
+        model = Glm5NextModel(config).to(dtype)      # KeepFloat32 parts stay float32, as when loaded
+    shard_for(model, 0, size, None, ep)
+    return sum(t.numel() * t.element_size() for t in model.state_dict().values())
+
+
+def shard_for(model, rank: int, size: int, group, ep: bool = False):
+    """shard_model with the place given: rank `rank` of `size` (group: where the collectives run;
+    None for a model that only is measured)."""
     check_split(model.config, size, ep)
     if size == 1:
         return model
