@@ -11,12 +11,13 @@ from ouro.models.glm5_next import Glm5NextModel
 from ouro.models.presets import PRESETS
 
 
-def test_weights_are_the_models_parameters_split_by_tp():
+def test_weights_are_the_models_tensors_and_tp_splits_only_the_split_parts():
     c = PRESETS["tiny"]
-    model = Glm5NextModel(c).to(torch.bfloat16)
-    real = sum(p.numel() * 2 for p in model.parameters())     # bf16 everywhere for this count
+    model = Glm5NextModel(c).to(torch.bfloat16)               # float32-kept parts stay float32, as loaded
+    real = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     assert device_plan(c, 1024).weight_bytes == real
-    assert device_plan(c, 1024, tp=2).weight_bytes == real // 2
+    half = device_plan(c, 1024, tp=2).weight_bytes            # tests/test_tp.py: equal to a real rank's
+    assert real // 2 < half < 0.7 * real                      # the replicated parts (mHC, norms, indexer, router) stay
 
 
 @pytest.mark.parametrize("context", [1, 64, 1000])
@@ -47,7 +48,7 @@ def test_fits_and_scaling():
 
 
 def test_bad_input_is_refused_with_the_option_named():
-    with pytest.raises(ValueError, match="--tp 3 must divide"):
+    with pytest.raises(ValueError, match="--tp 3 does not divide"):
         device_plan(PRESETS["flash"], 1024, tp=3)
     with pytest.raises(ValueError, match="cp must be an integer >= 1"):
         device_plan(PRESETS["flash"], 1024, cp=0)
