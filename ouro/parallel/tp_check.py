@@ -36,12 +36,17 @@ def run_steps(groups, model_dir: str, prompts: list[list[int]], decode_steps: in
     hooks = [model.get_submodule(name).register_forward_hook(
         lambda mod, inp, out, name=name: recorded.setdefault(name, out[0] if isinstance(out, tuple) else out))
         for name in (taps or [])]
+    from .tp_layers import COLLECTIVE_SECONDS
     logits, tokens, seconds = [], [], {}
     with torch.inference_mode():
+        model(torch.tensor(prompts[0][:2]), ForwardContext.build(cache, [2], [0], [0], table[:1]))   # warm-up
+        for k in COLLECTIVE_SECONDS:
+            COLLECTIVE_SECONDS[k] = 0.0
         t0 = time.perf_counter()
         ctx = ForwardContext.build(cache, [len(p) for p in prompts], [0] * B, list(range(B)), table)
         logits.append(model(torch.tensor([t for p in prompts for t in p]), ctx).float())
         seconds["prefill"] = time.perf_counter() - t0
+        seconds["prefill_collectives"] = sum(COLLECTIVE_SECONDS.values())
         for h in hooks:
             h.remove()
         pos = [len(p) for p in prompts]
@@ -53,6 +58,7 @@ def run_steps(groups, model_dir: str, prompts: list[list[int]], decode_steps: in
             logits.append(model(nxt, ctx).float())
             pos = [p + 1 for p in pos]
         seconds["decode"] = time.perf_counter() - t0
+        seconds["decode_collectives"] = sum(COLLECTIVE_SECONDS.values()) - seconds["prefill_collectives"]
     cache_bytes = sum(t.numel() * t.element_size() for t in (cache.conv, cache.recurrent))
     if groups.rank != 0:
         return None

@@ -15,6 +15,8 @@ The collectives run on `group` (a torch.distributed ProcessGroup); gloo on a CPU
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -25,9 +27,23 @@ from ..layers.moe import MoE
 from ..ops.moe import clamped_swiglu, experts_grouped
 
 
+# seconds this process spent inside the collectives, by kind: what a TP run's time breakdown reads
+COLLECTIVE_SECONDS = {"all_reduce": 0.0, "all_gather": 0.0}
+
+
 def all_reduce(x, group):
+    t0 = time.perf_counter()
     dist.all_reduce(x, group=group)
+    COLLECTIVE_SECONDS["all_reduce"] += time.perf_counter() - t0
     return x
+
+
+def all_gather(x, group) -> list:
+    t0 = time.perf_counter()
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x, group=group)
+    COLLECTIVE_SECONDS["all_gather"] += time.perf_counter() - t0
+    return parts
 
 
 class RowParallelLinear(Linear):
@@ -65,10 +81,7 @@ class VocabParallelLMHead(Linear):
         return logits
 
     def forward(self, x):
-        local = self.local_logits(x).contiguous()
-        parts = [torch.empty_like(local) for _ in range(dist.get_world_size(self.group))]
-        dist.all_gather(parts, local, group=self.group)
-        return torch.cat(parts, -1)[..., :self.vocab]
+        return torch.cat(all_gather(self.local_logits(x).contiguous(), self.group), -1)[..., :self.vocab]
 
     def greedy_pick(self, x):
         """The global argmax of each row without gathering the logits: every rank's (max, index)
@@ -76,9 +89,7 @@ class VocabParallelLMHead(Linear):
         local = self.local_logits(x)
         best, idx = local.max(-1)
         pair = torch.stack([best.float(), (idx + self.first).float()], -1).contiguous()
-        parts = [torch.empty_like(pair) for _ in range(dist.get_world_size(self.group))]
-        dist.all_gather(parts, pair, group=self.group)
-        allp = torch.stack(parts, 0)                                    # [ranks, T, 2], ranks in vocab order
+        allp = torch.stack(all_gather(pair, self.group), 0)                                    # [ranks, T, 2], ranks in vocab order
         winner = allp[..., 0].argmax(0)                                 # first rank holding the max: the lower index
         return allp[..., 1].gather(0, winner.unsqueeze(0)).squeeze(0).long()
 
