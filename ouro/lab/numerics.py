@@ -92,8 +92,31 @@ def probe_numerics(model: str, a: str | Config = "dtype=float64", b: str | Confi
             names = ouro_names(next(iter(recs.values()), None), model_dir)
         recs[key] = run_config(model_dir, cfg, prompt, seed, device, names)
     ra, rb = recs["a"], recs["b"]
+    broken = [f for r, cfg in ((ra, ca), (rb, cb)) for f in tp_findings(r, cfg)]
+    if broken:
+        return broken
     ctx = dict(model=model, a=ca, b=cb, prompt_len=prompt_len, seed=seed, device=device, n=prompt_len)
     return findings_from(ra, rb, column(ca.dtype, cb.dtype, _lossy(ca), _lossy(cb)), ctx)
+
+
+def tp_findings(rec: Recording, cfg: Config) -> list[Finding]:
+    """A tensor-parallel run whose ranks did not issue the same collectives (or stopped on one):
+    no output of it can be trusted, so this is the finding, naming the module."""
+    mismatch, errors = getattr(rec, "tp_mismatch", None), getattr(rec, "tp_errors", {})
+    if not mismatch and not errors:
+        return []
+    if mismatch:
+        src = _ouro_source(rec, mismatch["module"])
+        where = {"module": mismatch["module"], "layer": _layer(mismatch["module"])}
+        if src:
+            where.update(file=src[0], function=src[1], line=src[2])
+        return [Finding(PROBE, "error", f"{cfg}: rank(s) {mismatch['ranks_missing']} did not join the "
+                        f"{mismatch['kind']} of {mismatch['module']} (collective #{mismatch['index']}); the ranks' "
+                        "collectives were paired wrongly from there", where=where,
+                        evidence={"collective per rank (kind, shape, module)": mismatch["seen"], "rank errors": errors},
+                        next="check that every rank runs this module's collective (a rank-dependent branch skipping it)")]
+    return [Finding(PROBE, "error", f"{cfg}: a rank stopped: {next(iter(errors.values()))}", evidence=errors,
+                    next="run the configuration again with --b tp=1 to see whether the model itself fails")]
 
 
 def _lossy(cfg: Config) -> str:

@@ -27,6 +27,8 @@ KEYS = {
     # MTP speculation over the decode tokens: drafts are the forced tokens with every step's last
     # one made wrong, so each verification accepts some and rolls one back (engine.speculative)
     "spec": ("off", "nextn:K"),
+    # tensor parallelism over real ranks (processes, gloo): the ranks' outputs joined (ouro.lab.tp_run)
+    "tp": int, "ep": ("off", "on"),
 }
 PAGE_SIZE = 16
 
@@ -46,6 +48,8 @@ class Config:
     quant: str = "none"
     kv: str = "none"
     spec: str = "off"
+    tp: int = 1                   # tensor-parallel ranks
+    ep: str = "off"               # with tp > 1: routed experts whole per rank
     text: str = ""
 
     @property
@@ -97,6 +101,13 @@ def parse_config(text: str) -> Config:
         if bad:
             raise ValueError(f"configuration key {bad[0]!r} does not combine with cp={cfg.cp}: a context-parallel "
                              "run is one whole-prompt ouro prefill, cold, of one sequence")
+    if cfg.tp > 1:
+        bad = [k for k in ("impl", "prefix", "batch", "spec", "cp", "kv") if k in values and values[k] != getattr(Config(), k)]
+        if bad:
+            raise ValueError(f"configuration key {bad[0]!r} does not combine with tp={cfg.tp}: a tensor-parallel "
+                             "run is one ouro sequence, cold, fed in the configuration's pieces")
+    elif cfg.ep == "on":
+        raise ValueError("configuration key 'ep' shards experts over the tensor-parallel ranks: it needs tp=N, N >= 2")
     return cfg
 
 
@@ -123,6 +134,9 @@ def run_config(model_dir, cfg: Config, prompt: list[int], seed: int = 0, device:
     rec = Recording(n_experts=mc.n_routed_experts, width=len(prompt))
     if cfg.impl == "transformers":
         _run_transformers(model_dir, cfg, prompt, rec, names or {}, device)
+    elif cfg.tp > 1:
+        from .tp_run import run_tp
+        return run_tp(model_dir, cfg, prompt, device, rec.n_experts, rec.width)
     elif cfg.cp > 1:
         if len(prompt) < cfg.cp:
             raise ValueError(f"cp={cfg.cp} needs a prompt of at least {cfg.cp} tokens")
@@ -133,9 +147,14 @@ def run_config(model_dir, cfg: Config, prompt: list[int], seed: int = 0, device:
     return rec
 
 
-def load_ouro(model_dir, cfg: Config, device: str = "cpu"):
+def load_ouro(model_dir, cfg: Config, device: str = "cpu", tp_group=None, ep: bool = False):
+    """The configuration's model; with `tp_group`, this rank's shard (before any quantisation, as
+    the engine does)."""
     from ..models.loader import load_model
     model = load_model(model_dir, dtype=getattr(torch, cfg.dtype), device=device, kda_chunk_size=cfg.kda_chunk)
+    if tp_group is not None:
+        from ..parallel.tp_shard import shard_model
+        shard_model(model, tp_group, ep=ep)
     if cfg.quant != "none":
         from ..quant.w8a8 import quantize_model
         quantize_model(model, cfg.quant.removesuffix("_ref"), reference=cfg.quant.endswith("_ref"))

@@ -29,9 +29,18 @@ from ..ops.moe import clamped_swiglu, experts_grouped
 
 # seconds this process spent inside the collectives, by kind: what a TP run's time breakdown reads
 COLLECTIVE_SECONDS = {"all_reduce": 0.0, "all_gather": 0.0}
+# when a list: every collective appends (kind, shape, COLLECTIVE_WHERE()): the lab compares the ranks' logs
+COLLECTIVE_LOG = None
+COLLECTIVE_WHERE = None
+
+
+def _log(kind: str, x) -> None:
+    if COLLECTIVE_LOG is not None:
+        COLLECTIVE_LOG.append((kind, tuple(x.shape), COLLECTIVE_WHERE() if COLLECTIVE_WHERE else ""))
 
 
 def all_reduce(x, group):
+    _log("all_reduce", x)
     t0 = time.perf_counter()
     dist.all_reduce(x, group=group)
     COLLECTIVE_SECONDS["all_reduce"] += time.perf_counter() - t0
@@ -39,6 +48,7 @@ def all_reduce(x, group):
 
 
 def all_gather(x, group) -> list:
+    _log("all_gather", x)
     t0 = time.perf_counter()
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, x, group=group)
