@@ -136,7 +136,7 @@ def run_config(model_dir, cfg: Config, prompt: list[int], seed: int = 0, device:
         _run_transformers(model_dir, cfg, prompt, rec, names or {}, device)
     elif cfg.tp > 1:
         from .tp_run import run_tp
-        return run_tp(model_dir, cfg, prompt, device, rec.n_experts, rec.width)
+        return run_tp(model_dir, cfg, prompt, device, rec.n_experts, rec.width, load_ouro, pieces, PAGE_SIZE)
     elif cfg.cp > 1:
         if len(prompt) < cfg.cp:
             raise ValueError(f"cp={cfg.cp} needs a prompt of at least {cfg.cp} tokens")

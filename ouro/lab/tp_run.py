@@ -25,20 +25,19 @@ COLUMN_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "f_b_proj", "g_b_proj", "b_p
 TIMEOUT_S = 20.0
 
 
-def _tp_rank(groups, model_dir, cfg, prompt, device, n_experts, width):
-    """One rank: load, shard, tap, run the prompt in the configuration's pieces; returns (its
-    recording, its collective log, the error it stopped on or None)."""
+def _tp_rank(groups, model_dir, cfg, prompt, device, n_experts, width, load_ouro, pieces, page_size):
+    """One rank: load (`load_ouro`, sharded), tap, run the prompt in the configuration's `pieces`;
+    returns (its recording, its collective log, the error it stopped on or None)."""
     from ..layers.context import ForwardContext, ModelCache
     from ..parallel import tp_layers
-    from .run_configs import PAGE_SIZE, load_ouro, pieces
     model = load_ouro(model_dir, cfg, device, tp_group=groups.cp, ep=cfg.ep == "on")
     log, stack = [], []
     tp_layers.COLLECTIVE_LOG = log
     hooks = [m.register_forward_pre_hook(lambda mod, a, n=n: stack.append(n)) for n, m in model.named_modules() if n]
     hooks += [m.register_forward_hook(lambda mod, a, o: stack.pop() and None) for n, m in model.named_modules() if n]
     tp_layers.COLLECTIVE_WHERE = lambda: stack[-1] if stack else "model"
-    pages = -(-len(prompt) // PAGE_SIZE)
-    cache = ModelCache(model.config, 1, pages, PAGE_SIZE, dtype=getattr(torch, cfg.dtype), device=device)
+    pages = -(-len(prompt) // page_size)
+    cache = ModelCache(model.config, 1, pages, page_size, dtype=getattr(torch, cfg.dtype), device=device)
     rec = Recording(n_experts=n_experts, width=width)
     box, done = {}, threading.Event()
 
@@ -102,9 +101,12 @@ def first_mismatch(logs: list[list], order: dict) -> dict | None:
     return None
 
 
-def run_tp(model_dir, cfg, prompt, device, n_experts, width) -> Recording:
+def run_tp(model_dir, cfg, prompt, device, n_experts, width, load_ouro, pieces, page_size) -> Recording:
+    """`cfg.tp` ranks; `load_ouro`, `pieces`, `page_size`: run_configs' (passed in, as the ranks
+    need them and run_configs calls this)."""
     from ..parallel.groups import launch
-    got = launch(_tp_rank, cfg.tp, str(model_dir), cfg, prompt, device, n_experts, width, timeout_s=TIMEOUT_S)
+    got = launch(_tp_rank, cfg.tp, str(model_dir), cfg, prompt, device, n_experts, width, load_ouro, pieces, page_size,
+                 timeout_s=TIMEOUT_S)
     rec = joined([g[0] for g in got])
     order = {k: i for i, k in enumerate(got[0][0].order())}
     rec.tp_mismatch = first_mismatch([g[1] for g in got], order)
