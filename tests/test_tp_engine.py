@@ -60,10 +60,20 @@ def test_tp2_engine_equals_one_rank_through_prefix_hits(reference):
         cached.engine.close()
 
 
-def test_ep2_engine_equals_one_rank(reference):
+def test_ep2_engine_equals_one_rank_and_logprobs_gather_the_logits(reference):
     llm = LLM("tiny-py", max_memory=128 << 20, page_size=16, tensor_parallel_size=2, enable_expert_parallel=True)
     try:
+        head = llm.engine.model.lm_head
         assert tokens(llm, LONG) == reference
+        picks = head.greedy_picks
+        assert picks > 0                    # plain greedy rows: only (max, index) pairs crossed
+        with_lp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)
+        one = LLM("tiny-py", max_memory=64 << 20, page_size=16).generate(PROMPTS[:2], with_lp)
+        two = llm.generate(PROMPTS[:2], with_lp)
+        assert head.greedy_picks == picks   # logprobs read the logits: gathered
+        for a, b in zip(one, two):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+            assert max(abs(x - y) for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs)) < 1e-4
     finally:
         llm.engine.close()
 

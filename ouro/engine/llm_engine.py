@@ -148,6 +148,7 @@ class LLMEngine:
             from ..parallel.tp_shard import check_split
             check_split(mc, config.tensor_parallel_size, config.expert_parallel)
             for on, what in ((config.speculative_algorithm, "speculative decoding"), (config.compile, "--compile"),
+                             (config.quantization, "--quantization"),
                              (config.context_parallel_size > 1, "context parallelism (--cp)"),
                              (config.device != "cpu", "a device other than the CPU")):
                 if on:
@@ -256,6 +257,9 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
+        # tensor parallel: a plain greedy batch needs only each rank's (max, index) pairs, unless
+        # something reads the logits themselves
+        self.runner.greedy_picks_allowed = self.tp is not None and not self.logits_processors and not self.record_logits
         try:
             logits = self.runner.execute(batch)
         except RequestFailed as e:       # that request is released; the rest carry on next step

@@ -78,10 +78,15 @@ class VocabParallelEmbedding(nn.Embedding):
 
 class VocabParallelLMHead(Linear):
     """Output rows [first, first + n); `vocab` the real vocabulary (the last rank's slice may hold
-    padding rows past it, whose logits never count). forward gathers the full logits [T, vocab]."""
+    padding rows past it, whose logits never count). forward gathers the full logits [T, vocab];
+    with `pick_greedy` set (by the engine, on every rank alike, for a batch whose every row is a
+    plain greedy pick) only each rank's (max, index) pairs cross, and the logits returned are -inf
+    but 0 at each row's pick."""
     group = None
     first = 0
     vocab = 0
+    pick_greedy = False
+    greedy_picks = 0            # forwards that took the (max, index) path
 
     def local_logits(self, x):
         logits = super().forward(x)
@@ -91,6 +96,11 @@ class VocabParallelLMHead(Linear):
         return logits
 
     def forward(self, x):
+        if self.pick_greedy:
+            picks = self.greedy_pick(x)
+            self.greedy_picks += 1
+            out = x.new_full((*x.shape[:-1], self.vocab), float("-inf"))
+            return out.scatter_(-1, picks.unsqueeze(-1), 0.0)
         return torch.cat(all_gather(self.local_logits(x).contiguous(), self.group), -1)[..., :self.vocab]
 
     def greedy_pick(self, x):
