@@ -148,7 +148,7 @@ class LLMEngine:
             from ..parallel.tp_shard import check_split
             check_split(mc, config.tensor_parallel_size, config.expert_parallel)
             for on, what in ((config.speculative_algorithm, "speculative decoding"), (config.compile, "--compile"),
-                             (config.quantization, "--quantization"),
+                             (config.quantization and config.expert_parallel, "--quantization with --ep"),
                              (config.context_parallel_size > 1, "context parallelism (--cp)"),
                              (config.device != "cpu", "a device other than the CPU")):
                 if on:

@@ -102,8 +102,8 @@ def parse_config(text: str) -> Config:
             raise ValueError(f"configuration key {bad[0]!r} does not combine with cp={cfg.cp}: a context-parallel "
                              "run is one whole-prompt ouro prefill, cold, of one sequence")
     if cfg.tp > 1:
-        bad = [k for k in ("impl", "prefix", "batch", "spec", "cp", "kv", "quant") if k in values
-               and values[k] != getattr(Config(), k)]
+        bad = [k for k in ("impl", "prefix", "batch", "spec", "cp", "kv") if k in values and values[k] != getattr(Config(), k)]
+        bad += ["quant"] if cfg.ep == "on" and cfg.quant != "none" else []
         if bad:
             raise ValueError(f"configuration key {bad[0]!r} does not combine with tp={cfg.tp}: a tensor-parallel "
                              "run is one ouro sequence, cold, fed in the configuration's pieces")

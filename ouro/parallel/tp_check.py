@@ -17,7 +17,8 @@ def _memory(model) -> int:
 
 
 def run_steps(groups, model_dir: str, prompts: list[list[int]], decode_steps: int, ep: bool = False,
-              dtype=torch.float32, page_size: int = 16, taps: list[str] | None = None, threads: int | None = None):
+              dtype=torch.float32, page_size: int = 16, taps: list[str] | None = None, threads: int | None = None,
+              quantization: str | None = None):
     """-> dict(logits [steps+1, B, V] float32, tokens [B, steps], weight_bytes, cache_bytes,
     seconds {prefill, decode}, taps {module name: gathered output of the prefill}) on rank 0."""
     from ..layers.context import ForwardContext, ModelCache
@@ -28,6 +29,9 @@ def run_steps(groups, model_dir: str, prompts: list[list[int]], decode_steps: in
     model = load_model(model_dir, dtype=dtype)
     if group is not None:
         shard_model(model, group, ep=ep)
+    if quantization:                   # after the split, as the engine does
+        from ..quant.w8a8 import quantize_model
+        quantize_model(model, quantization)
     B = len(prompts)
     pages_per = -(-(max(map(len, prompts)) + decode_steps + 1) // page_size)
     cache = ModelCache(model.config, B, B * pages_per, page_size, dtype=dtype)
@@ -68,11 +72,13 @@ def run_steps(groups, model_dir: str, prompts: list[list[int]], decode_steps: in
 
 
 def run(model_dir: str, prompts, decode_steps: int, tp: int = 1, ep: bool = False, dtype=torch.float32,
-        page_size: int = 16, taps: list[str] | None = None, threads: int | None = None) -> dict:
+        page_size: int = 16, taps: list[str] | None = None, threads: int | None = None,
+        quantization: str | None = None) -> dict:
     """run_steps on `tp` new processes (tp = 1: one process too, so every run pays the same
     start-up); rank 0's result."""
     from .groups import launch
-    return launch(run_steps, tp, str(model_dir), prompts, decode_steps, ep, dtype, page_size, taps, threads)[0]
+    return launch(run_steps, tp, str(model_dir), prompts, decode_steps, ep, dtype, page_size, taps, threads,
+                  quantization)[0]
 
 
 def lm_head_check(groups, weight, x):

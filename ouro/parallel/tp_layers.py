@@ -2,7 +2,8 @@
 slice of a weight and does the one collective its split needs. They subclass the modules they
 replace, so hooks, state-dict names and the lab's taps see the same model.
 
-- `RowParallelLinear`: input features split, partial products summed by one all-reduce;
+- `RowParallelLinear`: input features split, partial products summed by one all-reduce (a
+  forward hook, `row_parallel_reduce`, which survives quantisation);
 - `VocabParallelEmbedding`: rows of the vocabulary split; a token's row comes from the rank that
   holds it (the others add zeros), one all-reduce;
 - `VocabParallelLMHead`: rows of the output layer split; the local logits are all-gathered into
@@ -24,7 +25,7 @@ from torch import nn
 
 from ..layers.linear import Linear
 from ..layers.moe import MoE
-from ..ops.moe import clamped_swiglu, experts_grouped
+from ..ops.moe import clamped_swiglu
 
 
 # seconds this process spent inside the collectives, by kind: what a TP run's time breakdown reads
@@ -57,11 +58,15 @@ def all_gather(x, group) -> list:
 
 
 class RowParallelLinear(Linear):
-    """y = all_reduce(x_local @ W[:, local].T): x arrives split along its features."""
+    """y = all_reduce(x_local @ W[:, local].T): x arrives split along its features. The sum is a
+    forward hook (`row_parallel_reduce`), so a module that later replaces this one (a quantised
+    projection: `quant.quantize_model` carries hooks over) keeps it."""
     group = None
 
-    def forward(self, x):
-        return all_reduce(super().forward(x), self.group)
+
+def row_parallel_reduce(module, args, out, group=None):
+    """Forward hook of a row-parallel projection: the ranks' partial products summed."""
+    return all_reduce(out, group)
 
 
 class VocabParallelEmbedding(nn.Embedding):
@@ -150,6 +155,6 @@ class ShardedMoE(MoE):
         e = self.experts
         if self.ep:
             routed = experts_subset(x, weights, experts, e.gate_up_proj, e.down_proj, e.limit, self.first_expert)
-        else:
-            routed = experts_grouped(x, weights, experts, e.gate_up_proj, e.down_proj, e.limit)
+        else:            # every expert's channel slice: the experts module as it is (its measured or quantised form)
+            routed = e(x, weights, experts)
         return all_reduce(routed + self.shared_experts(x), self.group)

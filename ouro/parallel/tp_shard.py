@@ -20,6 +20,7 @@ Every split that does not divide is refused before anything changes, with the nu
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 from torch import nn
@@ -28,7 +29,7 @@ from ..layers.dsa import DSAttention
 from ..layers.kda import KDAttention
 from ..layers.linear import Linear
 from ..layers.moe import MLP, MoE
-from .tp_layers import RowParallelLinear, ShardedMoE, VocabParallelEmbedding, VocabParallelLMHead
+from .tp_layers import RowParallelLinear, ShardedMoE, VocabParallelEmbedding, VocabParallelLMHead, row_parallel_reduce
 
 
 def check_split(config, size: int, ep: bool = False) -> None:
@@ -69,6 +70,7 @@ def _row(lin: nn.Linear, rank: int, size: int, group, reduce: bool = True) -> No
     if reduce:
         lin.__class__ = RowParallelLinear
         lin.group = group
+        lin.register_forward_hook(functools.partial(row_parallel_reduce, group=group))
 
 
 def _param(module, name: str, rank: int, size: int, dim: int = 0) -> None:

@@ -246,6 +246,8 @@ def quantize_model(model: nn.Module, method: str = "w8a8", ignore=None, referenc
                 forms = default_forms(probe, _time_product)
             new = (W8A8Linear.from_linear(module, forms, method) if isinstance(module, Linear)
                    else W8A8Experts(module, forms, method))
+        new._forward_pre_hooks.update(module._forward_pre_hooks)     # hooks stay (e.g. a row-parallel all-reduce)
+        new._forward_hooks.update(module._forward_hooks)
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
         done.append(name)
