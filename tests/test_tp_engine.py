@@ -51,9 +51,17 @@ def test_tp2_engine_equals_one_rank_through_preemption(reference):
 
 
 def test_tp2_engine_equals_one_rank_through_prefix_hits(reference):
+    from ouro.measure import spans
     cached = LLM("tiny-py", max_memory=128 << 20, page_size=16, enable_prefix_caching=True, tensor_parallel_size=2)
     try:
-        assert tokens(cached, LONG) == reference
+        spans.clear()
+        spans.enable()
+        try:
+            assert tokens(cached, LONG) == reference
+        finally:
+            spans.disable()
+        cats = {e["cat"] for e in spans.events()}
+        assert {"collective", "compute"} <= cats                  # the trace shows rank 0's collectives
         assert tokens(cached, LONG) == reference         # the second pass restores KDA checkpoints on both ranks
         assert cached.engine.stats()["prefix_cached_tokens_served"] > 0
     finally:

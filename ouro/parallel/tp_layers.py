@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..layers.linear import Linear
+from ..measure.spans import span
 from ..layers.moe import MoE
 from ..ops.moe import clamped_swiglu
 
@@ -43,7 +44,8 @@ def _log(kind: str, x) -> None:
 def all_reduce(x, group):
     _log("all_reduce", x)
     t0 = time.perf_counter()
-    dist.all_reduce(x, group=group)
+    with span("all_reduce", cat="collective"):      # on the engine's trace (the timeline probe)
+        dist.all_reduce(x, group=group)
     COLLECTIVE_SECONDS["all_reduce"] += time.perf_counter() - t0
     return x
 
@@ -52,7 +54,8 @@ def all_gather(x, group) -> list:
     _log("all_gather", x)
     t0 = time.perf_counter()
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, x, group=group)
+    with span("all_gather", cat="collective"):
+        dist.all_gather(parts, x, group=group)
     COLLECTIVE_SECONDS["all_gather"] += time.perf_counter() - t0
     return parts
 
