@@ -280,7 +280,7 @@ class LLMEngine:
                     self.scheduler.reset(r)
             if self.tp is not None:     # the ranks may be out of step: no later forward can be trusted
                 from .tp_workers import TPBroken
-                why = self.tp.broken or f"{type(e).__name__}: {e}"
+                why = self.tp.broken or self.tp.diagnose(e)
                 self.tp.broken = why
                 raise TPBroken(f"tensor parallelism is broken: {why}") from e
             raise

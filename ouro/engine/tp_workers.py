@@ -63,6 +63,21 @@ class TPWorkers:
             except (BrokenPipeError, OSError) as e:
                 self.fail(f"TP rank {r} of {self.size} is gone ({e})")
 
+    def diagnose(self, error: BaseException) -> str:
+        """Why a forward failed on rank 0: a follower that exited (a collective notices a lost peer
+        a moment before its process is reaped, so it is waited for briefly), else the error."""
+        import time
+        deadline = time.monotonic() + 2.0
+        while True:
+            dead = [(r, p.returncode) for r, p in enumerate(self.procs, start=1) if p.poll() is not None]
+            if dead or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        first_line = f"{type(error).__name__}: {error}".splitlines()[0][:200]
+        if dead:
+            return f"TP rank {dead[0][0]} of {self.size} exited (code {dead[0][1]}); rank 0 saw {first_line}"
+        return first_line
+
     def fail(self, why: str):
         self.broken = why
         raise TPBroken(f"tensor parallelism is broken: {why}")

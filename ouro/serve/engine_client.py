@@ -147,6 +147,9 @@ class EngineClient:
             elif kind == "trace":
                 if self._trace_wait is not None and not self._trace_wait.done():
                     self._trace_wait.set_result(msg["events"])
+            elif kind == "fatal":        # the engine cannot compute any more (a tensor-parallel rank is gone)
+                self.state, self.dead_reason = "dead", msg["message"]
+                self._fail_all(self.dead_reason)
 
     async def _watchdog(self) -> None:
         while True:

@@ -177,7 +177,10 @@ def _loop(engine, inbox, sender, decode, params_from_wire) -> None:
                 for rid in list(engine.requests):
                     engine.abort(rid)
                     sender.send({"type": "error", "rid": rid, "status": 500, "message": str(e)})
-                return
+                sender.send({"type": "fatal", "message": str(e)})
+                sender.close()
+                engine.close()
+                os._exit(1)          # nothing of this process is usable: no clean-up that could wait on a peer
             except Exception as e:   # the engine reset the batch for recompute; don't loop forever
                 failures += 1
                 log.exception("engine step failed (%d in a row)", failures)
