@@ -172,9 +172,7 @@ def test_index_selection_layout_does_not_depend_on_the_pools_padded_in():
     assert sorted(t for t in own[0].tolist() if t >= 0) == list(range(11))
 
 
-def test_the_option_is_checked_and_the_cli_turns_it_on():
-    import subprocess
-    import sys
+def test_the_option_is_checked():
     from ouro.config import EngineConfig, ModelConfig
     from ouro.engine.llm_engine import LLMEngine
     from ouro.models.resolve import resolve_model
@@ -183,6 +181,12 @@ def test_the_option_is_checked_and_the_cli_turns_it_on():
     with pytest.raises(ValueError, match="drop --compile"):
         LLMEngine.check_options(EngineConfig(deterministic_inference=True, compile=True),
                                 ModelConfig.from_hf(resolve_model("tiny-py")), False, 1)
+
+
+@pytest.mark.slow
+def test_the_cli_turns_it_on():
+    import subprocess
+    import sys
     argv = [sys.executable, "-m", "ouro.cli", "generate", "tiny-py", "--max-tokens", "6", "--ignore-eos"]
     runs = [subprocess.run(argv + extra, capture_output=True, text=True, timeout=300)
             for extra in (["--enable-deterministic-inference"], [])]

@@ -31,11 +31,11 @@ def hidden_shape(tmp_path_factory):
     return d
 
 
-def _check(model_dir, steps=6):
+def _check(model_dir, steps=6, eps=(False, True)):
     config = ModelConfig.from_hf(model_dir)
     one = run(model_dir, PROMPTS, steps, tp=1)
     assert one["weight_bytes"] == rank_weight_bytes(config, 1)
-    for ep in (False, True):
+    for ep in eps:
         two = run(model_dir, PROMPTS, steps, tp=2, ep=ep)
         assert torch.equal(two["tokens"], one["tokens"]), ("ep" if ep else "tp")
         assert rel_rms(two["logits"], one["logits"]) < 1e-5
@@ -54,7 +54,7 @@ def test_tiny_tp2_and_ep2_equal_tp1():
 
 
 def test_hidden_shape_with_padded_vocabulary(hidden_shape):
-    one, two = _check(hidden_shape)
+    one, two = _check(hidden_shape, eps=(False,))         # experts whole per rank: on tiny, and small (slow)
     assert one["logits"].shape[-1] == 383 == two["logits"].shape[-1]      # the padding never shows
 
 
