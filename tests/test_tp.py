@@ -75,20 +75,35 @@ def test_splits_that_do_not_divide_are_refused_with_the_numbers():
     assert local.linear_num_heads == 1 and local.num_attention_heads == 1
 
 
-def test_vocab_parallel_greedy_pick_is_the_argmax_with_ties_to_the_lower_index():
+def test_candidate_logits_sample_as_the_full_logits_do():
+    # greedy and top-k sampling read only the k best tokens: each rank's k best and its
+    # log-sum-exp are enough for the same picks, the same top-k/top-p/min-p distributions and the
+    # true log-probability of every candidate
+    from ouro.engine.sampling import Sampler, SamplingParams
     g = torch.Generator().manual_seed(3)
     V, D = 11, 8                                              # 6 rows per rank, one padding row
     w = torch.nn.functional.normalize(torch.randn(V, D, generator=g), dim=-1)   # x = c * w[i] picks row i
     w[9] = w[2]                                               # a tie across ranks: the lower index wins
     w[4] = w[1]                                               # a tie inside rank 0
     x = torch.randn(5, D, generator=g)
-    x[0] = w[2] * 10                                          # rows whose best is a tied pair
+    x[0] = w[2] * 10
     x[1] = w[1] * 10
-    logits, picks = launch(lm_head_check, 2, w, x)[0]
+    logits, cands = launch(lm_head_check, 2, w, x)[0]
     full = x @ w.T
     assert logits.shape == (5, V) and torch.allclose(logits, full, rtol=1e-6, atol=1e-6)
-    assert torch.equal(picks, full.argmax(-1))
-    assert picks[0] == 2 and picks[1] == 1
+    one = cands[1]
+    assert torch.equal(one.argmax(-1), full.argmax(-1)) and one.argmax(-1)[0] == 2 and one.argmax(-1)[1] == 1
+    sampler = Sampler()
+    for k in (1, 3):
+        c = cands[k]
+        lp_full, lp_c = full.log_softmax(-1), c.log_softmax(-1)
+        top = full.topk(k, -1).indices
+        assert torch.allclose(lp_c.gather(-1, top), lp_full.gather(-1, top), atol=1e-5)   # true logprobs
+        params = [SamplingParams(temperature=0.8, top_k=k, top_p=0.9, min_p=0.05)] * 5
+        assert torch.allclose(sampler.probabilities(c, params), sampler.probabilities(full, params), atol=1e-6)
+    # a candidate set too small for the request is not exact: top-k 3 from 1 candidate per rank
+    params = [SamplingParams(temperature=1.0, top_k=3)] * 5
+    assert not torch.allclose(sampler.probabilities(cands[1], params), sampler.probabilities(full, params), atol=1e-3)
 
 
 def test_command_line_refuses_mismatched_parallel_options():

@@ -27,8 +27,12 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 LONG = [p * 6 for p in PROMPTS]
 
 
+def tokens_of(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
 def tokens(llm, prompts):
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+    return tokens_of(llm.generate(prompts, GREEDY))
 
 
 @pytest.fixture(scope="module")
@@ -68,17 +72,25 @@ def test_tp2_engine_equals_one_rank_through_prefix_hits(reference):
         cached.engine.close()
 
 
-def test_ep2_engine_equals_one_rank_and_logprobs_gather_the_logits(reference):
+def test_ep2_engine_equals_one_rank_and_samples_from_the_best_candidates(reference):
     llm = LLM("tiny-py", max_memory=128 << 20, page_size=16, tensor_parallel_size=2, enable_expert_parallel=True)
     try:
         head = llm.engine.model.lm_head
-        assert tokens(llm, LONG) == reference
-        picks = head.greedy_picks
-        assert picks > 0                    # plain greedy rows: only (max, index) pairs crossed
+        plain = LLM("tiny-py", max_memory=64 << 20, page_size=16)
+        got = llm.generate(LONG, GREEDY)
+        assert [o.outputs[0].token_ids for o in got] == reference
+        picks = head.candidate_forwards
+        assert picks > 0                    # plain greedy rows: only each rank's best token crossed
+        want = plain.generate(LONG, GREEDY)  # ... and each token's reported logprob is still the true one
+        assert max(abs(x - y) for a, b in zip(want, got) for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs)) < 1e-4
+        topk = SamplingParams(max_tokens=6, temperature=0.7, top_k=5, top_p=0.9, seed=3, ignore_eos=True)
+        assert tokens_of(llm.generate(PROMPTS[:3], topk)) == tokens_of(plain.generate(PROMPTS[:3], topk))
+        assert head.candidate_forwards > picks
         with_lp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)
-        one = LLM("tiny-py", max_memory=64 << 20, page_size=16).generate(PROMPTS[:2], with_lp)
+        one = plain.generate(PROMPTS[:2], with_lp)
+        picks = head.candidate_forwards
         two = llm.generate(PROMPTS[:2], with_lp)
-        assert head.greedy_picks == picks   # logprobs read the logits: gathered
+        assert head.candidate_forwards == picks   # top logprobs read the logits: gathered
         for a, b in zip(one, two):
             assert a.outputs[0].token_ids == b.outputs[0].token_ids
             assert max(abs(x - y) for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs)) < 1e-4

@@ -257,9 +257,9 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        # tensor parallel: a plain greedy batch needs only each rank's (max, index) pairs, unless
-        # something reads the logits themselves
-        self.runner.greedy_picks_allowed = self.tp is not None and not self.logits_processors and not self.record_logits
+        # tensor parallel: a batch whose picks read only the best k tokens needs only each rank's k
+        # best, unless something reads the logits themselves
+        self.runner.candidates_allowed = self.tp is not None and not self.logits_processors and not self.record_logits
         try:
             logits = self.runner.execute(batch)
         except RequestFailed as e:       # that request is released; the rest carry on next step

@@ -14,10 +14,13 @@ from .sampling import prompt_logprob_entries
 from .scheduler import ScheduledBatch
 
 
-def _plain_greedy(params) -> bool:
-    """A request whose next token is the logits' argmax and nothing else of them is read."""
-    return (params.temperature == 0 and params.logprobs is None and not params.forced_prefix_ids
-            and params.prompt_logprobs is None)
+def candidates_needed(params) -> int:
+    """How many of the best tokens a request's next pick reads (greedy: 1; top-k sampling: k, as
+    top-p and min-p then act within them); 0 when it reads more (all-token logprobs, a forced
+    prefix, sampling without top-k)."""
+    if params.logprobs or params.prompt_logprobs is not None or params.forced_prefix_ids:
+        return 0
+    return 1 if params.temperature == 0 else max(params.top_k, 0)
 
 
 class CheckpointStore:
@@ -73,8 +76,8 @@ class ModelRunner:
         self.checkpoints = CheckpointStore(self.cache, plan.n_checkpoints) if plan.n_checkpoints else None
         self.cp = cp             # a `CPPrefill` (ouro.parallel.cp_prefill) for batch.context_parallel
         # set by the engine: the model's lm_head is vocabulary-parallel and nothing reads the logits
-        # beyond the pick (no logits processors, no recorded logits)
-        self.greedy_picks_allowed = False
+        # beyond the sampler (no logits processors, no recorded logits)
+        self.candidates_allowed = False
         self.graph = None
         if compile_max_bs:
             from .decode_graph import DecodeGraph
@@ -133,8 +136,9 @@ class ModelRunner:
                 start += n
         ctx = ForwardContext.build(self.cache, counts, [r.num_computed for r in reqs], [r.slot for r in reqs], table,
                                    logits="last" if index is None else index)
-        if self.greedy_picks_allowed:   # tensor parallel: only (max, index) pairs cross for a plain greedy batch
-            self.model.lm_head.pick_greedy = index is None and not records and all(_plain_greedy(r.params) for r in reqs)
+        if self.candidates_allowed:   # tensor parallel: only each rank's k best tokens cross, where that is exact
+            need = [candidates_needed(r.params) for r in reqs]
+            self.model.lm_head.candidates = max(need) if index is None and not records and all(need) else 0
         ctx.keep_hidden, ctx.replay = self.speculator is not None, records or None
         ids = [t for r, n in zip(reqs, counts)
                for t in (r.all_ids + r.draft_ids if n > r.num_tokens - r.num_computed else r.all_ids)

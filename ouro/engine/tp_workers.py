@@ -88,7 +88,7 @@ class TPWorkers:
         logits = ctx.logits_index.tolist() if ctx.logits_index is not None else "all"
         self.send({"op": "forward", "ids": ids.tolist(), "query_lens": list(ctx.query_lens), "start_pos": list(ctx.start_pos),
                    "slots": list(ctx.state_slots_list), "table": ctx.page_table.tolist(), "logits": logits,
-                   "greedy": bool(module.lm_head.pick_greedy)})
+                   "candidates": int(module.lm_head.candidates)})
 
     def mirror(self, op: str, a: int, b: int) -> None:
         """A KDA checkpoint operation (CheckpointStore) on the followers' caches too."""
@@ -149,7 +149,7 @@ def follower_main(model_dir, rank, size, port, timeout_s, options) -> None:
                 logits = op["logits"]
                 ctx = ForwardContext.build(cache, op["query_lens"], op["start_pos"], op["slots"], op["table"],
                                            logits=logits if isinstance(logits, str) else torch.tensor(logits))
-                model.lm_head.pick_greedy = op["greedy"]        # the same collectives as rank 0's
+                model.lm_head.candidates = op["candidates"]      # the same collectives as rank 0's
                 model(torch.tensor(op["ids"], device=o["device"]), ctx)
             elif kind == "save":
                 checkpoints.save_at(op["a"], op["b"])

@@ -81,9 +81,9 @@ def run(model_dir: str, prompts, decode_steps: int, tp: int = 1, ep: bool = Fals
                   quantization)[0]
 
 
-def lm_head_check(groups, weight, x):
+def lm_head_check(groups, weight, x, ks=(1, 3)):
     """The vocabulary-parallel output layer built from a full `weight` [V, D] on this rank: rank
-    0 returns (gathered logits, greedy picks) for rows `x` [T, D]."""
+    0 returns (gathered logits, {k: candidate logits}) for rows `x` [T, D]."""
     from torch import nn
     from .tp_shard import _shard_vocab
     V, D = weight.shape
@@ -94,5 +94,5 @@ def lm_head_check(groups, weight, x):
     holder.lm_head.weight.data.copy_(weight)
     _shard_vocab(holder, groups.rank, groups.world_size, groups.cp)
     with torch.inference_mode():
-        out = holder.lm_head(x), holder.lm_head.greedy_pick(x)
+        out = holder.lm_head(x), {k: holder.lm_head.candidate_logits(x, k) for k in ks}
     return out if groups.rank == 0 else None

@@ -7,8 +7,8 @@ replace, so hooks, state-dict names and the lab's taps see the same model.
 - `VocabParallelEmbedding`: rows of the vocabulary split; a token's row comes from the rank that
   holds it (the others add zeros), one all-reduce;
 - `VocabParallelLMHead`: rows of the output layer split; the local logits are all-gathered into
-  the full vocabulary (padding columns dropped) or, for greedy picks, reduced to (max, index)
-  pairs per rank (`greedy_pick`);
+  the full vocabulary (padding columns dropped) or, where the sampler needs only the best k
+  tokens, each rank's k best (logit, id) pairs and log-sum-exp (`candidate_logits`);
 - `ShardedMoE`: routed experts split by intermediate channels (TP) or whole experts per rank
   (EP), the shared expert by channels; every rank's partial output summed by one all-reduce.
 
@@ -86,15 +86,16 @@ class VocabParallelEmbedding(nn.Embedding):
 
 class VocabParallelLMHead(Linear):
     """Output rows [first, first + n); `vocab` the real vocabulary (the last rank's slice may hold
-    padding rows past it, whose logits never count). forward gathers the full logits [T, vocab];
-    with `pick_greedy` set (by the engine, on every rank alike, for a batch whose every row is a
-    plain greedy pick) only each rank's (max, index) pairs cross, and the logits returned are -inf
-    but 0 at each row's pick."""
+    padding rows past it, whose logits never count). forward gathers the full logits [T, vocab].
+
+    With `candidates` = k > 0 (set by the engine, on every rank alike, for a batch whose rows only
+    need the k best tokens: greedy picks, top-k sampling) only each rank's k best (logit, id) pairs
+    and its log-sum-exp cross (`candidate_logits`)."""
     group = None
     first = 0
     vocab = 0
-    pick_greedy = False
-    greedy_picks = 0            # forwards that took the (max, index) path
+    candidates = 0
+    candidate_forwards = 0       # forwards that took the candidate path
 
     def local_logits(self, x):
         logits = super().forward(x)
@@ -104,22 +105,43 @@ class VocabParallelLMHead(Linear):
         return logits
 
     def forward(self, x):
-        if self.pick_greedy:
-            picks = self.greedy_pick(x)
-            self.greedy_picks += 1
-            out = x.new_full((*x.shape[:-1], self.vocab), float("-inf"))
-            return out.scatter_(-1, picks.unsqueeze(-1), 0.0)
+        if self.candidates:
+            self.candidate_forwards += 1
+            return self.candidate_logits(x, self.candidates)
         return torch.cat(all_gather(self.local_logits(x).contiguous(), self.group), -1)[..., :self.vocab]
 
-    def greedy_pick(self, x):
-        """The global argmax of each row without gathering the logits: every rank's (max, index)
-        pair; the largest wins, ties to the lower index (as torch.argmax over the full row)."""
-        local = self.local_logits(x)
-        best, idx = local.max(-1)
-        pair = torch.stack([best.float(), (idx + self.first).float()], -1).contiguous()
-        allp = torch.stack(all_gather(pair, self.group), 0)                                    # [ranks, T, 2], ranks in vocab order
-        winner = allp[..., 0].argmax(0)                                 # first rank holding the max: the lower index
-        return allp[..., 1].gather(0, winner.unsqueeze(0)).squeeze(0).long()
+    def candidate_logits(self, x, k: int):
+        """[T, vocab] logits that agree with the full ones wherever a sampler with top_k <= k (or
+        greedy) looks: the global top k are the true logits (every rank's local top k holds them);
+        every other entry holds one filler value that carries the rest of the softmax mass, so a
+        log-softmax still gives each candidate its true log-probability. The filler sits strictly
+        below the k-th best, so neither an argmax nor a top-k filter ever picks it. Greedy (k = 1)
+        takes each rank's first maximum: ties go to the lower id, as torch.argmax's."""
+        local = self.local_logits(x).float()
+        k = min(k, local.shape[-1])
+        if k == 1:
+            vals, idx = local.max(-1, keepdim=True)
+        else:
+            vals, idx = local.topk(k, dim=-1)
+        pack = torch.cat([vals, (idx + self.first).float(), torch.logsumexp(local, -1, keepdim=True)], -1)
+        allp = torch.stack(all_gather(pack.contiguous(), self.group), 1)           # [T, ranks, 2k + 1]
+        T = allp.shape[0]
+        cv, ci = allp[..., :k].reshape(T, -1), allp[..., k:2 * k].reshape(T, -1).long()
+        total = torch.logsumexp(allp[..., 2 * k], -1)                                # the global normaliser
+        real = torch.isfinite(cv) & (ci < self.vocab)
+        cv = cv.masked_fill(~real, float("-inf"))
+        n_rest = self.vocab - real.sum(-1)
+        in_cand = torch.logsumexp(cv, -1)
+        rest = total + torch.log1p(-torch.exp((in_cand - total).clamp(max=0.0)))      # log of the mass elsewhere
+        filler = rest - torch.log(n_rest.clamp(min=1).float())
+        # every non-candidate is at most the global k-th best (the global top k are candidates), so
+        # their mean is too: the clamp only catches rounding, then one step down breaks a tie
+        kth = cv.topk(min(k, cv.shape[-1]), dim=-1).values[:, -1]
+        filler = torch.nextafter(torch.minimum(filler, kth), torch.full_like(filler, float("-inf")))
+        filler = filler.masked_fill(n_rest == 0, float("-inf"))
+        out = filler.unsqueeze(-1).expand(T, self.vocab + 1).clone()    # the last column takes what is not real
+        out.scatter_(-1, ci.masked_fill(~real, self.vocab), cv)
+        return out[:, :self.vocab]
 
 
 def experts_subset(x, weights, experts, gate_up, down, limit: float, first: int):
