@@ -16,6 +16,7 @@ from .model_runner import ModelRunner
 from .page_pool import PagePool, SlotPool
 from .request import Request, RequestFailed, RequestOutput, prompt_token_ids
 from .sampling import Sampler, SamplingParams, make_generator
+from . import tp_workers
 from .scheduler import Scheduler
 
 log = logging.getLogger("ouro.engine")
@@ -28,7 +29,7 @@ class LLMEngine:
         """model_dir: the checkpoint `model` came from; context parallelism loads it on its helper ranks,
         speculative decoding its MTP layer (or pass `mtp_layer`, an `ouro.models.mtp.MTPLayer`)."""
         self.check_options(config, model.config, enable_prefix_caching, checkpoint_interval)
-        self.tp = self._start_tp(model, config, model_dir)     # the model now holds this rank's shard
+        self.tp = tp_workers.start(model, config, model_dir)     # the model now holds this rank's shard
         mc = model.config
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.record_logits = record_logits    # keep each sampled step's logits (tests, probes)
@@ -73,12 +74,7 @@ class LLMEngine:
                                   cp=self.cp, kv_kinds=self.kv_kinds, cache_config=cache_config,
                                   keep_hidden=bool(config.speculative_algorithm))
         if self.tp is not None:
-            self.tp.send({"op": "cache", "n_slots": self.runner.cache.n_slots, "n_pages": self.runner.cache.n_pages,
-                          "page_size": config.page_size, "n_checkpoints": self.plan.n_checkpoints,
-                          "kv_kinds": {str(k): v for k, v in self.kv_kinds.items()}})
-            model.register_forward_pre_hook(self.tp.forward_hook)
-            if self.runner.checkpoints is not None:
-                self.runner.checkpoints.mirror = self.tp.mirror
+            self.tp.attach(self.runner, self.plan.n_checkpoints, self.kv_kinds)
         self.speculator = None
         if config.speculative_algorithm:
             from .speculative import Speculator
@@ -115,22 +111,6 @@ class LLMEngine:
         self._pending_ckpt: dict[str, dict[int, int]] = {}
         self.num_failed_steps = 0
 
-    @staticmethod
-    def _start_tp(model, config: EngineConfig, model_dir):
-        """Tensor parallelism: start the follower ranks and keep rank 0's shard; None at size 1."""
-        if config.tensor_parallel_size == 1:
-            return None
-        if model_dir is None:
-            raise ValueError("tensor parallelism needs the model's checkpoint directory (model_dir): every rank loads it")
-        from ..parallel.tp_shard import shard_model
-        from .tp_workers import TPWorkers
-        tp = TPWorkers(model_dir, config.tensor_parallel_size,
-                       {"dtype": config.dtype, "device": config.device, "kda_chunk_size": config.kda_chunk_size,
-                        "ep": config.expert_parallel, "quantization": config.quantization,
-                        "quantization_ignore": config.quantization_ignore, "deterministic": config.deterministic_inference})
-        shard_model(model, tp.group, ep=config.expert_parallel)
-        return tp
-
     def close(self) -> None:
         """Stop the helper ranks (tensor and context parallelism); the engine computes no more after."""
         for helper in (self.tp, self.cp):
@@ -144,18 +124,7 @@ class LLMEngine:
         config.check_device()
         if isinstance(checkpoint_interval, bool) or not isinstance(checkpoint_interval, int) or checkpoint_interval < 1:
             raise ValueError(f"prefix checkpoint_interval must be an integer >= 1 (pages), got {checkpoint_interval!r}")
-        if config.tensor_parallel_size > 1:
-            from ..parallel.tp_shard import check_split
-            check_split(mc, config.tensor_parallel_size, config.expert_parallel)
-            for on, what in ((config.speculative_algorithm, "speculative decoding"), (config.compile, "--compile"),
-                             (config.quantization and config.expert_parallel, "--quantization with --ep"),
-                             (config.context_parallel_size > 1, "context parallelism (--cp)"),
-                             (config.device != "cpu", "a device other than the CPU")):
-                if on:
-                    raise ValueError(f"tensor parallelism (--tp) does not combine with {what} yet; drop one of them")
-        elif config.expert_parallel:
-            raise ValueError("expert parallelism shards the routed experts over the tensor-parallel ranks: "
-                             "it needs --tp N (and --ep N, the same N)")
+        tp_workers.check_options(config, mc)
         if config.speculative_algorithm and config.context_parallel_size > 1:
             raise ValueError("speculative decoding does not combine with context parallelism yet; drop one of them")
         if config.speculative_algorithm and not mc.has_mtp:

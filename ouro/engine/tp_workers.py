@@ -90,6 +90,16 @@ class TPWorkers:
                    "slots": list(ctx.state_slots_list), "table": ctx.page_table.tolist(), "logits": logits,
                    "candidates": int(module.lm_head.candidates)})
 
+    def attach(self, runner, n_checkpoints: int, kv_kinds: dict) -> None:
+        """Rank 0's runner is built: the followers build the same cache, and from now on see every
+        forward of rank 0's model and every KDA checkpoint operation."""
+        self.send({"op": "cache", "n_slots": runner.cache.n_slots, "n_pages": runner.cache.n_pages,
+                   "page_size": runner.cache.page_size, "n_checkpoints": n_checkpoints,
+                   "kv_kinds": {str(k): v for k, v in kv_kinds.items()}})
+        runner.model.register_forward_pre_hook(self.forward_hook)
+        if runner.checkpoints is not None:
+            runner.checkpoints.mirror = self.mirror
+
     def mirror(self, op: str, a: int, b: int) -> None:
         """A KDA checkpoint operation (CheckpointStore) on the followers' caches too."""
         self.send({"op": op, "a": a, "b": b})
@@ -113,6 +123,37 @@ class TPWorkers:
                 dist.destroy_process_group()
             except Exception:       # a group broken by a lost rank
                 pass
+
+
+def check_options(config, mc) -> None:
+    """--tp / --ep against the model (splits that divide) and the options they do not combine with."""
+    if config.tensor_parallel_size > 1:
+        from ..parallel.tp_shard import check_split
+        check_split(mc, config.tensor_parallel_size, config.expert_parallel)
+        for on, what in ((config.speculative_algorithm, "speculative decoding"), (config.compile, "--compile"),
+                         (config.quantization and config.expert_parallel, "--quantization with --ep"),
+                         (config.context_parallel_size > 1, "context parallelism (--cp)"),
+                         (config.device != "cpu", "a device other than the CPU")):
+            if on:
+                raise ValueError(f"tensor parallelism (--tp) does not combine with {what} yet; drop one of them")
+    elif config.expert_parallel:
+        raise ValueError("expert parallelism shards the routed experts over the tensor-parallel ranks: "
+                         "it needs --tp N (and --ep N, the same N)")
+
+
+def start(model, config, model_dir):
+    """Tensor parallelism: start the follower ranks and keep rank 0's shard of `model`; None at size 1."""
+    if config.tensor_parallel_size == 1:
+        return None
+    if model_dir is None:
+        raise ValueError("tensor parallelism needs the model's checkpoint directory (model_dir): every rank loads it")
+    from ..parallel.tp_shard import shard_model
+    tp = TPWorkers(model_dir, config.tensor_parallel_size,
+                   {"dtype": config.dtype, "device": config.device, "kda_chunk_size": config.kda_chunk_size,
+                    "ep": config.expert_parallel, "quantization": config.quantization,
+                    "quantization_ignore": config.quantization_ignore, "deterministic": config.deterministic_inference})
+    shard_model(model, tp.group, ep=config.expert_parallel)
+    return tp
 
 
 def follower_main(model_dir, rank, size, port, timeout_s, options) -> None:
