@@ -124,6 +124,7 @@ def test_command_line_refuses_mismatched_parallel_options():
         LLMEngine.check_options(EngineConfig(tensor_parallel_size=3), c, False, 1)
 
 
+@pytest.mark.slow
 def test_quantised_projections_keep_the_row_parallel_all_reduce():
     # W8A8 after the split (as the engine does it): the quantised o_proj / down_proj carry the
     # row-parallel all-reduce over (a dropped one would leave half the sum: rel error ~0.5 and more)
