@@ -144,7 +144,7 @@ def applied_in_process(fault: Fault, repo: str):
     namespace = dict(vars(module))
     exec(compile(patched, module.__file__, "exec"), namespace)
     owner_path, _, attr = fault.function.rpartition(".")
-    owner, new_owner = module, None
+    owner = module
     for part in owner_path.split(".") if owner_path else ():
         owner = getattr(owner, part)
     new_obj = namespace
