@@ -131,7 +131,6 @@ def check_options(config, mc) -> None:
         from ..parallel.tp_shard import check_split
         check_split(mc, config.tensor_parallel_size, config.expert_parallel)
         for on, what in ((config.speculative_algorithm, "speculative decoding"), (config.compile, "--compile"),
-                         (config.quantization and config.expert_parallel, "--quantization with --ep"),
                          (config.context_parallel_size > 1, "context parallelism (--cp)"),
                          (config.device != "cpu", "a device other than the CPU")):
             if on:

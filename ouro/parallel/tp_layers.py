@@ -26,7 +26,6 @@ from torch import nn
 from ..layers.linear import Linear
 from ..measure.spans import span
 from ..layers.moe import MoE
-from ..ops.moe import clamped_swiglu
 
 
 # seconds this process spent inside the collectives, by kind: what a TP run's time breakdown reads
@@ -144,27 +143,18 @@ class VocabParallelLMHead(Linear):
         return out[:, :self.vocab]
 
 
-def experts_subset(x, weights, experts, gate_up, down, limit: float, first: int):
-    """Expert parallelism: only experts [first, first + E_local) live here (gate_up, down hold
-    them); returns the weighted sum of their outputs [T, D], choices of other experts adding 0.
-    Each local expert runs its own tokens' rows."""
-    E = gate_up.shape[0]
+def local_experts(x, weights, experts, module, first: int, n_local: int):
+    """Expert parallelism: only experts [first, first + n_local) live here, in `module` (any
+    experts form: `Experts`, or its quantised stand-in); returns the weighted sum of their outputs
+    [T, D], choices of other experts adding 0. Each local (token, choice) pair becomes one row
+    with a single choice, so the module runs only this rank's share of the work in its own form."""
     out = torch.zeros_like(x)
-    local = (experts >= first) & (experts < first + E)
+    local = (experts >= first) & (experts < first + n_local)
     t, j = local.nonzero(as_tuple=True)
     if t.numel() == 0:
         return out
-    e = experts[t, j] - first
-    order = e.argsort(stable=True)
-    t, j, e = t[order], j[order], e[order]
-    start = 0
-    ys = torch.empty(t.numel(), x.shape[1], dtype=x.dtype, device=x.device)
-    for i, n in enumerate(torch.bincount(e, minlength=E).tolist()):
-        if n:
-            gate, up = (x[t[start:start + n]] @ gate_up[i].T).chunk(2, dim=-1)
-            ys[start:start + n] = clamped_swiglu(gate, up, limit) @ down[i].T
-            start += n
-    return out.index_add_(0, t, ys * weights[t, j].unsqueeze(-1).to(x.dtype))
+    y = module(x[t], weights[t, j].unsqueeze(-1), (experts[t, j] - first).unsqueeze(-1))
+    return out.index_add_(0, t, y)
 
 
 class ShardedMoE(MoE):
@@ -174,12 +164,13 @@ class ShardedMoE(MoE):
     group = None
     ep = False
     first_expert = 0
+    local_experts = 0
 
     def forward(self, x):
         weights, experts = self.gate(x)
         e = self.experts
         if self.ep:
-            routed = experts_subset(x, weights, experts, e.gate_up_proj, e.down_proj, e.limit, self.first_expert)
+            routed = local_experts(x, weights, experts, e, self.first_expert, self.local_experts)
         else:            # every expert's channel slice: the experts module as it is (its measured or quantised form)
             routed = e(x, weights, experts)
         return all_reduce(routed + self.shared_experts(x), self.group)

@@ -108,7 +108,7 @@ def _shard_moe(m: MoE, rank, size, group, ep: bool) -> None:
     if ep:
         _param(e, "gate_up_proj", rank, size)
         _param(e, "down_proj", rank, size)
-        m.first_expert = rank * (E // size)
+        m.first_expert, m.local_experts = rank * (E // size), E // size
     else:
         i = two_i // 2
         gate, up = e.gate_up_proj.data[:, :i], e.gate_up_proj.data[:, i:]
