@@ -88,8 +88,13 @@ def test_candidate_logits_sample_as_the_full_logits_do():
     x = torch.randn(5, D, generator=g)
     x[0] = w[2] * 10
     x[1] = w[1] * 10
-    logits, cands = launch(lm_head_check, 2, w, x)[0]
+    logits, cands, compiled = launch(lm_head_check, 2, w, x, (1, 3), True)[0]
     full = x @ w.T
+    # a compiled graph (--compile --tp) runs the same collectives as opaque ops: the same results
+    for k, (got, embedded) in compiled["compiled"].items():
+        assert torch.equal(got, logits if k == 0 else cands[k]), k
+        assert torch.equal(embedded, compiled["embedding"])
+    assert torch.equal(compiled["embedding"], w[torch.arange(V - 1, -1, -1)])
     assert logits.shape == (5, V) and torch.allclose(logits, full, rtol=1e-6, atol=1e-6)
     one = cands[1]
     assert torch.equal(one.argmax(-1), full.argmax(-1)) and one.argmax(-1)[0] == 2 and one.argmax(-1)[1] == 1
@@ -114,7 +119,7 @@ def test_command_line_refuses_mismatched_parallel_options():
         tp_args(Namespace(tp=4, ep=2))
     assert tp_args(Namespace(tp=2, ep=2)) == {"tensor_parallel_size": 2, "expert_parallel": True}
     c = ModelConfig.from_hf(resolve_model("tiny-py"))
-    for kw, message in (({"speculative_algorithm": "NEXTN"}, "speculative decoding"), ({"compile": True}, "--compile"),
+    for kw, message in (({"speculative_algorithm": "NEXTN"}, "speculative decoding"),
                         ({"context_parallel_size": 2}, "context parallelism")):
         with pytest.raises(ValueError, match=message):
             LLMEngine.check_options(EngineConfig(tensor_parallel_size=2, **kw), c, False, 1)

@@ -98,6 +98,22 @@ def test_ep2_engine_equals_one_rank_and_samples_from_the_best_candidates(referen
         llm.engine.close()
 
 
+@pytest.mark.slow         # each rank compiles the step: ~45 s on 2 cores
+def test_tp2_ep2_compiled_decode_equals_one_rank(reference, monkeypatch):
+    # --compile with --tp: every rank compiles the decode step; the collectives and the local
+    # experts are opaque ops inside the graph, run in step on both ranks
+    from ouro.engine import decode_graph
+    monkeypatch.setattr(decode_graph, "BACKEND", "aot_eager")      # the followers are told the backend too
+    llm = LLM("tiny-py", max_memory=128 << 20, page_size=16, tensor_parallel_size=2, enable_expert_parallel=True,
+              compile=True, max_num_seqs=2)
+    try:
+        assert tokens(llm, LONG) == reference
+        assert llm.engine.runner.graph.runs > 0
+        assert llm.engine.pages.num_free == llm.engine.pages.num_total
+    finally:
+        llm.engine.close()
+
+
 def test_a_lost_rank_stops_the_engine_with_an_error_naming_it():
     llm = LLM("tiny-py", max_memory=64 << 20, page_size=16, tensor_parallel_size=2)
     try:

@@ -108,6 +108,8 @@ class ModelRunner:
             return logits.float().cpu()
         if self.graph is not None and self.graph.accepts(counts, any(r.prompt_logprobs is not None for r in reqs)):
             ids = [r.all_ids[r.num_computed] for r in reqs]
+            if self.candidates_allowed:   # the graph gathers the full logits (one traced form for every batch)
+                self.model.lm_head.candidates = 0
             with span("forward", cat="compute"):
                 logits = self.graph.run(ids, [r.num_computed for r in reqs], [r.slot for r in reqs],
                                         [r.pages for r in reqs])

@@ -83,7 +83,10 @@ class TPWorkers:
         raise TPBroken(f"tensor parallelism is broken: {why}")
 
     def forward_hook(self, module, args):
-        """A forward pre-hook on rank 0's model: the followers run the same batch."""
+        """A forward pre-hook on rank 0's model: the followers run the same batch. (A compiled
+        decode step is mirrored whole, `mirror_graph`: inside its trace this hook does nothing.)"""
+        if torch.compiler.is_compiling():
+            return
         ids, ctx = args
         logits = ctx.logits_index.tolist() if ctx.logits_index is not None else "all"
         self.send({"op": "forward", "ids": ids.tolist(), "query_lens": list(ctx.query_lens), "start_pos": list(ctx.start_pos),
@@ -93,12 +96,33 @@ class TPWorkers:
     def attach(self, runner, n_checkpoints: int, kv_kinds: dict) -> None:
         """Rank 0's runner is built: the followers build the same cache, and from now on see every
         forward of rank 0's model and every KDA checkpoint operation."""
+        from . import decode_graph
+        g = runner.graph
+        graph = g and {"scratch_slot": g.scratch_slot, "scratch_page": g.scratch_page, "max_bs": g.max_bs,
+                       "backend": decode_graph.BACKEND}
         self.send({"op": "cache", "n_slots": runner.cache.n_slots, "n_pages": runner.cache.n_pages,
                    "page_size": runner.cache.page_size, "n_checkpoints": n_checkpoints,
-                   "kv_kinds": {str(k): v for k, v in kv_kinds.items()}})
+                   "kv_kinds": {str(k): v for k, v in kv_kinds.items()}, "graph": graph})
         runner.model.register_forward_pre_hook(self.forward_hook)
         if runner.checkpoints is not None:
             runner.checkpoints.mirror = self.mirror
+        if g is not None:
+            self.mirror_graph(g)
+
+    def mirror_graph(self, g) -> None:
+        """`--compile`: every rank compiles the same decode step; each compiled step (and the
+        start-up compilation, bucket by bucket) reaches the followers as one operation."""
+        run, warm_up = g.run, g.warm_up
+
+        def mirrored_run(ids, start_pos, slots, pages):
+            self.send({"op": "graph", "ids": list(ids), "start_pos": list(start_pos), "slots": list(slots),
+                       "pages": [list(p) for p in pages]})
+            return run(ids, start_pos, slots, pages)
+
+        def mirrored_warm_up(progress: bool = True):
+            self.send({"op": "warm_up"})
+            return warm_up(progress)
+        g.run, g.warm_up = mirrored_run, mirrored_warm_up
 
     def mirror(self, op: str, a: int, b: int) -> None:
         """A KDA checkpoint operation (CheckpointStore) on the followers' caches too."""
@@ -130,7 +154,7 @@ def check_options(config, mc) -> None:
     if config.tensor_parallel_size > 1:
         from ..parallel.tp_shard import check_split
         check_split(mc, config.tensor_parallel_size, config.expert_parallel)
-        for on, what in ((config.speculative_algorithm, "speculative decoding"), (config.compile, "--compile"),
+        for on, what in ((config.speculative_algorithm, "speculative decoding"),
                          (config.context_parallel_size > 1, "context parallelism (--cp)"),
                          (config.device != "cpu", "a device other than the CPU")):
             if on:
@@ -175,7 +199,7 @@ def follower_main(model_dir, rank, size, port, timeout_s, options) -> None:
         from ..ops import batch_invariant
         batch_invariant.enable()
     apply_to(model)
-    cache = checkpoints = None
+    cache = checkpoints = graph = None
     with torch.inference_mode():
         for line in sys.stdin:
             op = json.loads(line)
@@ -185,6 +209,16 @@ def follower_main(model_dir, rank, size, port, timeout_s, options) -> None:
                 cache = ModelCache(model.config, op["n_slots"], op["n_pages"], op["page_size"], dtype=dtype,
                                    device=o["device"], kv_kinds=kinds)
                 checkpoints = CheckpointStore(cache, op["n_checkpoints"]) if op["n_checkpoints"] else None
+                if op.get("graph"):
+                    from . import decode_graph
+                    g = op["graph"]
+                    graph = decode_graph.DecodeGraph(model, cache, g["scratch_slot"], g["scratch_page"], g["max_bs"],
+                                                     backend=g["backend"])
+            elif kind == "warm_up":
+                graph.warm_up(progress=False)
+            elif kind == "graph":
+                model.lm_head.candidates = 0
+                graph.run(op["ids"], op["start_pos"], op["slots"], op["pages"])
             elif kind == "forward":
                 logits = op["logits"]
                 ctx = ForwardContext.build(cache, op["query_lens"], op["start_pos"], op["slots"], op["table"],

@@ -81,9 +81,10 @@ def run(model_dir: str, prompts, decode_steps: int, tp: int = 1, ep: bool = Fals
                   quantization)[0]
 
 
-def lm_head_check(groups, weight, x, ks=(1, 3)):
+def lm_head_check(groups, weight, x, ks=(1, 3), compiled: bool = False):
     """The vocabulary-parallel output layer built from a full `weight` [V, D] on this rank: rank
-    0 returns (gathered logits, {k: candidate logits}) for rows `x` [T, D]."""
+    0 returns (gathered logits, {k: candidate logits}) for rows `x` [T, D]; `compiled`: and what a
+    compiled graph of the head and the embedding returns ({"compiled": {k: (logits, embedded)}, ...})."""
     from torch import nn
     from .tp_shard import _shard_vocab
     V, D = weight.shape
@@ -92,7 +93,17 @@ def lm_head_check(groups, weight, x, ks=(1, 3)):
     holder.embed_tokens = nn.Embedding(V, D)
     holder.lm_head = nn.Linear(D, V, bias=False)
     holder.lm_head.weight.data.copy_(weight)
+    holder.embed_tokens.weight.data.copy_(weight)        # the same rows on every rank
     _shard_vocab(holder, groups.rank, groups.world_size, groups.cp)
     with torch.inference_mode():
         out = holder.lm_head(x), {k: holder.lm_head.candidate_logits(x, k) for k in ks}
+        if compiled:    # the collectives as opaque ops in one traced graph (`--compile --tp`)
+            step = torch.compile(lambda x, ids: (holder.lm_head(x), holder.embed_tokens(ids)), backend="aot_eager",
+                                 fullgraph=True)
+            ids = torch.arange(V - 1, -1, -max(1, V // 7))
+            got = {}
+            for k in (0,) + tuple(ks):
+                holder.lm_head.candidates = k
+                got[k] = step(x, ids)
+            out = out + ({"compiled": got, "embedding": holder.embed_tokens(ids)},)
     return out if groups.rank == 0 else None

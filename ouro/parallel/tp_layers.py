@@ -25,6 +25,7 @@ from torch import nn
 
 from ..layers.linear import Linear
 from ..measure.spans import span
+from ..ops.opaque import call_opaque
 from ..layers.moe import MoE
 
 
@@ -40,7 +41,25 @@ def _log(kind: str, x) -> None:
         COLLECTIVE_LOG.append((kind, tuple(x.shape), COLLECTIVE_WHERE() if COLLECTIVE_WHERE else ""))
 
 
-def all_reduce(x, group):
+# the groups the compiled collectives run on, by key: a compiled graph holds the key (an int
+# constant), never the ProcessGroup object, which a trace cannot carry
+_GROUPS: dict[int, object] = {}
+
+
+def group_key(group) -> int:
+    """`group`'s key in the registry, made on first use (at sharding time, not while tracing)."""
+    for k, g in _GROUPS.items():
+        if g is group:
+            return k
+    _GROUPS[len(_GROUPS) + 1] = group
+    return len(_GROUPS)
+
+
+def all_reduce(x, group, key: int = 0):
+    """The sum over the group's ranks, in place; inside a compiled graph one opaque op
+    (`ouro::tp_all_reduce`) that runs this same function when the graph runs."""
+    if torch.compiler.is_compiling():
+        return tp_all_reduce(x, key)
     _log("all_reduce", x)
     t0 = time.perf_counter()
     with span("all_reduce", cat="collective"):      # on the engine's trace (the timeline probe)
@@ -49,7 +68,9 @@ def all_reduce(x, group):
     return x
 
 
-def all_gather(x, group) -> list:
+def all_gather(x, group, key: int = 0) -> list:
+    if torch.compiler.is_compiling():
+        return list(tp_all_gather(x, key).unbind(0))
     _log("all_gather", x)
     t0 = time.perf_counter()
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
@@ -59,28 +80,51 @@ def all_gather(x, group) -> list:
     return parts
 
 
+@torch.library.custom_op("ouro::tp_all_reduce", mutates_args=())
+def tp_all_reduce(x: torch.Tensor, key: int) -> torch.Tensor:
+    return all_reduce(x.clone(), _GROUPS[key])
+
+
+@tp_all_reduce.register_fake
+def _(x, key):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("ouro::tp_all_gather", mutates_args=())
+def tp_all_gather(x: torch.Tensor, key: int) -> torch.Tensor:
+    """[ranks, *x.shape]"""
+    return torch.stack(all_gather(x.contiguous(), _GROUPS[key]))
+
+
+@tp_all_gather.register_fake
+def _(x, key):
+    return x.new_empty((dist.get_world_size(_GROUPS[key]), *x.shape))
+
+
 class RowParallelLinear(Linear):
     """y = all_reduce(x_local @ W[:, local].T): x arrives split along its features. The sum is a
     forward hook (`row_parallel_reduce`), so a module that later replaces this one (a quantised
     projection: `quant.quantize_model` carries hooks over) keeps it."""
     group = None
+    group_key = 0
 
 
-def row_parallel_reduce(module, args, out, group=None):
+def row_parallel_reduce(module, args, out, group=None, key: int = 0):
     """Forward hook of a row-parallel projection: the ranks' partial products summed."""
-    return all_reduce(out, group)
+    return all_reduce(out, group, key)
 
 
 class VocabParallelEmbedding(nn.Embedding):
     """Rows [first, first + n) of the vocabulary; other ids read zeros here."""
     group = None
+    group_key = 0
     first = 0
 
     def forward(self, ids):
         local = ids - self.first
         mine = (local >= 0) & (local < self.num_embeddings)
         out = F.embedding(local.clamp(0, self.num_embeddings - 1), self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
-        return all_reduce(out, self.group)
+        return all_reduce(out, self.group, self.group_key)
 
 
 class VocabParallelLMHead(Linear):
@@ -91,6 +135,7 @@ class VocabParallelLMHead(Linear):
     need the k best tokens: greedy picks, top-k sampling) only each rank's k best (logit, id) pairs
     and its log-sum-exp cross (`candidate_logits`)."""
     group = None
+    group_key = 0
     first = 0
     vocab = 0
     candidates = 0
@@ -107,7 +152,7 @@ class VocabParallelLMHead(Linear):
         if self.candidates:
             self.candidate_forwards += 1
             return self.candidate_logits(x, self.candidates)
-        return torch.cat(all_gather(self.local_logits(x).contiguous(), self.group), -1)[..., :self.vocab]
+        return torch.cat(all_gather(self.local_logits(x).contiguous(), self.group, self.group_key), -1)[..., :self.vocab]
 
     def candidate_logits(self, x, k: int):
         """[T, vocab] logits that agree with the full ones wherever a sampler with top_k <= k (or
@@ -123,7 +168,7 @@ class VocabParallelLMHead(Linear):
         else:
             vals, idx = local.topk(k, dim=-1)
         pack = torch.cat([vals, (idx + self.first).float(), torch.logsumexp(local, -1, keepdim=True)], -1)
-        allp = torch.stack(all_gather(pack.contiguous(), self.group), 1)           # [T, ranks, 2k + 1]
+        allp = torch.stack(all_gather(pack.contiguous(), self.group, self.group_key), 1)           # [T, ranks, 2k + 1]
         T = allp.shape[0]
         cv, ci = allp[..., :k].reshape(T, -1), allp[..., k:2 * k].reshape(T, -1).long()
         total = torch.logsumexp(allp[..., 2 * k], -1)                                # the global normaliser
@@ -162,6 +207,7 @@ class ShardedMoE(MoE):
     channels of every expert) and the shared expert split by channels; one all-reduce sums the
     ranks' partial outputs. The router is replicated: every rank routes every token alike."""
     group = None
+    group_key = 0
     ep = False
     first_expert = 0
     local_experts = 0
@@ -169,8 +215,15 @@ class ShardedMoE(MoE):
     def forward(self, x):
         weights, experts = self.gate(x)
         e = self.experts
-        if self.ep:
-            routed = local_experts(x, weights, experts, e, self.first_expert, self.local_experts)
+        if self.ep:          # which rows are local is data: inside a compiled graph, one opaque op
+            routed = (call_opaque(self, x, weights, experts) if torch.compiler.is_compiling()
+                      else self.eager(x, weights, experts))
         else:            # every expert's channel slice: the experts module as it is (its measured or quantised form)
             routed = e(x, weights, experts)
-        return all_reduce(routed + self.shared_experts(x), self.group)
+        return all_reduce(routed + self.shared_experts(x), self.group, self.group_key)
+
+    def eager(self, x, weights, experts):
+        return local_experts(x, weights, experts, self.experts, self.first_expert, self.local_experts)
+
+    def eager_shape(self, x, weights, experts):
+        return x.shape, x.dtype

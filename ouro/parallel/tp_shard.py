@@ -29,7 +29,8 @@ from ..layers.dsa import DSAttention
 from ..layers.kda import KDAttention
 from ..layers.linear import Linear
 from ..layers.moe import MLP, MoE
-from .tp_layers import RowParallelLinear, ShardedMoE, VocabParallelEmbedding, VocabParallelLMHead, row_parallel_reduce
+from .tp_layers import (RowParallelLinear, ShardedMoE, VocabParallelEmbedding, VocabParallelLMHead, group_key,
+                        row_parallel_reduce)
 
 
 def check_split(config, size: int, ep: bool = False) -> None:
@@ -70,7 +71,7 @@ def _row(lin: nn.Linear, rank: int, size: int, group, reduce: bool = True) -> No
     if reduce:
         lin.__class__ = RowParallelLinear
         lin.group = group
-        lin.register_forward_hook(functools.partial(row_parallel_reduce, group=group))
+        lin.register_forward_hook(functools.partial(row_parallel_reduce, group=group, key=group_key(group)))
 
 
 def _param(module, name: str, rank: int, size: int, dim: int = 0) -> None:
@@ -117,7 +118,7 @@ def _shard_moe(m: MoE, rank, size, group, ep: bool) -> None:
         _param(e, "down_proj", rank, size, 2)
     e.forms = None                     # measured forms were for the whole experts
     m.__class__ = ShardedMoE
-    m.group, m.ep = group, ep
+    m.group, m.group_key, m.ep = group, group_key(group), ep
 
 
 def _shard_vocab(model, rank, size, group) -> None:
@@ -134,12 +135,13 @@ def _shard_vocab(model, rank, size, group) -> None:
     emb.weight = slice_rows(emb.weight.data)
     emb.num_embeddings = n
     emb.__class__ = VocabParallelEmbedding
-    emb.group, emb.first = group, first
+    emb.group, emb.group_key, emb.first = group, group_key(group), first
     head = model.lm_head
     head.weight = slice_rows(head.weight.data)
     head.out_features = n
     head.__class__ = VocabParallelLMHead
-    head.group, head.first, head.vocab = group, first, V
+    head.group, head.group_key, head.first, head.vocab = group, group_key(group), first, V
+    head.candidates = 0                # on the instance from the start: a compiled step's guard sees one place
 
 
 def shard_model(model, group, ep: bool = False):
