@@ -25,11 +25,12 @@ log = logging.getLogger("ouro.engine")
 class LLMEngine:
     def __init__(self, model, tokenizer=None, config: EngineConfig = EngineConfig(), enable_prefix_caching=False,
                  checkpoint_interval: int = 1, verbose: bool = True, record_logits: bool = False,
-                 logits_processors=(), model_dir=None, mtp_layer=None):
+                 logits_processors=(), model_dir=None, mtp_layer=None, tp_follower_module=None):
         """model_dir: the checkpoint `model` came from; context parallelism loads it on its helper ranks,
-        speculative decoding its MTP layer (or pass `mtp_layer`, an `ouro.models.mtp.MTPLayer`)."""
+        speculative decoding its MTP layer (or pass `mtp_layer`, an `ouro.models.mtp.MTPLayer`).
+        tp_follower_module: the tensor-parallel followers' entry, for a role with more operations."""
         self.check_options(config, model.config, enable_prefix_caching, checkpoint_interval)
-        self.tp = tp_workers.start(model, config, model_dir)     # the model now holds this rank's shard
+        self.tp = tp_workers.start(model, config, model_dir, tp_follower_module)     # the model now holds this rank's shard
         mc = model.config
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.record_logits = record_logits    # keep each sampled step's logits (tests, probes)

@@ -30,14 +30,16 @@ class TPBroken(RuntimeError):
 
 
 class TPWorkers:
-    def __init__(self, model_dir: str, size: int, options: dict, timeout_s: float = 120.0):
+    def __init__(self, model_dir: str, size: int, options: dict, timeout_s: float = 120.0,
+                 module: str = "ouro.engine.tp_workers"):
         """options: what every rank builds its model with (dtype, device, kda_chunk_size, ep,
-        quantization, quantization_ignore)."""
+        quantization, quantization_ignore). module: the followers' entry (`main` of a `Follower`
+        class: a role with more operations names its own)."""
         self.size, self.broken = size, None
         port = _free_port()
         threads = max(1, (os.cpu_count() or 1) // size)
         env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-        self.procs = [subprocess.Popen([sys.executable, "-m", "ouro.engine.tp_workers", str(model_dir), str(r), str(size),
+        self.procs = [subprocess.Popen([sys.executable, "-m", module, str(model_dir), str(r), str(size),
                                         str(port), str(timeout_s), json.dumps(options)],
                                        stdin=subprocess.PIPE, env=env, text=True)
                       for r in range(1, size)]
@@ -164,8 +166,9 @@ def check_options(config, mc) -> None:
                          "it needs --tp N (and --ep N, the same N)")
 
 
-def start(model, config, model_dir):
-    """Tensor parallelism: start the follower ranks and keep rank 0's shard of `model`; None at size 1."""
+def start(model, config, model_dir, follower_module: str | None = None):
+    """Tensor parallelism: start the follower ranks and keep rank 0's shard of `model`; None at size 1.
+    follower_module: the followers' entry, where a role adds operations (`Follower`)."""
     if config.tensor_parallel_size == 1:
         return None
     if model_dir is None:
@@ -174,62 +177,89 @@ def start(model, config, model_dir):
     tp = TPWorkers(model_dir, config.tensor_parallel_size,
                    {"dtype": config.dtype, "device": config.device, "kda_chunk_size": config.kda_chunk_size,
                     "ep": config.expert_parallel, "quantization": config.quantization,
-                    "quantization_ignore": config.quantization_ignore, "deterministic": config.deterministic_inference})
+                    "quantization_ignore": config.quantization_ignore, "deterministic": config.deterministic_inference},
+                   module=follower_module or "ouro.engine.tp_workers")
     shard_model(model, tp.group, ep=config.expert_parallel)
     return tp
 
 
-def follower_main(model_dir, rank, size, port, timeout_s, options) -> None:
-    from ..config import EngineConfig
-    from ..gemm_pick import apply_to
-    from ..layers.context import ForwardContext, ModelCache
-    from ..models.loader import load_model
-    from ..parallel.tp_shard import shard_model
-    from .model_runner import CheckpointStore
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    o = json.loads(options)
-    dtype = EngineConfig(device=o["device"], dtype=o["dtype"]).torch_dtype()
-    model = load_model(model_dir, dtype=dtype, device=o["device"], kda_chunk_size=o["kda_chunk_size"])
-    groups = init(int(rank), int(size), f"tcp://127.0.0.1:{port}", None, float(timeout_s))
-    shard_model(model, groups.cp, ep=o["ep"])
-    if o.get("quantization"):
-        from ..quant.w8a8 import quantize_model
-        quantize_model(model, o["quantization"], o.get("quantization_ignore"))
-    if o.get("deterministic"):
-        from ..ops import batch_invariant
-        batch_invariant.enable()
-    apply_to(model)
-    cache = checkpoints = graph = None
-    with torch.inference_mode():
-        for line in sys.stdin:
-            op = json.loads(line)
-            kind = op["op"]
-            if kind == "cache":
-                kinds = {int(k): v for k, v in op["kv_kinds"].items()}
-                cache = ModelCache(model.config, op["n_slots"], op["n_pages"], op["page_size"], dtype=dtype,
-                                   device=o["device"], kv_kinds=kinds)
-                checkpoints = CheckpointStore(cache, op["n_checkpoints"]) if op["n_checkpoints"] else None
-                if op.get("graph"):
-                    from . import decode_graph
-                    g = op["graph"]
-                    graph = decode_graph.DecodeGraph(model, cache, g["scratch_slot"], g["scratch_page"], g["max_bs"],
-                                                     backend=g["backend"])
-            elif kind == "warm_up":
-                graph.warm_up(progress=False)
-            elif kind == "graph":
-                model.lm_head.candidates = 0
-                graph.run(op["ids"], op["start_pos"], op["slots"], op["pages"])
-            elif kind == "forward":
-                logits = op["logits"]
-                ctx = ForwardContext.build(cache, op["query_lens"], op["start_pos"], op["slots"], op["table"],
-                                           logits=logits if isinstance(logits, str) else torch.tensor(logits))
-                model.lm_head.candidates = op["candidates"]      # the same collectives as rank 0's
-                model(torch.tensor(op["ids"], device=o["device"]), ctx)
-            elif kind == "save":
-                checkpoints.save_at(op["a"], op["b"])
-            elif kind == "restore":
-                checkpoints.restore(op["a"], op["b"])
+class Follower:
+    """A follower rank: its shard of the model and its copy of rank 0's cache, driven by rank 0's
+    operations (`run`). A role that needs more operations (a disaggregated worker's transfers)
+    subclasses it and adds `op_<name>` methods; its module then runs `main` as the follower entry
+    (`TPWorkers(module=...)`)."""
+
+    def __init__(self, model_dir, rank, size, port, timeout_s, options):
+        from ..config import EngineConfig
+        from ..gemm_pick import apply_to
+        from ..models.loader import load_model
+        from ..parallel.tp_shard import shard_model
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        o = self.options = json.loads(options)
+        self.rank, self.size, self.timeout_s, self.device = int(rank), int(size), float(timeout_s), o["device"]
+        self.dtype = EngineConfig(device=o["device"], dtype=o["dtype"]).torch_dtype()
+        self.model = load_model(model_dir, dtype=self.dtype, device=self.device, kda_chunk_size=o["kda_chunk_size"])
+        self.group = init(self.rank, self.size, f"tcp://127.0.0.1:{port}", None, self.timeout_s).cp
+        shard_model(self.model, self.group, ep=o["ep"])
+        if o.get("quantization"):
+            from ..quant.w8a8 import quantize_model
+            quantize_model(self.model, o["quantization"], o.get("quantization_ignore"))
+        if o.get("deterministic"):
+            from ..ops import batch_invariant
+            batch_invariant.enable()
+        apply_to(self.model)
+        self.cache = self.checkpoints = self.graph = None
+
+    def run(self, lines) -> None:
+        with torch.inference_mode():
+            for line in lines:
+                op = json.loads(line)
+                getattr(self, "op_" + op["op"])(op)
+        self.close()
+
+    def close(self) -> None:
+        pass
+
+    def op_cache(self, op):
+        from ..layers.context import ModelCache
+        from .model_runner import CheckpointStore
+        kinds = {int(k): v for k, v in op["kv_kinds"].items()}
+        self.cache = ModelCache(self.model.config, op["n_slots"], op["n_pages"], op["page_size"], dtype=self.dtype,
+                                device=self.device, kv_kinds=kinds)
+        self.checkpoints = CheckpointStore(self.cache, op["n_checkpoints"]) if op["n_checkpoints"] else None
+        if op.get("graph"):
+            from . import decode_graph
+            g = op["graph"]
+            self.graph = decode_graph.DecodeGraph(self.model, self.cache, g["scratch_slot"], g["scratch_page"],
+                                                  g["max_bs"], backend=g["backend"])
+
+    def op_forward(self, op):
+        from ..layers.context import ForwardContext
+        logits = op["logits"]
+        ctx = ForwardContext.build(self.cache, op["query_lens"], op["start_pos"], op["slots"], op["table"],
+                                   logits=logits if isinstance(logits, str) else torch.tensor(logits))
+        self.model.lm_head.candidates = op["candidates"]      # the same collectives as rank 0's
+        self.model(torch.tensor(op["ids"], device=self.device), ctx)
+
+    def op_warm_up(self, op):
+        self.graph.warm_up(progress=False)
+
+    def op_graph(self, op):
+        self.model.lm_head.candidates = 0
+        self.graph.run(op["ids"], op["start_pos"], op["slots"], op["pages"])
+
+    def op_save(self, op):
+        self.checkpoints.save_at(op["a"], op["b"])
+
+    def op_restore(self, op):
+        self.checkpoints.restore(op["a"], op["b"])
+
+
+def main(follower_class=Follower) -> None:
+    """A follower process: `python -m MODULE model_dir rank size port timeout options`; rank 0's
+    operations on stdin until it closes."""
+    follower_class(*sys.argv[1:7]).run(sys.stdin)
 
 
 if __name__ == "__main__":
-    follower_main(*sys.argv[1:])
+    main()
