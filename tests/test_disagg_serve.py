@@ -6,7 +6,10 @@ show the transfers; and the workers stop with the router."""
 
 import concurrent.futures as cf
 import os
+import signal
 import time
+
+import httpx
 
 import pytest
 import torch
@@ -64,6 +67,69 @@ def worker_pids(server):
             if b"--role" in cmd and f"{server.port}".encode() not in cmd and b"--exit-with-parent" in cmd:
                 out.append(int(d))
     return out
+
+
+def test_1p1d_with_tp2_answers_as_one_engine(tiny_checkpoint, tmp_path, reference):
+    # --disagg with --tp: both workers run two ranks; prefill rank r sends its own shard (the
+    # KDA state of its heads, the DSA rows) to decode rank r; rank 0 waits for the followers'
+    # transfers before it reuses pages or decodes
+    server = Server(tiny_checkpoint, "--served-model-name", "tiny", "--disagg", "1P1D", "--dtype", "float32",
+                    "--tp", "2", tmp_path=tmp_path)
+    try:
+        assert completions(server, prompts()) == reference
+        assert completions(server, prompts()[:3]) == reference[:3]      # pages reused on every rank
+        m = settled(server, {"ouro:pd_transfers_completed": len(LENGTHS) + 3, "ouro:kv_pages_used": 0,
+                             "ouro:pd_prefill_pages_used": 0})
+        get = lambda name: next(v for k, v in m.items() if k.split("{")[0] == name)
+        assert get("ouro:pd_transfers_completed") == len(LENGTHS) + 3 and get("ouro:pd_transfers_failed") == 0
+        assert get("ouro:kv_pages_used") == 0 and get("ouro:pd_prefill_pages_used") == 0
+        # rank 0 sent its shard: the DSA rows whole, the KDA state of its half of the heads
+        ps = prompts() + prompts()[:3]
+        assert get("ouro:pd_kv_bytes_sent") == get("ouro:pd_kv_bytes_received") == shard_bytes(tiny_checkpoint, ps, 2)
+        assert shard_bytes(tiny_checkpoint, ps, 2) < shard_bytes(tiny_checkpoint, ps, 1)
+        # the decode worker's follower dies: the next request fails at once, the server turns unhealthy
+        os.kill(follower_of("decode", server), signal.SIGKILL)
+        start = time.monotonic()
+        r = httpx.post(server.base + "/v1/completions", json={"model": "tiny", "prompt": prompts()[0], "max_tokens": 4},
+                       timeout=60)
+        assert r.status_code >= 500 and "TP rank 1 of 2" in r.text, r.text
+        assert time.monotonic() - start < 30
+        while httpx.get(server.base + "/health", timeout=5).status_code == 200:
+            assert time.monotonic() - start < 30, "the server still says it is healthy"
+            time.sleep(0.3)
+    finally:
+        server.stop()
+
+
+def follower_of(role: str, server) -> int:
+    """The pid of the TP follower of this server's `role` worker."""
+    from serve_helpers import pids_running
+    for pid in pids_running(b"ouro.disagg.tp_ranks"):
+        with open(f"/proc/{pid}/stat") as f:
+            parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        with open(f"/proc/{parent}/cmdline", "rb") as f:
+            cmd = f.read().split(b"\0")
+        if b"--role" in cmd and cmd[cmd.index(b"--role") + 1] == role.encode():
+            with open(f"/proc/{parent}/stat") as f:
+                grand = int(f.read().rsplit(")", 1)[1].split()[1])
+            if grand == server.proc.pid:
+                return pid
+    raise AssertionError(f"no TP follower of a {role} worker of this server")
+
+
+def shard_bytes(model_dir, ps, tp: int) -> int:
+    """What one rank of `tp` sends for prompts `ps` (state_pieces.gather over a cache of its shape)."""
+    from ouro.config import ModelConfig
+    from ouro.disagg.state_pieces import block_bytes, gather, layer_pieces
+    from ouro.layers.context import ModelCache
+    from ouro.parallel.tp_shard import rank_config
+    c = rank_config(ModelConfig.from_hf(model_dir), tp)
+    total = 0
+    for p in ps:
+        pages = -(-len(p) // 16)
+        cache = ModelCache(c, 1, pages, 16, dtype=torch.float32)
+        total += sum(block_bytes(gather(cache, lp, list(range(pages)), 0, 0, len(p), True)) for lp in layer_pieces(c))
+    return total
 
 
 @pytest.mark.parametrize("backend", ["tcp", pytest.param("shm", marks=pytest.mark.slow),     # shm: also in-process,

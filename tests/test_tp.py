@@ -143,3 +143,16 @@ def test_quantised_projections_keep_the_row_parallel_all_reduce():
         # the error W8A8 itself has against float32 (whole experts per rank quantise as at TP = 1)
         assert rel_rms(two["logits"][0], one["logits"][0]) < 3 * rel_rms(one["logits"][0], full["logits"][0]) < 0.05
         assert torch.equal(two["tokens"], one["tokens"])
+
+
+def test_disaggregated_workers_get_the_ranks_and_only_tcp_carries_shards():
+    from ouro.cli import build_parser
+    from ouro.disagg.command import serve_disagg, worker_argv
+    args = build_parser().parse_args(["serve", "--model", "tiny-py", "--disagg", "1P1D", "--tp", "2", "--ep", "2"])
+    for role in ("prefill", "decode"):
+        back = build_parser().parse_args(worker_argv(args, role, 30000)[3:])      # the worker parses it back
+        assert (back.tp, back.ep) == (2, 2)
+    shm = build_parser().parse_args(["serve", "--model", "tiny-py", "--disagg", "1P1D", "--tp", "2",
+                                     "--transfer-backend", "shm"])
+    with pytest.raises(ValueError, match="over tcp"):
+        serve_disagg(shm)

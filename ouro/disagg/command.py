@@ -106,6 +106,8 @@ def worker_argv(args, role: str, port: int) -> list[str]:
         argv += ["--kv-cache-layer-dtype", args.kv_cache_layer_dtype]
     if args.max_model_len:
         argv += ["--max-model-len", str(args.max_model_len)]
+    if getattr(args, "tp", 1) > 1:          # each worker runs its own ranks
+        argv += ["--tp", str(args.tp), "--ep", str(getattr(args, "ep", 1))]
     if getattr(args, "enable_deterministic_inference", False):   # both sides: a prefill row equals a decode row
         argv += ["--enable-deterministic-inference"]
     if getattr(args, "speculative_algorithm", None):   # both sides: the cache holds the draft layer's rows
@@ -123,8 +125,9 @@ def serve_disagg(args) -> int:
     """`ouro serve --disagg XPYD`: the workers as child processes, then the router in this one."""
     from ..serve.server import serve
     from .router_client import DisaggClient
-    if getattr(args, "tp", 1) > 1:
-        raise ValueError("--disagg does not combine with --tp yet: each worker would need its own ranks")
+    if getattr(args, "tp", 1) > 1 and args.transfer_backend != "tcp":
+        raise ValueError("--disagg with --tp sends each rank's shard over tcp: drop --transfer-backend "
+                         f"{args.transfer_backend}")
     n_prefill, n_decode = parse_layout(args.disagg)
     procs, roles = {}, {"prefill": [], "decode": []}
     for role, n in (("prefill", n_prefill), ("decode", n_decode)):
@@ -158,8 +161,8 @@ def run_role(args) -> int:
     from ..models.resolve import resolve_model
     from ..serve.server import engine_kwargs
     from .worker import run_worker
-    if args.cp > 1 or getattr(args, "tp", 1) > 1:
-        raise ValueError("--role does not combine with --cp or --tp yet")
+    if args.cp > 1:
+        raise ValueError("--role does not combine with --cp yet")
     directory = resolve_model(args.model, progress=True)
     run_worker(args.role, str(directory), engine_kwargs(args), args.host, args.port, args.transfer_backend,
                args.bootstrap_port, args.transfer_timeout, args.exit_with_parent)

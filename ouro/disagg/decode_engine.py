@@ -48,6 +48,12 @@ class DecodeEngine:
         self.events = WakeQueue()          # the receiver threads' events; its fd wakes the worker's poll
         self.kv = KVReceiver(engine.runner.cache, engine.runner.cache.config, lambda *e: self.events.put(e), address,
                              backend, self.spec)
+        self.tp, self.addresses = engine.tp, None
+        if self.tp is not None:            # every rank receives its own shard (`tp_ranks`)
+            if backend != "tcp":
+                raise ValueError(f"a decode worker with --tp takes the tcp transfer backend, not {backend!r}")
+            from . import tp_ranks
+            self.addresses = tp_ranks.receiver_addresses(self.tp, self.kv.address)
         self.reserved: dict[str, Request] = {}
         self.client_aborted: set[str] = set()
         self.failures: list[tuple[str, str]] = []     # (rid, why) not yet reported by the caller
@@ -90,7 +96,10 @@ class DecodeEngine:
             req.detokenizer = IncrementalDetokenizer(e.tokenizer, ids, params.stop_list, params.skip_special_tokens)
         self.reserved[rid] = req
         room = self.kv.rooms.reserve(rid, pages, slot, len(ids), held.usable_tokens if held else 0, self.timeout_s)
-        return self.kv.room_info(room)
+        info = self.kv.room_info(room)
+        if self.addresses:
+            info["addresses"] = self.addresses
+        return info
 
     def _alloc(self, n: int) -> list[int]:
         e = self.engine
@@ -101,6 +110,9 @@ class DecodeEngine:
     def abort(self, rid: str) -> None:
         if rid in self.reserved:
             self.client_aborted.add(rid)
+            if self.tp is not None:
+                from .tp_ranks import abort_room
+                abort_room(self.tp, rid)
             if self.kv.rooms.abort(rid) != "complete":
                 return                   # freed now or when its writer answers: a `free` event
         self.engine.abort(rid)
@@ -133,21 +145,38 @@ class DecodeEngine:
                 kind, room, reason = self.events.get_nowait()
             except queue.Empty:
                 return outs
-            req = self.reserved.pop(room.rid, None)
-            if req is None:
+            if room.rid not in self.reserved:
                 continue
+            # asked while the request is still reserved: a lost rank (TPBroken) fails it with the rest
+            missing = self._followers_missing(room.rid) if kind == "ready" else 0
+            req = self.reserved.pop(room.rid)
             if kind == "ready":
-                self.transfers["completed"] += 1
                 result = self.kv.rooms.take(room.rid).result
+                if missing:
+                    self._fail(req, f"the prefilled state did not arrive on {missing} of the tensor-parallel ranks")
+                    continue
+                self.transfers["completed"] += 1
                 if "computed_at" in result:
                     self.latencies.append(max(0.0, result["received_at"] - result["computed_at"]))
                 outs.append(self._activate(req, result))
             else:
-                self.transfers["failed"] += 1
-                self.engine.scheduler.free(req)
-                if room.rid not in self.client_aborted:
-                    self.failures.append((room.rid, f"the prefilled state did not arrive: {reason}"))
-                self.client_aborted.discard(room.rid)
+                if self.tp is not None:
+                    from .tp_ranks import abort_room
+                    abort_room(self.tp, room.rid)
+                self._fail(req, f"the prefilled state did not arrive: {reason}")
+
+    def _followers_missing(self, rid: str) -> int:
+        if self.tp is None:
+            return 0
+        from .tp_ranks import followers_missing
+        return followers_missing(self.tp, rid, self.timeout_s)
+
+    def _fail(self, req: Request, why: str) -> None:
+        self.transfers["failed"] += 1
+        self.engine.scheduler.free(req)
+        if req.request_id not in self.client_aborted:
+            self.failures.append((req.request_id, why))
+        self.client_aborted.discard(req.request_id)
 
     def _activate(self, req: Request, result: dict):
         """The request joins the running batch: prompt computed, first token already sampled."""

@@ -108,7 +108,10 @@ class KVSender:
             room, slot, pages = arg
             sender = self._sender(room)
             self.out[rid] = o = Outgoing(rid, room, sender, slot, pages)
-            sender.notify({"type": "hello", "rid": rid})
+            hello = {"type": "hello", "rid": rid}
+            if room.get("announce"):      # a TP follower's: its decode rank opens the room from this
+                hello["room"] = {k: room[k] for k in ("pages", "slot", "prompt_len", "skip_tokens")}
+            sender.notify(hello)
             return
         o = self.out.get(rid)
         if o is None:

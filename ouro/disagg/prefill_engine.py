@@ -44,6 +44,9 @@ class PrefillEngine:
         self.released = WakeQueue()        # the transfer thread's endings; its fd wakes the worker's poll
         self.outcomes: dict[str, str] = {}      # rid -> how its transfer ended (for the caller)
         self.kv = KVSender(engine.runner.cache, engine.runner.cache.config, self._on_released, timeout_s)
+        if engine.tp is not None:          # each rank sends its own shard (`tp_ranks`)
+            from .tp_ranks import MirroredSender
+            self.kv = MirroredSender(self.kv, engine.tp)
         self._rows: list = []
         self._opened: set[str] = set()         # requests whose transfer the thread has begun
         model = engine.model
@@ -99,6 +102,8 @@ class PrefillEngine:
                 return
             if rid in self.engine.requests:    # still computing, but nobody will take its state now
                 self.engine.abort(rid)
+            if self.engine.tp is not None:     # the followers' transfers read the same pages on their ranks
+                self.kv.release(rid)
             self.engine.scheduler.release(rid)
             self.rooms.pop(rid, None)
             self._opened.discard(rid)

@@ -21,6 +21,7 @@ import os
 import time
 
 from ..engine.request import RequestFailed
+from ..engine.tp_workers import TPBroken
 from ..measure import spans
 from ..serve.engine_process import OutputSender, on_trace_message
 
@@ -53,7 +54,7 @@ def run_worker(role: str, model_dir: str, engine_kwargs: dict, host: str, port: 
     cfg = EngineConfig(**engine_kwargs)
     model = load_model(model_dir, dtype=cfg.torch_dtype(), device=cfg.device, kda_chunk_size=cfg.kda_chunk_size)
     engine = LLMEngine(model, None, cfg, enable_prefix_caching=prefix, checkpoint_interval=interval,
-                       model_dir=model_dir, verbose=True)
+                       model_dir=model_dir, verbose=True, tp_follower_module="ouro.disagg.tp_ranks")
     if role == "prefill":
         worker = PrefillEngine(engine, timeout_s)
     else:
@@ -106,6 +107,17 @@ def _handle(role, worker, msg, sender, info) -> bool:
     return True
 
 
+def _fatal(worker, sender, error) -> None:
+    """A tensor-parallel rank is gone: every request fails, and the worker exits (the router then
+    sees it gone and reports unhealthy); no clean-up that could wait on a lost peer."""
+    log.error("%s", error)
+    for rid in list(worker.engine.requests) + list(getattr(worker, "reserved", ())):
+        sender.send({"type": "error", "rid": rid, "status": 500, "message": str(error)})
+    sender.close()
+    sender.outbox.context.destroy(linger=2000)     # the errors reach the router before the exit
+    os._exit(1)
+
+
 def _stats(role, worker) -> dict:
     s = worker.engine.stats()
     if role == "decode":
@@ -132,14 +144,19 @@ def _loop(role, worker, inbox, sender, decode, info, exit_with_parent) -> None:
         poller.poll(0 if worker.runnable() else POLL_MS)
         wakeups.drain_wakeups()
         while inbox.poll(0):
-            if not _handle(role, worker, decode(inbox.recv()), sender, info):
-                return
+            try:
+                if not _handle(role, worker, decode(inbox.recv()), sender, info):
+                    return
+            except TPBroken as e:
+                _fatal(worker, sender, e)
         try:
             outs = worker.step()
         except RequestFailed as e:
             log.error("request %s failed: %s", e.request_id, e)
             sender.send({"type": "error", "rid": e.request_id, "status": 500, "message": str(e)})
             outs = []
+        except TPBroken as e:
+            _fatal(worker, sender, e)
         except Exception as e:          # the engine reset the batch; its requests fail rather than loop
             log.exception("the %s step failed", role)
             for rid in list(worker.engine.requests):

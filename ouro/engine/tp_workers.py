@@ -211,6 +211,7 @@ class Follower:
         self.cache = self.checkpoints = self.graph = None
 
     def run(self, lines) -> None:
+        watch_parent()
         with torch.inference_mode():
             for line in lines:
                 op = json.loads(line)
@@ -253,6 +254,20 @@ class Follower:
 
     def op_restore(self, op):
         self.checkpoints.restore(op["a"], op["b"])
+
+
+def watch_parent(period_s: float = 0.5) -> None:
+    """Exit as soon as rank 0's process is gone, even while this rank waits (on a transfer, on a
+    collective whose timeout is long): stdin closing only ends a rank that is reading it."""
+    import threading
+    import time
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(period_s)
+        os._exit(1)
+    threading.Thread(target=watch, name="ouro-tp-parent-watch", daemon=True).start()
 
 
 def main(follower_class=Follower) -> None:
