@@ -46,6 +46,25 @@ def test_cp_engine_decodes_as_one_rank(tiny_checkpoint):
         cp_engine.cp.close()
 
 
+def test_cp2_with_tp2_decodes_as_one_rank(tiny_checkpoint):
+    # a TP x CP grid of four ranks: each CP index is a TP group with its shards; the long prompts'
+    # KDA state (of each rank's heads) ends on the engine's TP group, which then decodes
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, 500, (n,), generator=g).tolist() for n in (150, 90, 20)]
+    kw = dict(max_memory=32 << 20, page_size=16, dtype="float32")
+    one = greedy_ids(LLMEngine(load_model(tiny_checkpoint), None, EngineConfig(**kw), verbose=False), prompts)
+    grid = LLMEngine(load_model(tiny_checkpoint), None,
+                     EngineConfig(context_parallel_size=2, cp_threshold=THRESHOLD, tensor_parallel_size=2, **kw),
+                     verbose=False, model_dir=str(tiny_checkpoint))
+    try:
+        assert len(grid.cp.pids) == 2 and len(grid.tp.pids) == 1      # CP index 0's two ranks; rank 0's follower
+        assert greedy_ids(grid, prompts) == one
+        assert grid.cp.broken is None and grid.cp.num_prefills == 2
+        assert grid.scheduler.slots.num_free == grid.scheduler.slots.num_total
+    finally:
+        grid.close()
+
+
 def cpu_seconds(pid):
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()

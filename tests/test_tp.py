@@ -119,8 +119,7 @@ def test_command_line_refuses_mismatched_parallel_options():
         tp_args(Namespace(tp=4, ep=2))
     assert tp_args(Namespace(tp=2, ep=2)) == {"tensor_parallel_size": 2, "expert_parallel": True}
     c = ModelConfig.from_hf(resolve_model("tiny-py"))
-    for kw, message in (({"speculative_algorithm": "NEXTN"}, "speculative decoding"),
-                        ({"context_parallel_size": 2}, "context parallelism")):
+    for kw, message in (({"speculative_algorithm": "NEXTN"}, "speculative decoding"),):
         with pytest.raises(ValueError, match=message):
             LLMEngine.check_options(EngineConfig(tensor_parallel_size=2, **kw), c, False, 1)
     with pytest.raises(ValueError, match="needs --tp N"):

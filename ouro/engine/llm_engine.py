@@ -50,7 +50,10 @@ class LLMEngine:
             print(f"ouro: {self.plan.describe(min(self.max_model_len, 4096))}", file=sys.stderr, flush=True)
         self.pages, self.slots = PagePool(self.plan.n_pages), SlotPool(self.plan.n_slots)
         self.cp = None
-        if config.context_parallel_size > 1:
+        if config.context_parallel_size > 1 and self.tp is not None:    # the TP x CP grid's ranks
+            from ..parallel.cp_prefill import GridCPPrefill
+            self.cp = GridCPPrefill(self.tp, model, config.chain_precision(), self.kv_kinds)
+        elif config.context_parallel_size > 1:
             if model_dir is None:
                 raise ValueError("context_parallel_size > 1 needs the model's checkpoint directory (model_dir): "
                                  "every rank loads it")

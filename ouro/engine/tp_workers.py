@@ -31,31 +31,42 @@ class TPBroken(RuntimeError):
 
 class TPWorkers:
     def __init__(self, model_dir: str, size: int, options: dict, timeout_s: float = 120.0,
-                 module: str = "ouro.engine.tp_workers"):
+                 module: str = "ouro.engine.tp_workers", cp: int = 1):
         """options: what every rank builds its model with (dtype, device, kda_chunk_size, ep,
         quantization, quantization_ignore). module: the followers' entry (`main` of a `Follower`
-        class: a role with more operations names its own)."""
-        self.size, self.broken = size, None
+        class: a role with more operations names its own). cp > 1: the world is a TP x CP grid
+        (`parallel.groups`); this process is TP rank 0 of the last CP index (a CP prefill's last
+        slice ends here), `procs` are its TP followers, `helpers` the other CP indices' ranks,
+        which take part in CP prefills only (`GridCPPrefill`)."""
+        self.size, self.broken, self.mirroring = size, None, True
+        world, mine = size * cp, (cp - 1) * size
         port = _free_port()
-        threads = max(1, (os.cpu_count() or 1) // size)
+        threads = max(1, (os.cpu_count() or 1) // world)
         env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-        self.procs = [subprocess.Popen([sys.executable, "-m", module, str(model_dir), str(r), str(size),
-                                        str(port), str(timeout_s), json.dumps(options)],
-                                       stdin=subprocess.PIPE, env=env, text=True)
-                      for r in range(1, size)]
+        options = json.dumps(dict(options, tp=size))
+        start = lambda r: subprocess.Popen([sys.executable, "-m", module, str(model_dir), str(r), str(world), str(port),
+                                            str(timeout_s), options], stdin=subprocess.PIPE, env=env, text=True)
+        self.procs = [start(r) for r in range(mine + 1, mine + size)]
+        self.helpers = [start(r) for r in range(mine)]
         torch.set_num_threads(threads)
-        self.groups = init(0, size, f"tcp://127.0.0.1:{port}", None, JOIN_TIMEOUT_S)
-        self.group = self.groups.cp
+        self.groups = init(mine, world, f"tcp://127.0.0.1:{port}", None, JOIN_TIMEOUT_S, tp=size)
+        self.group = self.groups.tp
 
     @property
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
 
-    def send(self, op: dict) -> None:
-        """One operation to every follower, before rank 0 runs it itself."""
+    def send(self, op: dict, helpers: bool = False) -> None:
+        """One operation to every follower (`helpers`: and to the other CP indices' ranks), before
+        rank 0 runs it itself."""
         if self.broken:
             raise TPBroken(f"tensor parallelism is broken: {self.broken}")
         line = json.dumps(op) + "\n"
+        for h, p in enumerate(self.helpers if helpers else []):
+            if p.poll() is not None:
+                raise RuntimeError(f"CP rank {h // self.size} (TP rank {h % self.size}) exited (code {p.returncode})")
+            p.stdin.write(line)
+            p.stdin.flush()
         for r, p in enumerate(self.procs, start=1):
             if p.poll() is not None:
                 self.fail(f"TP rank {r} of {self.size} exited (code {p.returncode})")
@@ -88,6 +99,8 @@ class TPWorkers:
         """A forward pre-hook on rank 0's model: the followers run the same batch. (A compiled
         decode step is mirrored whole, `mirror_graph`: inside its trace this hook does nothing.)"""
         if torch.compiler.is_compiling():
+            return
+        if not self.mirroring:          # a CP prefill: every rank was sent the job itself
             return
         ids, ctx = args
         logits = ctx.logits_index.tolist() if ctx.logits_index is not None else "all"
@@ -131,13 +144,13 @@ class TPWorkers:
         self.send({"op": op, "a": a, "b": b})
 
     def close(self) -> None:
-        for p in self.procs:
+        for p in self.procs + self.helpers:
             if p.poll() is None:
                 try:
                     p.stdin.close()
                 except OSError:
                     pass
-        for p in self.procs:
+        for p in self.procs + self.helpers:
             try:
                 p.wait(timeout=5)
             except subprocess.TimeoutExpired:
@@ -157,7 +170,6 @@ def check_options(config, mc) -> None:
         from ..parallel.tp_shard import check_split
         check_split(mc, config.tensor_parallel_size, config.expert_parallel)
         for on, what in ((config.speculative_algorithm, "speculative decoding"),
-                         (config.context_parallel_size > 1, "context parallelism (--cp)"),
                          (config.device != "cpu", "a device other than the CPU")):
             if on:
                 raise ValueError(f"tensor parallelism (--tp) does not combine with {what} yet; drop one of them")
@@ -178,7 +190,7 @@ def start(model, config, model_dir, follower_module: str | None = None):
                    {"dtype": config.dtype, "device": config.device, "kda_chunk_size": config.kda_chunk_size,
                     "ep": config.expert_parallel, "quantization": config.quantization,
                     "quantization_ignore": config.quantization_ignore, "deterministic": config.deterministic_inference},
-                   module=follower_module or "ouro.engine.tp_workers")
+                   module=follower_module or "ouro.engine.tp_workers", cp=config.context_parallel_size)
     shard_model(model, tp.group, ep=config.expert_parallel)
     return tp
 
@@ -196,10 +208,13 @@ class Follower:
         from ..parallel.tp_shard import shard_model
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         o = self.options = json.loads(options)
-        self.rank, self.size, self.timeout_s, self.device = int(rank), int(size), float(timeout_s), o["device"]
+        self.timeout_s, self.device = float(timeout_s), o["device"]
         self.dtype = EngineConfig(device=o["device"], dtype=o["dtype"]).torch_dtype()
         self.model = load_model(model_dir, dtype=self.dtype, device=self.device, kda_chunk_size=o["kda_chunk_size"])
-        self.group = init(self.rank, self.size, f"tcp://127.0.0.1:{port}", None, self.timeout_s).cp
+        groups = init(int(rank), int(size), f"tcp://127.0.0.1:{port}", None, self.timeout_s, tp=o["tp"])
+        # rank, size: within the TP group; mirrors: a TP follower of rank 0 (the others are CP helpers)
+        self.rank, self.size, self.group, self.cp_group = groups.tp_rank, groups.tp_size, groups.tp, groups.cp
+        self.mirrors = groups.cp_rank == groups.cp_size - 1
         shard_model(self.model, self.group, ep=o["ep"])
         if o.get("quantization"):
             from ..quant.w8a8 import quantize_model
@@ -248,6 +263,21 @@ class Follower:
     def op_graph(self, op):
         self.model.lm_head.candidates = 0
         self.graph.run(op["ids"], op["start_pos"], op["slots"], op["pages"])
+
+    def op_cp(self, op):
+        """This rank's slice of a context-parallel prefill (`GridCPPrefill`): a follower of rank 0
+        into its own cache (the request's pages and slot there), a CP helper into a scratch one."""
+        from ..layers.context import ModelCache
+        from ..parallel.cp_forward import cp_forward
+        ids, cache = op["ids"], self.cache
+        slot, table = op["slot"], torch.tensor([op["pages"]], dtype=torch.long)
+        if not self.mirrors:
+            page = 16 * self.model.config.index_kpool
+            pages = -(-len(ids) // page)
+            cache = ModelCache(self.model.config, 1, pages, page, dtype=self.dtype, device=self.device,
+                               kv_kinds={int(k): v for k, v in op["kv_kinds"].items()})
+            slot, table = 0, torch.arange(pages).view(1, -1)
+        cp_forward(self.model, cache, self.cp_group, [ids], [0], [slot], table, op["precision"])
 
     def op_save(self, op):
         self.checkpoints.save_at(op["a"], op["b"])

@@ -66,14 +66,8 @@ class CPPrefill:
         token's logits [1, V]."""
         if self.broken:
             raise CPPrefillError(f"context parallelism is off: {self.broken}")
-        dead = [r for r, p in enumerate(self.helpers) if p.poll() is not None]
         try:
-            if dead:
-                raise CPPrefillError(f"CP rank {dead[0]} of {self.world} exited (code {self.helpers[dead[0]].returncode})")
-            job = json.dumps({"ids": ids, "trace": spans.enabled(), "precision": self.precision})
-            for p in self.helpers:
-                p.stdin.write(job + "\n")
-                p.stdin.flush()
+            self._send_job(ids, slot, pages)
             with span("cp prefill", cat="compute"):
                 logits, _ = cp_forward(self.model, cache, self.groups.cp, [ids], [0], [slot],
                                        torch.tensor([pages], dtype=torch.long), self.precision)
@@ -87,6 +81,15 @@ class CPPrefill:
             if isinstance(e, CPPrefillError):
                 raise
             raise CPPrefillError(f"the context-parallel prefill failed ({self.broken}); CP is now off") from e
+
+    def _send_job(self, ids, slot, pages) -> None:
+        dead = [r for r, p in enumerate(self.helpers) if p.poll() is not None]
+        if dead:
+            raise CPPrefillError(f"CP rank {dead[0]} of {self.world} exited (code {self.helpers[dead[0]].returncode})")
+        job = json.dumps({"ids": ids, "trace": spans.enabled(), "precision": self.precision})
+        for p in self.helpers:
+            p.stdin.write(job + "\n")
+            p.stdin.flush()
 
     def _collect_spans(self) -> None:
         got = [None] * self.world
@@ -114,6 +117,45 @@ class CPPrefill:
                 dist.destroy_process_group()
             except Exception:            # a group broken by a lost rank: nothing left to tear down
                 pass
+
+
+class GridCPPrefill(CPPrefill):
+    """`--cp` with `--tp`: the CP ranks are a TP x CP grid's (`groups.init(tp=N)`), started by the
+    engine's tensor-parallel workers (`ranks`: `engine.tp_workers.TPWorkers`, passed in, not
+    imported). Each CP index is a TP group holding its shards; CP index c's rank t computes slice
+    c of the prompt with its TP group's collectives and exchanges with CP group t (the KDA state
+    of its own heads, the DSA rows). The engine's TP followers end with the request's state in
+    their own caches, as the engine does. A failure turns CP off (TP goes on: its groups do not
+    include the CP helpers). The helpers' spans are not collected."""
+
+    def __init__(self, ranks, model, precision: str, kv_kinds: dict | None = None):
+        self.ranks, self.model, self.precision = ranks, model, precision
+        self.groups, self.world = ranks.groups, ranks.groups.cp_size
+        self.kv_kinds = {str(k): v for k, v in (kv_kinds or {}).items()}
+        self.broken: str | None = None
+        self.num_prefills = 0
+        self.helpers = []        # the processes are the TP workers': they close them
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.ranks.helpers]
+
+    def _send_job(self, ids, slot, pages) -> None:
+        self.ranks.send({"op": "cp", "ids": ids, "slot": slot, "pages": list(pages), "precision": self.precision,
+                         "kv_kinds": self.kv_kinds}, helpers=True)
+        self.ranks.mirroring = False        # rank 0's forward inside the CP prefill is not a TP step
+
+    def prefill(self, cache, ids: list[int], slot: int, pages: list[int]) -> torch.Tensor:
+        try:
+            return super().prefill(cache, ids, slot, pages)
+        finally:
+            self.ranks.mirroring = True
+
+    def _collect_spans(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def _helper_main(model_dir, rank, world, port, dtype, device, kda_chunk_size, timeout_s, options="{}") -> None:

@@ -24,14 +24,19 @@ import torch.distributed as dist
 
 @dataclass
 class Groups:
-    """This rank's place: the world, and the context-parallel group (all ranks, in token order,
-    until tensor parallelism splits the world further)."""
+    """This rank's place: the world, its context-parallel group (ranks in token order) and its
+    tensor-parallel group. Without TP the CP group is the world; with TP (`init(tp=N)`) the world
+    is a grid, rank = c * N + t: TP group c holds ranks c*N .. c*N + N-1, CP group t holds ranks
+    t, N + t, 2N + t, ... (so pure TP is one TP group, the world, and CP groups of one rank)."""
     rank: int
     world_size: int
     cp: object            # a torch.distributed ProcessGroup
     cp_rank: int
     cp_size: int
     backend: str
+    tp: object = None     # the tensor-parallel group (None without TP)
+    tp_rank: int = 0
+    tp_size: int = 1
 
 
 def _free_port() -> int:
@@ -40,12 +45,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init(rank: int, world_size: int, init_method: str, backend: str | None = None, timeout_s: float = 120.0) -> Groups:
+def init(rank: int, world_size: int, init_method: str, backend: str | None = None, timeout_s: float = 120.0,
+         tp: int = 1) -> Groups:
+    """Join the world; `tp` > 1 lays it out as a TP x CP grid (`Groups`). Every rank makes every
+    group, in the same order (torch.distributed asks it)."""
     backend = backend or ("nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo")
+    if world_size % tp:
+        raise ValueError(f"a world of {world_size} ranks is not a grid of tensor-parallel groups of {tp}")
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
-    cp = dist.new_group(list(range(world_size)))
-    return Groups(rank, world_size, cp, dist.get_rank(cp), dist.get_world_size(cp), backend)
+    if tp == 1:
+        cp = dist.new_group(list(range(world_size)))
+        return Groups(rank, world_size, cp, dist.get_rank(cp), dist.get_world_size(cp), backend)
+    n_cp = world_size // tp
+    tps = [dist.new_group([c * tp + t for t in range(tp)]) for c in range(n_cp)]
+    cps = [dist.new_group([c * tp + t for c in range(n_cp)]) for t in range(tp)]
+    c, t = divmod(rank, tp)
+    return Groups(rank, world_size, cps[t], c, n_cp, backend, tps[c], t, tp)
 
 
 def from_env(backend: str | None = None, timeout_s: float = 120.0) -> Groups:
