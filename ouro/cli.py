@@ -34,6 +34,7 @@ def _cmd_generate(args) -> int:
 def _cmd_bench(args) -> int:
     import json
     from .config import EngineConfig, speculative_args
+    from .config.file import load_config_file
     from .models.resolve import resolve_model
     EngineConfig(device=args.device, dtype=args.dtype).check_device()
     if args.kind == "serve" and args.compare_base_url:
@@ -54,6 +55,7 @@ def _cmd_bench(args) -> int:
                  "--device", args.device, "--dtype", dtype]
         extra = ["--compile", "--torch-compile-max-bs", str(args.torch_compile_max_bs)] if args.compile else []
         extra += ["--quantization", args.quantization] if args.quantization else []
+        extra += ["--config", args.config] if args.config else []
         r = bench_baseline(args.baseline, str(resolve_model(args.model)), flags, args.repeats, current_extra=extra)
         print(format_baseline(r))
     elif args.kind == "offline":
@@ -62,7 +64,8 @@ def _cmd_bench(args) -> int:
                           args.max_concurrency, args.compare == "transformers", device=args.device, dtype=args.dtype,
                           compile=args.compile, compile_max_bs=args.torch_compile_max_bs,
                           quantization=args.quantization, speculative=speculative_args(args),
-                          deterministic=args.enable_deterministic_inference)
+                          deterministic=args.enable_deterministic_inference,
+                          engine_fields=load_config_file(args.config) if args.config else None)
         print(format_offline(r))
     if args.kind == "prefill" and args.cp > 1:
         from .bench.prefill_cp import bench_prefill_cp, format_prefill_cp
@@ -122,9 +125,17 @@ def add_eval_parser(sub) -> None:
     ppl.set_defaults(func=run_ppl)
 
 
+def apply_config_file(args) -> None:
+    """`--config FILE`: its engine options become this command's, except the flags given."""
+    if getattr(args, "config", None):
+        from .config.file import apply_to_args, load_config_file
+        apply_to_args(args, args.argv, args.options_parser, load_config_file(args.config))
+
+
 def _cmd_serve(args) -> int:
     from .disagg.command import run_role, serve_disagg
     from .serve.server import serve
+    apply_config_file(args)
     if args.role:
         return run_role(args)
     if args.disagg:
@@ -237,7 +248,9 @@ def add_serve_parser(sub) -> None:
     sv.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     from .disagg.command import add_worker_flags
     add_worker_flags(sv)
-    sv.set_defaults(func=_cmd_serve)
+    sv.add_argument("--config", default=None, metavar="FILE",
+                    help="engine options from a file (`ouro tune --output`); flags given here override it")
+    sv.set_defaults(func=_cmd_serve, options_parser=sv)
 
 
 def add_bench_serve_options(bench) -> None:
@@ -328,6 +341,8 @@ def build_parser(argv=None) -> argparse.ArgumentParser:
     bench.add_argument("--trace", default=None, metavar="FILE", action=TraceToFile,
                        help="record the run's spans into FILE (Chrome trace, written at exit)")
     add_bench_serve_options(bench)
+    bench.add_argument("--config", default=None, metavar="FILE",
+                       help="offline: engine options from a file (`ouro tune --output`), over the flags")
     bench.set_defaults(func=_cmd_bench)
 
     add_serve_parser(sub)
@@ -354,11 +369,14 @@ def build_parser(argv=None) -> argparse.ArgumentParser:
     add_router_parser(sub)
     from .agent.command import add_agent_parser
     add_agent_parser(sub)
+    from .tune.command import add_tune_parser
+    add_tune_parser(sub)
     return p
 
 
 def main(argv=None) -> int:
     args = build_parser(argv).parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     from .config import CheckpointError
     try:
         return args.func(args)

@@ -27,13 +27,15 @@ def make_prompts(n, length, vocab, seed):
 
 
 def make_engine(model, tokenizer, input_len, output_len, concurrency, device="cpu", compile=False, compile_max_bs=32,
-                quantization=None, speculative=None, model_dir=None, deterministic=False):
+                quantization=None, speculative=None, model_dir=None, deterministic=False, engine_fields=None):
+    """engine_fields: EngineConfig fields from a config file (`--config`), over the flags' values."""
     from ..config import EngineConfig
     from ..engine.llm_engine import LLMEngine
-    cfg = EngineConfig(device=device, max_num_seqs=concurrency, max_num_batched_tokens=max(2048, input_len),
-                       page_size=64, max_model_len=input_len + output_len, compile=compile,
-                       torch_compile_max_bs=compile_max_bs, quantization=quantization,
-                       deterministic_inference=deterministic, **(speculative or {}))
+    fields = dict(device=device, max_num_seqs=concurrency, max_num_batched_tokens=max(2048, input_len),
+                  page_size=64, max_model_len=input_len + output_len, compile=compile,
+                  torch_compile_max_bs=compile_max_bs, quantization=quantization,
+                  deterministic_inference=deterministic, **(speculative or {}))
+    cfg = EngineConfig(**{**fields, **(engine_fields or {})})
     return LLMEngine(model, tokenizer, cfg, verbose=compile, model_dir=model_dir)
 
 
@@ -86,18 +88,21 @@ def decode_floor(model, roof: Roofline, context: int, batch: int) -> dict:
 
 def bench_offline(model_dir, num_prompts=64, input_len=256, output_len=64, concurrency=32, compare=False,
                   seed=0, progress=True, device="cpu", dtype="auto", compile=False, compile_max_bs=32,
-                  quantization=None, speculative=None, deterministic=False) -> dict:
+                  quantization=None, speculative=None, deterministic=False, engine_fields=None) -> dict:
+    """engine_fields: EngineConfig fields of a config file (`ouro bench offline --config tuned.toml`)."""
     from tqdm import tqdm
 
     from ..config import EngineConfig
     from ..models.loader import load_model
     from ..models.resolve import load_tokenizer
     load_start = os.getloadavg()[0]   # other processes on the machine skew every timing below
+    engine_fields = engine_fields or {}
+    dtype = engine_fields.get("dtype", dtype)
     model = load_model(model_dir, dtype=EngineConfig(device=device, dtype=dtype).torch_dtype(), device=device)
     roof = Roofline.measure(device, model.embed_tokens.weight.dtype)
     prompts = make_prompts(num_prompts, input_len, model.config.vocab_size, seed)
     engine = make_engine(model, load_tokenizer(model_dir), input_len, output_len, concurrency, device, compile,
-                         compile_max_bs, quantization, speculative, model_dir, deterministic)
+                         compile_max_bs, quantization, speculative, model_dir, deterministic, engine_fields)
     hf = load_transformers(model_dir, device, model.embed_tokens.weight.dtype) if compare else None
     waves, log, outs, hf_outs = [], [], [], []
     for i in tqdm(range(0, num_prompts, concurrency), desc="waves (ouro, transformers)", disable=not progress):
@@ -111,7 +116,8 @@ def bench_offline(model_dir, num_prompts=64, input_len=256, output_len=64, concu
                 waves[-1]["transformers_s"], o = run_transformers(hf, wave, output_len, device)
             hf_outs += o
     r = {"seed": seed, "num_prompts": num_prompts, "input_len": input_len, "output_len": output_len,
-         "concurrency": concurrency, "device": device, "compile": compile, "quantization": quantization,
+         "concurrency": concurrency, "device": device, "compile": engine.config.compile,
+         "quantization": engine.config.quantization, "engine_fields": engine_fields or None,
          "speculative": speculative or None,
          "dtype": str(model.embed_tokens.weight.dtype).replace("torch.", ""), "waves": waves,
          "ouro": _throughput(sum(w["ouro_s"] for w in waves), num_prompts * input_len, outs),

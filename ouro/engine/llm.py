@@ -79,18 +79,28 @@ class LLM:
                  quantization: str | None = None, quantization_ignore: tuple | None = None,
                  kv_cache_dtype: str = "auto", kv_cache_layer_dtype: str | None = None,
                  speculative_config: dict | None = None, enable_deterministic_inference: bool = False,
-                 tensor_parallel_size: int = 1, enable_expert_parallel: bool = False):
+                 tensor_parallel_size: int = 1, enable_expert_parallel: bool = False, config: str | None = None):
+        """config: a config file (`ouro tune --output`); an argument given here with a value other
+        than its default overrides the file's."""
+        import dataclasses
+
         from ..models.resolve import load_tokenizer
         from ..models.loader import load_model
         from ..models.resolve import resolve_model
-        cfg = EngineConfig(device=device, dtype=dtype, max_memory=max_memory, memory_fraction=memory_fraction,
-                           max_num_seqs=max_num_seqs,
-                           max_num_batched_tokens=max_num_batched_tokens, page_size=page_size, seed=seed,
-                           compile=compile, torch_compile_max_bs=torch_compile_max_bs, quantization=quantization,
-                           quantization_ignore=quantization_ignore, kv_cache_dtype=kv_cache_dtype,
-                           kv_cache_layer_dtype=kv_cache_layer_dtype, deterministic_inference=enable_deterministic_inference,
-                           tensor_parallel_size=tensor_parallel_size, expert_parallel=enable_expert_parallel,
-                           **speculative_options(speculative_config))
+        fields = dict(device=device, dtype=dtype, max_memory=max_memory, memory_fraction=memory_fraction,
+                      max_num_seqs=max_num_seqs,
+                      max_num_batched_tokens=max_num_batched_tokens, page_size=page_size, seed=seed,
+                      compile=compile, torch_compile_max_bs=torch_compile_max_bs, quantization=quantization,
+                      quantization_ignore=quantization_ignore, kv_cache_dtype=kv_cache_dtype,
+                      kv_cache_layer_dtype=kv_cache_layer_dtype, deterministic_inference=enable_deterministic_inference,
+                      tensor_parallel_size=tensor_parallel_size, expert_parallel=enable_expert_parallel,
+                      **speculative_options(speculative_config))
+        if config is not None:
+            from ..config.file import load_config_file
+            defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+            given = {k: v for k, v in fields.items() if v != defaults.get(k)}
+            fields = {**defaults, **load_config_file(config), **given}
+        cfg = EngineConfig(**fields)
         directory = resolve_model(model, progress=verbose)
         # options checked against the model's config before any weight is read
         LLMEngine.check_options(cfg, ModelConfig.from_hf(directory), enable_prefix_caching, prefix_checkpoint_interval)

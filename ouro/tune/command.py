@@ -1,0 +1,87 @@
+"""`ouro tune --model M --output tuned.toml`: the command line of the tuner."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def add_tune_parser(sub) -> None:
+    t = sub.add_parser("tune", help="search this machine's fastest serving configuration, each step verified; "
+                                    "write it for `ouro serve --config`")
+    t.add_argument("--model", default="small", help="checkpoint directory or preset name (default: small)")
+    t.add_argument("--workload", default="offline", choices=["offline"],
+                   help="offline: the engine's throughput on a batch of random prompts")
+    t.add_argument("--quality-budget", default="0.7%",
+                   help="held-out bits/byte an output-changing option may cost against float32 (e.g. 0.7%%)")
+    t.add_argument("--quality-model", default=None,
+                   help="where bits/byte is measured (default: --model, or tiny-py for a random-init preset)")
+    t.add_argument("--output", default="tuned.toml", help="the winning configuration, for ouro serve --config")
+    t.add_argument("--journal", default=None, help="every candidate, one JSON line each; a rerun resumes from it "
+                                                   "(default: OUTPUT with .journal.jsonl)")
+    t.add_argument("--num-prompts", type=int, default=8)
+    t.add_argument("--input-len", type=int, default=64)
+    t.add_argument("--output-len", type=int, default=32)
+    t.add_argument("--max-concurrency", type=int, default=8)
+    t.add_argument("--max-memory", type=int, default=512 << 20, help="cache bytes of every candidate")
+    t.add_argument("--rounds", type=int, default=3, help="A/B rounds per candidate (each runs both sides)")
+    t.add_argument("--no-ablation", action="store_true", help="skip removing each kept option from the winner")
+    t.add_argument("--json", default=None, metavar="FILE", help="write the journal and the ablation as JSON")
+    t.set_defaults(func=run_tune)
+
+
+def _budget(text: str) -> float:
+    t = text.strip()
+    try:
+        return float(t[:-1]) / 100 if t.endswith("%") else float(t)
+    except ValueError:
+        raise ValueError(f"--quality-budget takes a fraction or a percentage (0.007 or 0.7%), got {text!r}") from None
+
+
+def quality_model(model_dir: Path, given) -> Path:
+    """The checkpoint bits/byte is measured on: a random-init preset has no text to score."""
+    from ..models.resolve import resolve_model
+    if given:
+        return resolve_model(given, progress=True)
+    marker = Path(model_dir) / "ouro_preset.json"
+    if marker.is_file() and json.loads(marker.read_text()).get("random_init"):
+        return resolve_model("tiny-py", progress=True)
+    return Path(model_dir)
+
+
+def run_tune(args) -> int:
+    from ..config.file import write_config_file
+    from ..models.resolve import resolve_model
+    from .report import format_ablation, format_journal, motivations
+    from .search import Tuner, Workload
+    budget = _budget(args.quality_budget)
+    model_dir = resolve_model(args.model, progress=True)
+    wl = Workload(args.num_prompts, args.input_len, args.output_len, args.max_concurrency, 0, args.max_memory)
+    journal = args.journal or str(Path(args.output).with_suffix(".journal.jsonl"))
+    tuner = Tuner(model_dir, wl, journal, budget, quality_model(model_dir, args.quality_model), args.rounds,
+                  log=lambda s: print(s, file=sys.stderr))
+    why = motivations(model_dir, wl, None)
+    print(f"ouro tune: {model_dir.name}, workload {wl.num_prompts} x {wl.input_len} in / {wl.output_len} out at "
+          f"concurrency {wl.concurrency}; quality on {tuner.quality_dir.name} within +{budget:.2%}; journal {journal}",
+          file=sys.stderr)
+    for name, reason in tuner.space.left_out.items():
+        print(f"  left out: {name}: {reason}", file=sys.stderr)
+    try:
+        best = tuner.search()
+        from .space import BASELINE, choice_of
+        summary = {o.name: choice_of(best, o) for o in tuner.space.options}
+        write_config_file(args.output, best, comment=f"ouro tune on {model_dir.name}: " + ", ".join(
+            f"{k}={v}" for k, v in summary.items()), extra={"model": str(args.model), "quality_budget": budget})
+        print(f"wrote {args.output}: {best}")
+        print(format_journal(tuner.journal.in_order("candidate")))
+        ablation = None
+        if not args.no_ablation and best != BASELINE:
+            ablation = tuner.ablation(best)
+            print(format_ablation(ablation, why))
+    finally:
+        tuner.close()
+    if args.json:
+        Path(args.json).write_text(json.dumps({"best": best, "journal": tuner.journal.in_order("candidate"),
+                                               "ablation": ablation, "motivations": why}, indent=2))
+    return 0

@@ -1,0 +1,201 @@
+"""`ouro tune`: the serving configuration this machine runs fastest, each step of it verified first.
+
+Starting from the unoptimised engine (`space.BASELINE`), every option's choices are tried in turn
+on top of the best configuration so far (a coordinate search). A candidate is first checked:
+- an exact option (compile, batching, page size, speculation, TP/EP) must give the greedy tokens
+  of the same configuration without it (a difference only where that run's top two logprobs lie
+  within `TIE` of each other: a tie broken the other way);
+- an output-changing option (dtype, quantisation, KV cache rows) must keep the quality model's
+  held-out bits/byte within `budget` of float32's (its lossy fields together, not one at a time).
+Only then is it timed against the best so far on the workload, in separate processes, alternating
+(A B B A ...), and kept when the A/B verdict says faster beyond noise. Every candidate goes to the
+journal (resumable). The winner is written as a config file; then each kept option is removed
+from it in turn and timed against it (the ablation), and the winner against the baseline.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+from ..measure.ab import verdict_from_times
+from .journal import Journal
+from .space import BASELINE, apply, choice_of, lossy_fields, search_space
+from .worker import Worker
+
+TIE = 1e-3      # nats: a greedy pick this close to the runner-up may go either way
+
+
+@dataclass
+class Workload:
+    num_prompts: int = 8
+    input_len: int = 64
+    output_len: int = 32
+    concurrency: int = 8
+    seed: int = 0
+    max_memory: int = 512 << 20
+
+
+def greedy_agree(ref: list[dict], got: list[dict]) -> str | None:
+    """None when every prompt's tokens agree up to a tie in `ref`; else where they part."""
+    for i, (r, g) in enumerate(zip(ref, got)):
+        for p, (a, b) in enumerate(zip(r["tokens"], g["tokens"])):
+            if a == b:
+                continue
+            top = sorted(r["top"][p].values(), reverse=True)
+            if len(top) >= 2 and top[0] - top[1] < TIE:
+                break                    # a tie: the rest legitimately differs
+            return f"prompt {i} position {p}: token {b} where the reference has {a}"
+    return None
+
+
+class Tuner:
+    def __init__(self, model_dir, workload: Workload, journal_path, budget: float = 0.007, quality_dir=None,
+                 rounds: int = 3, check_prompts: int = 4, check_tokens: int = 16, quality_bytes: int = 20000,
+                 progress: bool = True, log=print):
+        from ..config import ModelConfig
+        self.model_dir, self.workload, self.budget = str(model_dir), workload, budget
+        self.quality_dir, self.rounds, self.progress, self.log = quality_dir, rounds, progress, log
+        self.check = {"prompts": None, "max_tokens": check_tokens, "n": check_prompts}
+        self.quality_bytes = quality_bytes
+        from ..dtype_pick import cached_entry, pick_dtype
+        pick_dtype("cpu")                  # measured once per machine, then cached
+        rates = (cached_entry("cpu") or {}).get("gflop_s")
+        self.space = search_space(ModelConfig.from_hf(model_dir), workload.concurrency, gemm_rates=rates)
+        self.journal = Journal(journal_path)
+        self._best_worker = None
+
+    # ---- measurements ----
+    def worker(self, config: dict) -> Worker:
+        return Worker(self.model_dir, config, asdict(self.workload))
+
+    def quality(self, lossy: dict) -> float:
+        """Held-out bits/byte of the quality model with these output-changing fields (journaled)."""
+        got = self.journal.get("quality", lossy)
+        if got is not None:
+            return got["bits_per_byte"]
+        from ..engine.llm import LLM
+        from ..eval.corpus import load_split
+        from ..eval.ppl import evaluate_bits_per_byte
+        docs = load_split("held_out", max_bytes=self.quality_bytes)
+        llm = LLM(str(self.quality_dir), dtype=lossy.get("dtype", "float32"), quantization=lossy.get("quantization"),
+                  kv_cache_dtype=lossy.get("kv_cache_dtype", "auto"), max_memory=128 << 20, page_size=16)
+        r = evaluate_bits_per_byte(llm, llm.engine.tokenizer, docs, context_len=512, progress=False)
+        llm.engine.close()
+        return self.journal.add("quality", lossy, {"bits_per_byte": r.bits_per_byte})["bits_per_byte"]
+
+    def ab(self, a: Worker, b: Worker) -> dict:
+        """Both workloads, alternating A B B A ...; the paired verdict of B against A."""
+        ta, tb, steps = [], [], {"a": [], "b": []}
+        for r in range(self.rounds):
+            for side in (("a", "b") if r % 2 == 0 else ("b", "a")):
+                out = (a if side == "a" else b).ask({"cmd": "run"})
+                (ta if side == "a" else tb).append(out["seconds"])
+                if out["decode_step_s"] is not None:
+                    steps[side].append(out["decode_step_s"])
+                tokens = out["output_tokens"]
+        v = verdict_from_times(ta, tb, "best", "candidate", paired=True).to_dict()
+        v["output_tok_s"] = {"a": tokens / statistics.median(ta), "b": tokens / statistics.median(tb)}
+        v["decode_step_s"] = {k: statistics.median(s) if s else None for k, s in steps.items()}
+        return v
+
+    def greedy(self, w: Worker) -> list[dict]:
+        if self.check["prompts"] is None:
+            from ..bench.offline import make_prompts
+            from ..config import ModelConfig
+            vocab = ModelConfig.from_hf(self.model_dir).vocab_size
+            self.check["prompts"] = make_prompts(self.check["n"], self.workload.input_len, vocab, 1234)
+        return w.ask({"cmd": "greedy", "prompts": self.check["prompts"], "max_tokens": self.check["max_tokens"]})["outputs"]
+
+    # ---- the search ----
+    def best_worker(self, best: dict) -> Worker:
+        if self._best_worker is None or self._best_worker.fields != best:
+            if self._best_worker is not None:
+                self._best_worker.close()
+            self._best_worker = self.worker(best)
+        return self._best_worker
+
+    def try_candidate(self, best: dict, cand: dict, option) -> dict:
+        entry = {"option": option.name, "choice": choice_of(cand, option), "exact": option.exact}
+        try:
+            w = self.worker(cand)
+        except (ValueError, RuntimeError) as e:
+            return dict(entry, kept=False, why=f"refused: {e}")
+        try:
+            if option.exact:
+                why = greedy_agree(self.greedy(self.best_worker(best)), self.greedy(w))
+                entry["check"] = why or "greedy tokens agree"
+            else:
+                q0, q = self.quality({"dtype": "float32"}), self.quality(lossy_fields(cand, self.space))
+                rel = (q - q0) / q0
+                entry.update(bits_per_byte=q, bits_per_byte_fp32=q0, quality_cost=rel)
+                why = f"held-out bits/byte +{rel:.2%} > budget {self.budget:.2%}" if rel > self.budget else None
+                entry["check"] = why or f"held-out bits/byte {rel:+.3%} within {self.budget:.2%}"
+            if why is not None:
+                return dict(entry, kept=False, why=f"check failed: {why}")
+            v = self.ab(self.best_worker(best), w)
+            entry["ab"] = v
+            kept = v["verdict"] == "faster"
+            entry.update(kept=kept, why="faster" if kept else f"A/B: {v['verdict']} (ratio {v['ratio']:.3f})")
+            if kept:            # the candidate's process is the new best's
+                self._best_worker.close()
+                self._best_worker, w = w, None
+            return entry
+        finally:
+            if w is not None:
+                w.close()
+
+    def search(self) -> dict:
+        from tqdm import tqdm
+        best = dict(BASELINE)
+        todo = [(o, c) for o in self.space.options for c in o.choices[1:]]
+        bar = tqdm(total=len(todo), desc="tune", unit="candidate", disable=not self.progress)
+        for option, (label, choice) in todo:
+            cand = apply(best, option, choice)
+            bar.set_postfix_str(f"{option.name}={label}")
+            entry = self.journal.get("candidate", cand)
+            if entry is None:
+                t0 = time.perf_counter()
+                entry = self.journal.add("candidate", cand, dict(self.try_candidate(best, cand, option),
+                                                                 seconds=time.perf_counter() - t0))
+            self.log(f"  {option.name}={label}: {'kept' if entry['kept'] else 'not kept'} ({entry['why']})")
+            if entry["kept"]:
+                best = cand
+            bar.update(1)
+        bar.close()
+        return best
+
+    def ablation(self, best: dict) -> dict:
+        """The winner against the baseline, then against the winner without each kept option."""
+        rows = []
+        total = self.journal.get("total", best)
+        if total is None:
+            total = self.journal.add("total", best, {"ab": self._timed(dict(BASELINE), best)})
+        for option in self.space.options:
+            label = choice_of(best, option)
+            if label == option.choices[0][0]:
+                continue
+            without = apply(best, option, {})
+            got = self.journal.get("ablation", without)
+            if got is None:
+                got = self.journal.add("ablation", without, {"option": option.name, "choice": label,
+                                                             "ab": self._timed(without, best)})
+            rows.append(got)
+        slow = {r["option"]: max(0.0, r["ab"]["median_a_s"] - r["ab"]["median_b_s"]) for r in rows}
+        gain = total["ab"]["median_a_s"] - total["ab"]["median_b_s"]
+        for r in rows:
+            r["share"] = slow[r["option"]] / gain if gain > 0 else None
+        return {"total": total, "rows": rows}
+
+    def _timed(self, a: dict, b: dict) -> dict:
+        wa, wb = self.worker(a), self.worker(b)
+        try:
+            return self.ab(wa, wb)
+        finally:
+            wa.close()
+            wb.close()
+
+    def close(self) -> None:
+        if self._best_worker is not None:
+            self._best_worker.close()

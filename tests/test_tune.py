@@ -1,0 +1,118 @@
+"""`ouro tune`: the config file it writes (read back by `LLM(config=)`, `ouro serve --config` and
+`ouro bench offline --config`, flags over the file), the tie rule of its exactness check, its
+search space, and a real search on `tiny-py` in worker processes: a candidate that changes greedy
+outputs is never timed, an output-changing option outside the bits/byte budget is refused, every
+candidate is journaled and a rerun resumes from the journal without running anything."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ouro.config import EngineConfig, ModelConfig
+from ouro.config.file import load_config_file, write_config_file
+from ouro.models.resolve import resolve_model
+from ouro.tune.search import TIE, Tuner, Workload, greedy_agree
+from ouro.tune.space import BASELINE, Option, Space, apply, choice_of, lossy_fields, search_space
+
+
+def test_config_file_round_trip_and_errors(tmp_path):
+    p = tmp_path / "tuned.toml"
+    fields = {"dtype": "float32", "quantization": "w8a8", "page_size": 16, "compile": True, "kv_cache_dtype": "int8"}
+    write_config_file(p, fields, comment="a test", extra={"model": "tiny-py"})
+    assert load_config_file(p) == fields
+    (tmp_path / "bad.toml").write_text("[engine]\npage_sise = 16\n")
+    with pytest.raises(ValueError, match="page_sise"):
+        load_config_file(tmp_path / "bad.toml")
+    (tmp_path / "worse.toml").write_text("[engine]\nquantization = 'int4'\n")
+    with pytest.raises(ValueError, match="quantization must be"):
+        load_config_file(tmp_path / "worse.toml")
+    with pytest.raises(ValueError, match="does not exist"):
+        load_config_file(tmp_path / "none.toml")
+
+
+def test_llm_and_serve_read_the_file_and_flags_win(tmp_path):
+    from ouro import LLM
+    from ouro.cli import apply_config_file, build_parser
+    p = tmp_path / "tuned.toml"
+    write_config_file(p, {"page_size": 16, "quantization": "w8a8", "max_num_batched_tokens": 512})
+    llm = LLM("tiny-py", max_memory=32 << 20, config=str(p), max_num_batched_tokens=256)
+    cfg = llm.engine.config
+    assert (cfg.page_size, cfg.quantization, cfg.max_num_batched_tokens) == (16, "w8a8", 256)
+    assert llm.engine.quantized is not None                        # the file's quantisation was applied
+    argv = ["serve", "--config", str(p), "--page-size", "32"]
+    args = build_parser(argv).parse_args(argv)
+    args.argv = argv
+    apply_config_file(args)
+    assert (args.page_size, args.quantization, args.max_num_batched_tokens) == (32, "w8a8", 512)
+
+
+def test_tie_rule_of_the_exactness_check():
+    ref = [{"tokens": [5, 6, 7], "top": [{"5": -0.1, "9": -3.0}, {"6": -0.5, "8": -0.5 - TIE / 2}, {"7": -0.2}]}]
+    assert greedy_agree(ref, [{"tokens": [5, 6, 7], "top": []}]) is None
+    assert greedy_agree(ref, [{"tokens": [5, 8, 1], "top": []}]) is None          # a tie at position 1
+    assert "position 0" in greedy_agree(ref, [{"tokens": [9, 6, 7], "top": []}])   # not a tie
+
+
+def test_search_space_and_choices():
+    c = ModelConfig.from_hf(resolve_model("tiny-py"))
+    space = search_space(c, 8, cores=1)
+    names = [o.name for o in space.options]
+    assert "parallelism" not in names and "parallelism" in space.left_out
+    assert ("speculation" in names) == c.has_mtp
+    q = next(o for o in space.options if o.name == "quantization")
+    cfg = apply(dict(BASELINE), q, {"quantization": "w8a8"})
+    assert choice_of(cfg, q) == "w8a8" and apply(cfg, q, {}) == BASELINE
+    assert lossy_fields({**cfg, "page_size": 16}, space) == {"dtype": "float32", "quantization": "w8a8"}
+    slow = search_space(c, 8, cores=1, gemm_rates={"bfloat16": 0.95, "float32": 156.5})   # AVX2 without bf16
+    assert "dtype" not in [o.name for o in slow.options] and "0.95 GFLOP/s" in slow.left_out["dtype=bfloat16"]
+    fast = search_space(c, 8, cores=1, gemm_rates={"bfloat16": 600.0, "float32": 150.0})
+    assert next(o for o in fast.options if o.name == "dtype").choices[1] == ("bfloat16", {"dtype": "bfloat16"})
+    two = search_space(ModelConfig.from_hf(resolve_model("tiny")), 8, cores=2)
+    par = next(o for o in two.options if o.name == "parallelism")
+    assert par.choices[1][1] == {"tensor_parallel_size": 2, "expert_parallel": False}
+
+
+def test_a_search_checks_before_it_times_and_resumes_from_its_journal(tmp_path):
+    d = resolve_model("tiny-py")
+    journal = tmp_path / "j.jsonl"
+    wl = Workload(num_prompts=4, input_len=24, output_len=6, concurrency=4, max_memory=32 << 20)
+
+    def tuner():
+        t = Tuner(d, wl, journal, budget=0.007, quality_dir=d, rounds=1, check_prompts=2, check_tokens=12,
+                  quality_bytes=3000, progress=False, log=lambda s: None)
+        # a planted fault: the small-chunk candidate's greedy tokens come back changed (as a
+        # broken fast path would make them), and a budget no quantisation meets
+        t.space = Space([Option("page_size", (("64", {}), ("16", {"page_size": 16})), exact=True),
+                         Option("chunks", (("2048", {}), ("512", {"max_num_batched_tokens": 512})), exact=True),
+                         Option("quantization", (("none", {}), ("w8a8", {"quantization": "w8a8"})), exact=False)])
+        real = t.greedy
+
+        def greedy(w):
+            out = real(w)
+            if w.fields.get("max_num_batched_tokens") == 512:
+                out[1]["tokens"] = [x + 1 for x in out[1]["tokens"]]
+            return out
+        t.greedy = greedy
+        return t
+
+    t = tuner()
+    t.budget = -1.0                 # nothing output-changing passes
+    best = t.search()
+    t.close()
+    entries = {e["option"]: e for e in t.journal.in_order("candidate")}
+    assert entries["page_size"]["check"] == "greedy tokens agree" and "ab" in entries["page_size"]
+    assert entries["chunks"]["why"].startswith("check failed: prompt 1 position 0") and "ab" not in entries["chunks"]
+    q = entries["quantization"]
+    assert q["why"].startswith("check failed: held-out bits/byte") and "ab" not in q
+    assert 0 < abs(q["quality_cost"]) < 0.05 and q["bits_per_byte_fp32"] > 0
+    assert best in (BASELINE, {**BASELINE, "page_size": 16})
+    lines = journal.read_text().splitlines()
+    assert len([json.loads(x) for x in lines if json.loads(x)["phase"] == "candidate"]) == 3
+    # a rerun reads every candidate back: nothing is measured again, the same winner comes out
+    again = tuner()
+    again.worker = lambda config: pytest.fail("a journaled candidate was run again")
+    assert again.search() == best
+    assert journal.read_text().splitlines() == lines
+    EngineConfig(**best)
