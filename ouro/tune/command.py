@@ -72,7 +72,7 @@ def run_tune(args) -> int:
         from .space import BASELINE, choice_of
         summary = {o.name: choice_of(best, o) for o in tuner.space.options}
         write_config_file(args.output, best, comment=f"ouro tune on {model_dir.name}: " + ", ".join(
-            f"{k}={v}" for k, v in summary.items()), extra={"model": str(args.model), "quality_budget": budget})
+            f"{k}={v}" for k, v in summary.items()), extra={"model": str(args.model), "quality_budget": round(budget, 6)})
         print(f"wrote {args.output}: {best}")
         print(format_journal(tuner.journal.in_order("candidate")))
         ablation = None

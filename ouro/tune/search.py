@@ -25,6 +25,23 @@ from .space import BASELINE, apply, choice_of, lossy_fields, search_space
 from .worker import Worker
 
 TIE = 1e-3      # nats: a greedy pick this close to the runner-up may go either way
+NOISE_TIES = 4  # ... or within this many times the two runs' measured logprob noise
+NOISE_MAX = 0.05    # nats: runs whose logprobs of the same picks differ more do not compute the same model
+
+
+def logprob_noise(ref: list[dict], got: list[dict]) -> float:
+    """The largest difference between the two runs' logprobs of the same pick, over the positions
+    where their tokens agree: the resolution at which they compute the same thing (float32
+    rounding alone: ~1e-6; a W8A8 rounding step that flips: ~1e-2)."""
+    worst = 0.0
+    for r, g in zip(ref, got):
+        for p, (a, b) in enumerate(zip(r["tokens"], g["tokens"])):
+            if a != b:
+                break
+            ra, gb = r["top"][p].get(str(a)), g["top"][p].get(str(b))
+            if ra is not None and gb is not None:
+                worst = max(worst, abs(ra - gb))
+    return worst
 
 
 @dataclass
@@ -38,15 +55,22 @@ class Workload:
 
 
 def greedy_agree(ref: list[dict], got: list[dict]) -> str | None:
-    """None when every prompt's tokens agree up to a tie in `ref`; else where they part."""
+    """None when every prompt's tokens agree up to a tie in `ref` (its top two within TIE, or
+    within NOISE_TIES times the runs' measured logprob noise); else where they part."""
+    noise = logprob_noise(ref, got)
+    if noise > NOISE_MAX:
+        return f"the same picks' logprobs differ by up to {noise:.3f} > {NOISE_MAX} nats"
+    tie = max(TIE, NOISE_TIES * noise)
     for i, (r, g) in enumerate(zip(ref, got)):
         for p, (a, b) in enumerate(zip(r["tokens"], g["tokens"])):
             if a == b:
                 continue
             top = sorted(r["top"][p].values(), reverse=True)
-            if len(top) >= 2 and top[0] - top[1] < TIE:
+            if len(top) >= 2 and top[0] - top[1] < tie:
                 break                    # a tie: the rest legitimately differs
-            return f"prompt {i} position {p}: token {b} where the reference has {a}"
+            gap = top[0] - top[1] if len(top) >= 2 else float("inf")
+            return (f"prompt {i} position {p}: token {b} where the reference has {a} (its margin {gap:.2e} "
+                    f"is no tie at the runs' noise {tie / NOISE_TIES:.1e})")
     return None
 
 
@@ -124,8 +148,9 @@ class Tuner:
             return dict(entry, kept=False, why=f"refused: {e}")
         try:
             if option.exact:
-                why = greedy_agree(self.greedy(self.best_worker(best)), self.greedy(w))
-                entry["check"] = why or "greedy tokens agree"
+                ref, got = self.greedy(self.best_worker(best)), self.greedy(w)
+                why = greedy_agree(ref, got)
+                entry["check"] = why or f"greedy tokens agree (logprob noise {logprob_noise(ref, got):.1e})"
             else:
                 q0, q = self.quality({"dtype": "float32"}), self.quality(lossy_fields(cand, self.space))
                 rel = (q - q0) / q0
@@ -182,11 +207,14 @@ class Tuner:
                 got = self.journal.add("ablation", without, {"option": option.name, "choice": label,
                                                              "ab": self._timed(without, best)})
             rows.append(got)
+        # each removal's time saved, as shares adding to one; their sum against the end-to-end
+        # saving (measured in its own A/B) says how much interactions and noise move them
         slow = {r["option"]: max(0.0, r["ab"]["median_a_s"] - r["ab"]["median_b_s"]) for r in rows}
-        gain = total["ab"]["median_a_s"] - total["ab"]["median_b_s"]
+        saved = sum(slow.values())
         for r in rows:
-            r["share"] = slow[r["option"]] / gain if gain > 0 else None
-        return {"total": total, "rows": rows}
+            r["share"] = slow[r["option"]] / saved if saved > 0 else None
+        gain = total["ab"]["median_a_s"] - total["ab"]["median_b_s"]
+        return {"total": total, "rows": rows, "removals_over_total": saved / gain if gain > 0 else None}
 
     def _timed(self, a: dict, b: dict) -> dict:
         wa, wb = self.worker(a), self.worker(b)

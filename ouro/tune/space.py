@@ -55,7 +55,6 @@ def search_space(model_config, concurrency: int, cores: int | None = None, gemm_
                exact=False),
         Option("kv_cache_dtype", (("auto", {}), ("int8", {"kv_cache_dtype": "int8"}),
                                   ("fp8_e4m3", {"kv_cache_dtype": "fp8_e4m3"})), exact=False),
-        Option("compile", (("off", {}), ("on", {"compile": True, "torch_compile_max_bs": concurrency})), exact=True),
         Option("max_num_batched_tokens", (("2048", {}), ("512", {"max_num_batched_tokens": 512}),
                                           ("8192", {"max_num_batched_tokens": 8192})), exact=True),
         Option("page_size", (("64", {}), ("16", {"page_size": 16}), ("128", {"page_size": 128})), exact=True),
@@ -79,6 +78,10 @@ def search_space(model_config, concurrency: int, cores: int | None = None, gemm_
             opts.append(Option("parallelism", (("tp=1", {}),) + tuple(tps), exact=True))
     else:
         left_out["parallelism"] = f"{cores} core: no second rank"
+    # last: a compiled candidate compiles its own graphs (minutes on 2 cores), so it is tried once,
+    # on top of everything else, rather than under every later candidate
+    opts.append(Option("compile", (("off", {}), ("on", {"compile": True, "torch_compile_max_bs": concurrency})),
+                       exact=True))
     return Space([o for o in opts if len(o.choices) > 1], left_out)
 
 
