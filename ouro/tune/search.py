@@ -142,6 +142,14 @@ class Tuner:
 
     def try_candidate(self, best: dict, cand: dict, option) -> dict:
         entry = {"option": option.name, "choice": choice_of(cand, option), "exact": option.exact}
+        if not option.exact:           # the quality model's bits/byte: no worker of the candidate needed
+            q0, q = self.quality({"dtype": "float32"}), self.quality(lossy_fields(cand, self.space))
+            rel = (q - q0) / q0
+            entry.update(bits_per_byte=q, bits_per_byte_fp32=q0, quality_cost=rel)
+            why = f"held-out bits/byte +{rel:.2%} > budget {self.budget:.2%}" if rel > self.budget else None
+            entry["check"] = why or f"held-out bits/byte {rel:+.3%} within {self.budget:.2%}"
+            if why is not None:
+                return dict(entry, kept=False, why=f"check failed: {why}")
         try:
             w = self.worker(cand)
         except (ValueError, RuntimeError) as e:
@@ -151,14 +159,8 @@ class Tuner:
                 ref, got = self.greedy(self.best_worker(best)), self.greedy(w)
                 why = greedy_agree(ref, got)
                 entry["check"] = why or f"greedy tokens agree (logprob noise {logprob_noise(ref, got):.1e})"
-            else:
-                q0, q = self.quality({"dtype": "float32"}), self.quality(lossy_fields(cand, self.space))
-                rel = (q - q0) / q0
-                entry.update(bits_per_byte=q, bits_per_byte_fp32=q0, quality_cost=rel)
-                why = f"held-out bits/byte +{rel:.2%} > budget {self.budget:.2%}" if rel > self.budget else None
-                entry["check"] = why or f"held-out bits/byte {rel:+.3%} within {self.budget:.2%}"
-            if why is not None:
-                return dict(entry, kept=False, why=f"check failed: {why}")
+                if why is not None:
+                    return dict(entry, kept=False, why=f"check failed: {why}")
             v = self.ab(self.best_worker(best), w)
             entry["ab"] = v
             kept = v["verdict"] == "faster"
