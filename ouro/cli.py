@@ -31,57 +31,6 @@ def _cmd_generate(args) -> int:
     return generate_cli(args)
 
 
-def _cmd_bench(args) -> int:
-    import json
-    from .config import EngineConfig, speculative_args
-    from .config.file import load_config_file
-    from .models.resolve import resolve_model
-    EngineConfig(device=args.device, dtype=args.dtype).check_device()
-    if args.kind == "serve" and args.compare_base_url:
-        from .bench.serve_compare import compare_serve, format_compare
-        r = compare_serve(args)
-        print(format_compare(r))
-    elif args.kind == "serve":
-        from .bench.serve import bench_serve, format_serve
-        r = bench_serve(args)
-        print(format_serve(r))
-    if args.kind in ("offline", "prefill"):
-        args.model = args.model or BENCH_MODEL
-    if args.kind == "offline" and args.baseline:
-        from .bench.baseline import bench_baseline, format_baseline
-        dtype = str(EngineConfig(device=args.device, dtype=args.dtype).torch_dtype()).replace("torch.", "")
-        flags = ["--num-prompts", str(args.num_prompts), "--input-len", str(args.input_len),
-                 "--output-len", str(args.output_len), "--max-concurrency", str(args.max_concurrency),
-                 "--device", args.device, "--dtype", dtype]
-        extra = ["--compile", "--torch-compile-max-bs", str(args.torch_compile_max_bs)] if args.compile else []
-        extra += ["--quantization", args.quantization] if args.quantization else []
-        extra += ["--config", args.config] if args.config else []
-        r = bench_baseline(args.baseline, str(resolve_model(args.model)), flags, args.repeats, current_extra=extra)
-        print(format_baseline(r))
-    elif args.kind == "offline":
-        from .bench.offline import bench_offline, format_offline
-        r = bench_offline(resolve_model(args.model), args.num_prompts, args.input_len, args.output_len,
-                          args.max_concurrency, args.compare == "transformers", device=args.device, dtype=args.dtype,
-                          compile=args.compile, compile_max_bs=args.torch_compile_max_bs,
-                          quantization=args.quantization, speculative=speculative_args(args),
-                          deterministic=args.enable_deterministic_inference,
-                          engine_fields=load_config_file(args.config) if args.config else None)
-        print(format_offline(r))
-    if args.kind == "prefill" and args.cp > 1:
-        from .bench.prefill_cp import bench_prefill_cp, format_prefill_cp
-        dtype = EngineConfig(device=args.device, dtype=args.dtype).torch_dtype()
-        r = bench_prefill_cp(resolve_model(args.model), args.input_len, args.cp, args.repeats, args.cp_precision, dtype)
-        print(format_prefill_cp(r))
-    elif args.kind == "prefill":
-        from .bench.prefill import bench_prefill, format_prefill
-        r = bench_prefill(resolve_model(args.model), args.input_len, args.repeats, args.compare == "transformers")
-        print(format_prefill(r))
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(r, f, indent=2)
-    return 0
-
-
 def _cmd_plan(args) -> int:
     import torch
     from .config import ModelConfig, tp_args
@@ -253,31 +202,6 @@ def add_serve_parser(sub) -> None:
     sv.set_defaults(func=_cmd_serve, options_parser=sv)
 
 
-def add_bench_serve_options(bench) -> None:
-    g = bench.add_argument_group("serve", "`ouro bench serve`: load an OpenAI-compatible server")
-    g.add_argument("--base-url", default="http://127.0.0.1:8000")
-    g.add_argument("--endpoint", default="/v1/completions")
-    g.add_argument("--api-key", default=None)
-    g.add_argument("--request-rate", type=float, default=float("inf"),
-                   help="requests/s, Poisson (default inf: all at once)")
-    g.add_argument("--seed", type=int, default=0, help="prompts and arrival times")
-    g.add_argument("--vocab-range", default=None, help="LO,HI for the random prompt ids (default: from "
-                   "--compare-offline's vocabulary, else 300,500)")
-    g.add_argument("--disable-tqdm", action="store_true")
-    g.add_argument("--compare-base-url", default=None, metavar="URL",
-                   help="also run the same prompts against this second server, in alternating rounds (--repeats "
-                        "each): e.g. a single server against `ouro serve --disagg 1P1D`")
-    g.add_argument("--compare-offline", default=None, metavar="MODEL",
-                   help="then run the same work through the offline engine (checkpoint dir or preset) on --device")
-    g.add_argument("--offline-max-num-seqs", type=int, default=None, help="default: --max-concurrency")
-    g.add_argument("--offline-max-memory", type=int, default=None, help="cache bytes (default: a fraction of free)")
-    g.add_argument("--offline-mem-fraction-static", type=float, default=0.5)
-    g.add_argument("--offline-page-size", type=int, default=64)
-    g.add_argument("--offline-max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--offline-threads", type=int, default=None,
-                   help="torch threads (default: OURO_NUM_THREADS, else torch's: the server engine's rule)")
-
-
 def build_parser(argv=None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ouro", description="Serve and study GLM-5.3-Flash-class models.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -340,10 +264,11 @@ def build_parser(argv=None) -> argparse.ArgumentParser:
     from .measure.spans import TraceToFile
     bench.add_argument("--trace", default=None, metavar="FILE", action=TraceToFile,
                        help="record the run's spans into FILE (Chrome trace, written at exit)")
+    from .bench.command import add_bench_serve_options, run_bench
     add_bench_serve_options(bench)
     bench.add_argument("--config", default=None, metavar="FILE",
                        help="offline: engine options from a file (`ouro tune --output`), over the flags")
-    bench.set_defaults(func=_cmd_bench)
+    bench.set_defaults(func=run_bench)
 
     add_serve_parser(sub)
 

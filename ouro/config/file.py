@@ -40,11 +40,6 @@ def load_config_file(path) -> dict:
     return dict(fields)
 
 
-def merged(file_fields: dict, given: dict) -> dict:
-    """EngineConfig fields: the file's, then what the caller gave explicitly on top."""
-    return {**file_fields, **given}
-
-
 def _toml_value(v) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"

@@ -10,6 +10,8 @@ import torch
 
 from ..config import EngineConfig
 from ..measure.spans import span
+from ..parallel import cp_prefill
+from ..quant.w8a8 import quantize_model
 from .detokenizer import IncrementalDetokenizer
 from .memory import available_bytes, plan_memory
 from .model_runner import ModelRunner
@@ -49,30 +51,16 @@ class LLMEngine:
         if verbose:
             print(f"ouro: {self.plan.describe(min(self.max_model_len, 4096))}", file=sys.stderr, flush=True)
         self.pages, self.slots = PagePool(self.plan.n_pages), SlotPool(self.plan.n_slots)
-        self.cp = None
-        if config.context_parallel_size > 1 and self.tp is not None:    # the TP x CP grid's ranks
-            from ..parallel.cp_prefill import GridCPPrefill
-            self.cp = GridCPPrefill(self.tp, model, config.chain_precision(), self.kv_kinds)
-        elif config.context_parallel_size > 1:
-            if model_dir is None:
-                raise ValueError("context_parallel_size > 1 needs the model's checkpoint directory (model_dir): "
-                                 "every rank loads it")
-            from ..parallel.cp_prefill import CPPrefill
-            self.cp = CPPrefill(model_dir, model, config.context_parallel_size, config.chain_precision(),
-                                config.dtype, config.device, config.kda_chunk_size,
-                                quantization=config.quantization, quantization_ignore=config.quantization_ignore,
-                                kv_kinds=self.kv_kinds)
+        self.cp = cp_prefill.start(model, config, model_dir, self.tp, self.kv_kinds)     # None without --cp
         if config.deterministic_inference:
             from ..ops import batch_invariant
             block = batch_invariant.enable()        # process-wide, before any product is measured or run
             if verbose:
                 print(f"ouro: deterministic inference: products padded to {block}-row blocks; batch-invariant "
                       f"kernels for {', '.join(batch_invariant.replaced())}", file=sys.stderr)
-        self.quantized = None
-        if config.quantization:
-            from ..quant.w8a8 import quantize_model
-            # in place, before the runner measures its products: the engine runs what it was built with
-            self.quantized = quantize_model(model, config.quantization, config.quantization_ignore)
+        # in place, before the runner measures its products: the engine runs what it was built with
+        self.quantized = (quantize_model(model, config.quantization, config.quantization_ignore)
+                          if config.quantization else None)
         self.runner = ModelRunner(model, self.plan, config.device,
                                   min(config.torch_compile_max_bs, config.max_num_seqs) if config.compile else 0,
                                   cp=self.cp, kv_kinds=self.kv_kinds, cache_config=cache_config,
@@ -252,10 +240,7 @@ class LLMEngine:
                     self._drop_checkpoints(r)
                     self.scheduler.reset(r)
             if self.tp is not None:     # the ranks may be out of step: no later forward can be trusted
-                from .tp_workers import TPBroken
-                why = self.tp.broken or self.tp.diagnose(e)
-                self.tp.broken = why
-                raise TPBroken(f"tensor parallelism is broken: {why}") from e
+                self.tp.fail(self.tp.broken or self.tp.diagnose(e), e)
             raise
         with span("checkpoint", cat="cache"):
             self._checkpoint(batch)

@@ -91,9 +91,10 @@ class TPWorkers:
             return f"TP rank {dead[0][0]} of {self.size} exited (code {dead[0][1]}); rank 0 saw {first_line}"
         return first_line
 
-    def fail(self, why: str):
+    def fail(self, why: str, cause: BaseException | None = None):
+        """Tensor parallelism is over for this engine: raises TPBroken (from `cause`)."""
         self.broken = why
-        raise TPBroken(f"tensor parallelism is broken: {why}")
+        raise TPBroken(f"tensor parallelism is broken: {why}") from cause
 
     def forward_hook(self, module, args):
         """A forward pre-hook on rank 0's model: the followers run the same batch. (A compiled
@@ -267,16 +268,14 @@ class Follower:
     def op_cp(self, op):
         """This rank's slice of a context-parallel prefill (`GridCPPrefill`): a follower of rank 0
         into its own cache (the request's pages and slot there), a CP helper into a scratch one."""
-        from ..layers.context import ModelCache
         from ..parallel.cp_forward import cp_forward
+        from ..parallel.cp_prefill import scratch_cache
         ids, cache = op["ids"], self.cache
         slot, table = op["slot"], torch.tensor([op["pages"]], dtype=torch.long)
         if not self.mirrors:
-            page = 16 * self.model.config.index_kpool
-            pages = -(-len(ids) // page)
-            cache = ModelCache(self.model.config, 1, pages, page, dtype=self.dtype, device=self.device,
-                               kv_kinds={int(k): v for k, v in op["kv_kinds"].items()})
-            slot, table = 0, torch.arange(pages).view(1, -1)
+            cache, table = scratch_cache(self.model, len(ids), {int(k): v for k, v in op["kv_kinds"].items()},
+                                         self.device)
+            slot = 0
         cp_forward(self.model, cache, self.cp_group, [ids], [0], [slot], table, op["precision"])
 
     def op_save(self, op):

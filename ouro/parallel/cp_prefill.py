@@ -158,10 +158,35 @@ class GridCPPrefill(CPPrefill):
         pass
 
 
+def start(model, config, model_dir, ranks=None, kv_kinds: dict | None = None):
+    """`--cp N` for an engine: None at N = 1; over the TP workers' grid with `--tp` (`ranks`);
+    else N - 1 helper processes of its own."""
+    if config.context_parallel_size == 1:
+        return None
+    if ranks is not None:
+        return GridCPPrefill(ranks, model, config.chain_precision(), kv_kinds)
+    if model_dir is None:
+        raise ValueError("context_parallel_size > 1 needs the model's checkpoint directory (model_dir): "
+                         "every rank loads it")
+    return CPPrefill(model_dir, model, config.context_parallel_size, config.chain_precision(), config.dtype,
+                     config.device, config.kda_chunk_size, quantization=config.quantization,
+                     quantization_ignore=config.quantization_ignore, kv_kinds=kv_kinds)
+
+
+def scratch_cache(model, n_tokens: int, kv_kinds: dict, device):
+    """A helper rank's cache for one prompt's slice exchange: one state slot, pages for `n_tokens`
+    (whole pools per page). Returns (cache, its page table [1, pages])."""
+    from ..layers.context import ModelCache
+    page = 16 * model.config.index_kpool
+    pages = -(-n_tokens // page)
+    cache = ModelCache(model.config, 1, pages, page, dtype=model.embed_tokens.weight.dtype, device=device,
+                       kv_kinds=kv_kinds)
+    return cache, torch.arange(pages).view(1, -1)
+
+
 def _helper_main(model_dir, rank, world, port, dtype, device, kda_chunk_size, timeout_s, options="{}") -> None:
     from ..config import EngineConfig
     from ..gemm_pick import apply_to
-    from ..layers.context import ModelCache
     from ..models.loader import load_model
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     model = load_model(model_dir, dtype=EngineConfig(device=device, dtype=dtype).torch_dtype(), device=device,
@@ -173,19 +198,15 @@ def _helper_main(model_dir, rank, world, port, dtype, device, kda_chunk_size, ti
     kv_kinds = {int(k): v for k, v in options.get("kv_kinds", {}).items()}
     apply_to(model)
     groups = init(int(rank), int(world), f"tcp://127.0.0.1:{port}", None, float(timeout_s))
-    page = 16 * model.config.index_kpool
     for line in sys.stdin:                     # one job per line; EOF: the engine is done with us
         job = json.loads(line)
         ids = job["ids"]
-        pages = -(-len(ids) // page)
-        cache = ModelCache(model.config, 1, pages, page, dtype=model.embed_tokens.weight.dtype, device=device,
-                           kv_kinds=kv_kinds)
+        cache, table = scratch_cache(model, len(ids), kv_kinds, device)
         if job["trace"]:
             spans.clear()
             spans.enable()
         with torch.inference_mode(), span("cp prefill", cat="compute"):
-            cp_forward(model, cache, groups.cp, [ids], [0], [0], torch.arange(pages).view(1, -1),
-                       job["precision"])
+            cp_forward(model, cache, groups.cp, [ids], [0], [0], table, job["precision"])
         if job["trace"]:
             spans.disable()
             events = [(e["name"], e["cat"], int(e["start_ms"] * 1e6), int((e["start_ms"] + e["dur_ms"]) * 1e6))

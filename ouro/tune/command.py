@@ -61,7 +61,7 @@ def run_tune(args) -> int:
     journal = args.journal or str(Path(args.output).with_suffix(".journal.jsonl"))
     tuner = Tuner(model_dir, wl, journal, budget, quality_model(model_dir, args.quality_model), args.rounds,
                   log=lambda s: print(s, file=sys.stderr))
-    why = motivations(model_dir, wl, None)
+    why = motivations(model_dir, wl)
     print(f"ouro tune: {model_dir.name}, workload {wl.num_prompts} x {wl.input_len} in / {wl.output_len} out at "
           f"concurrency {wl.concurrency}; quality on {tuner.quality_dir.name} within +{budget:.2%}; journal {journal}",
           file=sys.stderr)

@@ -1,12 +1,12 @@
 """What `ouro tune` prints and writes: the lab finding behind each option (measured here, before
-the search: the decode step's bytes by kind, the GEMM rates behind `--dtype auto`, the step's
-distance from its floor), the journal as a table, and the ablation as the reference stack would
+the search: the decode step's bytes by kind, the GEMM rates behind `--dtype auto`), the journal
+as a table, and the ablation as the reference stack would
 publish it: each kept option's share of the end-to-end gain."""
 
 from __future__ import annotations
 
 
-def motivations(model_dir, workload, baseline_run: dict | None) -> dict:
+def motivations(model_dir, workload) -> dict:
     """{option: the measured finding that makes it worth trying on this machine}."""
     from ..dtype_pick import cached_entry
     from ..models.loader import load_model
@@ -16,7 +16,7 @@ def motivations(model_dir, workload, baseline_run: dict | None) -> dict:
     wb, cb = cost.weight_bytes, cost.cache_bytes
     total = wb + cb
     rates = (cached_entry("cpu") or {}).get("gflop_s", {})
-    out = {
+    return {
         "dtype": (f"GEMM rates measured for --dtype auto: {', '.join(f'{k} {v:.1f} GFLOP/s' for k, v in rates.items())}"
                   if rates else "16-bit weights halve the decode step's weight bytes"),
         "quantization": f"weights are {wb / total:.0%} of a decode step's bytes (batch {workload.concurrency}): "
@@ -28,9 +28,6 @@ def motivations(model_dir, workload, baseline_run: dict | None) -> dict:
         "speculation": "a decode step is weight-bound: verifying K drafts reads the weights once",
         "parallelism": "two ranks each read half the weights, at the price of two all-reduces a layer",
     }
-    if baseline_run and baseline_run.get("decode_step_s"):
-        out["compile"] += f": {baseline_run['decode_step_s'] * 1e3:.1f} ms per decode step at batch {workload.concurrency}"
-    return out
 
 
 def format_journal(entries: list[dict]) -> str:
