@@ -72,6 +72,30 @@ def test_n_logprobs_and_seed(client):
     assert r.usage.completion_tokens == 18
 
 
+def test_tokens_as_token_ids_name_the_offline_engines_tokens(client, model_dir):
+    """vLLM's return_tokens_as_token_ids: each logprob entry names its token by id, so two tokens
+    of the same text stay apart; the ids and logprobs are the offline engine's."""
+    from ouro import LLM, SamplingParams
+    llm = LLM(str(model_dir), max_memory=64 << 20, page_size=16)
+    want = llm.generate({"prompt_token_ids": [5, 6, 7, 8]}, SamplingParams(temperature=0, max_tokens=8,
+                                                                           ignore_eos=True, logprobs=2))[0].outputs[0]
+    got = client.completions.create(model=None, prompt=[5, 6, 7, 8], max_tokens=8, temperature=0, logprobs=2,
+                                    extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True}).choices[0]
+    assert [int(t.removeprefix("token_id:")) for t in got.logprobs.tokens] == want.token_ids
+    for top, ref in zip(got.logprobs.top_logprobs, want.top_logprobs):
+        assert {int(k.removeprefix("token_id:")): v for k, v in top.items()} == pytest.approx(dict(ref), abs=1e-4)
+    chat = client.chat.completions.create(model=None, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                          temperature=0, logprobs=True, top_logprobs=2,
+                                          extra_body={"return_tokens_as_token_ids": True})
+    assert all(re.fullmatch(r"token_id:\d+", e.token) and all(re.fullmatch(r"token_id:\d+", t.token)
+                                                               for t in e.top_logprobs)
+               for e in chat.choices[0].logprobs.content)
+    plain = client.completions.create(model=None, prompt=[5, 6, 7, 8], max_tokens=8, temperature=0, logprobs=2,
+                                      extra_body={"ignore_eos": True}).choices[0]
+    assert "".join(plain.logprobs.tokens) == got.text and not plain.logprobs.tokens[0].startswith("token_id:")
+    assert got.logprobs.text_offset == plain.logprobs.text_offset
+
+
 def test_metrics_record_requests(server, client):
     before = server.metrics()
     client.completions.create(model=None, prompt="metrics", max_tokens=5, temperature=0, extra_body={"ignore_eos": True})

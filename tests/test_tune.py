@@ -125,3 +125,44 @@ def test_a_search_checks_before_it_times_and_resumes_from_its_journal(tmp_path):
     assert again.search() == best
     assert journal.read_text().splitlines() == lines
     EngineConfig(**best)
+
+
+def test_the_serve_workload_times_real_servers_and_checks_through_http(tmp_path):
+    """--workload serve: each candidate is a real `ouro serve --config` process under streaming
+    load. Its greedy check goes through /v1/completions and gives the engine-process worker's
+    tokens and logprobs; a combination the server refuses is journaled with the server's reason;
+    a journal of another workload is refused."""
+    from ouro.tune.server_worker import ServerWorker
+    from ouro.tune.worker import Worker
+    d = resolve_model("tiny")
+    wl = Workload(num_prompts=4, input_len=16, output_len=6, concurrency=2, max_memory=32 << 20, kind="serve")
+    t = Tuner(d, wl, tmp_path / "j.jsonl", quality_dir=d, rounds=1, check_prompts=2, check_tokens=8,
+              progress=False, log=lambda s: None)
+    t.space = Space([Option("page_size", (("64", {}), ("16", {"page_size": 16})), exact=True),
+                     Option("speculation", (("off", {}), ("NEXTN", {"speculative_algorithm": "NEXTN"})), exact=True)])
+    best = t.search()
+    t.close()
+    e = {x["option"]: x for x in t.journal.in_order("candidate")}
+    ps = e["page_size"]
+    assert ps["check"].startswith("greedy tokens agree"), ps
+    for side in ("a", "b"):       # the clients' view: first tokens and the step between tokens
+        assert 0 < ps["ab"]["ttft_s"][side] < 30 and 0 < ps["ab"]["decode_step_s"][side] < 5
+    assert ps["ab"]["output_tok_s"]["a"] > 0
+    sp = e["speculation"]
+    assert sp["why"].startswith("refused: ouro serve exited") and "MTP" in sp["why"] and "ab" not in sp, sp
+    assert best in (BASELINE, {**BASELINE, "page_size": 16})
+
+    served = ServerWorker(d, dict(BASELINE), t.workload.__dict__)
+    engine = Worker(d, dict(BASELINE), t.workload.__dict__)
+    try:
+        prompts = t.check["prompts"]
+        got = served.ask({"cmd": "greedy", "prompts": prompts, "max_tokens": 8})["outputs"]
+        want = engine.ask({"cmd": "greedy", "prompts": prompts, "max_tokens": 8})["outputs"]
+    finally:
+        served.close()
+        engine.close()
+    assert [g["tokens"] for g in got] == [w["tokens"] for w in want] and len(got[1]["tokens"]) == 8
+    assert logprob_noise(want, got) < 1e-4 and got[0]["top"][0].keys() == want[0]["top"][0].keys()
+
+    with pytest.raises(ValueError, match="another workload"):
+        Tuner(d, Workload(num_prompts=5, kind="serve"), tmp_path / "j.jsonl", quality_dir=d, progress=False)

@@ -20,7 +20,7 @@ import sys
 
 import torch
 
-from ..parallel.groups import _free_port, init
+from ..parallel.groups import free_port, init
 
 JOIN_TIMEOUT_S = 300.0       # followers load the checkpoint before they join
 
@@ -40,7 +40,7 @@ class TPWorkers:
         which take part in CP prefills only (`GridCPPrefill`)."""
         self.size, self.broken, self.mirroring = size, None, True
         world, mine = size * cp, (cp - 1) * size
-        port = _free_port()
+        port = free_port()
         threads = max(1, (os.cpu_count() or 1) // world)
         env = dict(os.environ, OMP_NUM_THREADS=str(threads))
         options = json.dumps(dict(options, tp=size))

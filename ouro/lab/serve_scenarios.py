@@ -12,6 +12,9 @@ import sys
 import tempfile
 import time
 
+from ..bench.server_process import wait_ready  # noqa: F401 (re-exported)
+from ..parallel.groups import free_port
+
 
 def serve(model_dir, requests: int = 4, max_tokens: int = 8, trace_out: str | None = None,
           heartbeat: bool = True, timeout: float = 120.0) -> dict:
@@ -96,29 +99,6 @@ def _latencies(records: list[dict]) -> dict:
 # the CLI cannot stop this scenario
 SERVE_MAIN = ("import argparse, sys; from ouro.cli import add_serve_parser; p = argparse.ArgumentParser(); "
               "add_serve_parser(p.add_subparsers()); a = p.parse_args(sys.argv[1:]); sys.exit(a.func(a))")
-
-
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_ready(proc, base: str, timeout: float, log) -> None:
-    import httpx
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            log.seek(0)
-            raise RuntimeError(f"ouro serve exited ({proc.returncode}):\n{log.read()[-2000:]}")
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"ouro serve was not ready within {timeout:.0f} s")
 
 
 LOAD_SECONDS = 20.0   # a server slowed down by the very fault under study still gives a trace

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from ..measure import spans
 from ..measure.spans import span
 from .cp_forward import cp_forward
-from .groups import _free_port, init
+from .groups import free_port, init
 
 JOIN_TIMEOUT_S = 300.0      # helpers load the checkpoint before they join the group
 
@@ -45,7 +45,7 @@ class CPPrefill:
         self.model, self.world, self.precision = model, world, precision
         self.broken: str | None = None       # why CP is off after a failure
         self.num_prefills = 0
-        port = _free_port()
+        port = free_port()
         threads = max(1, (os.cpu_count() or 1) // world)
         env = dict(os.environ, OMP_NUM_THREADS=str(threads))
         self.helpers = [subprocess.Popen(

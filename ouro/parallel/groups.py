@@ -39,7 +39,7 @@ class Groups:
     tp_size: int = 1
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -90,7 +90,7 @@ def launch(fn, world_size: int, *args, backend: str | None = None, timeout_s: fl
     import torch.multiprocessing as mp
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, backend, timeout_s, fn, args, results), daemon=True)
              for r in range(world_size)]
     for p in procs:

@@ -135,20 +135,22 @@ class ResponseView:
         if not entries:
             return None
         tok = self.state.tokenizer
+        as_ids = self.body.return_tokens_as_token_ids
         if self.chat:
             def entry(t, lp):
-                text = tok.decode([t], skip_special_tokens=False)
+                text = f"token_id:{t}" if as_ids else tok.decode([t], skip_special_tokens=False)
                 return {"token": text, "logprob": _json(lp), "bytes": list(text.encode())}
             return {"content": [{**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in (top or [])]}
                                 for t, lp, top in entries]}
+        name = (lambda t: f"token_id:{t}") if as_ids else (lambda t: tok.decode([t]))
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for t, lp, top in entries:
-            s = tok.decode([t])
+            s = name(t)
             out["tokens"].append(s)
             out["token_logprobs"].append(_json(lp))
-            out["top_logprobs"].append({tok.decode([i]): _json(v) for i, v in (top or [])} or None)
+            out["top_logprobs"].append({name(i): _json(v) for i, v in (top or [])} or None)
             out["text_offset"].append(offset)
-            offset += len(s)
+            offset += len(tok.decode([t]))
         return out
 
     def _want_logprobs(self) -> bool:

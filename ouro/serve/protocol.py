@@ -139,6 +139,8 @@ class _Sampling(Body):
     stop: str | list[str] | None = None
     stop_token_ids: list[integer(ge=0)] | None = None
     ignore_eos: bool = False
+    return_tokens_as_token_ids: bool = Field(False, description="logprobs name each token 'token_id:N' (vLLM's "
+                                             "extension: exact where a token's text is not unique)")
     presence_penalty: NoPenalty = 0.0
     frequency_penalty: NoPenalty = 0.0
     user: str | None = None

@@ -11,8 +11,9 @@ def add_tune_parser(sub) -> None:
     t = sub.add_parser("tune", help="search this machine's fastest serving configuration, each step verified; "
                                     "write it for `ouro serve --config`")
     t.add_argument("--model", default="small", help="checkpoint directory or preset name (default: small)")
-    t.add_argument("--workload", default="offline", choices=["offline"],
-                   help="offline: the engine's throughput on a batch of random prompts")
+    t.add_argument("--workload", default="offline", choices=["offline", "serve"],
+                   help="offline: the engine's throughput on a batch of random prompts; serve: each candidate "
+                        "as a real `ouro serve --config` process under `ouro bench serve`'s streaming load")
     t.add_argument("--quality-budget", default="0.7%",
                    help="held-out bits/byte an output-changing option may cost against float32 (e.g. 0.7%%)")
     t.add_argument("--quality-model", default=None,
@@ -24,6 +25,8 @@ def add_tune_parser(sub) -> None:
     t.add_argument("--input-len", type=int, default=64)
     t.add_argument("--output-len", type=int, default=32)
     t.add_argument("--max-concurrency", type=int, default=8)
+    t.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="serve: requests per second (Poisson arrivals); inf sends them all at once")
     t.add_argument("--max-memory", type=int, default=512 << 20, help="cache bytes of every candidate")
     t.add_argument("--rounds", type=int, default=3, help="A/B rounds per candidate (each runs both sides)")
     t.add_argument("--no-ablation", action="store_true", help="skip removing each kept option from the winner")
@@ -57,12 +60,15 @@ def run_tune(args) -> int:
     from .search import Tuner, Workload
     budget = _budget(args.quality_budget)
     model_dir = resolve_model(args.model, progress=True)
-    wl = Workload(args.num_prompts, args.input_len, args.output_len, args.max_concurrency, 0, args.max_memory)
+    if args.workload != "serve" and args.request_rate != float("inf"):
+        raise ValueError("--request-rate is for --workload serve (the offline workload queues every prompt at once)")
+    wl = Workload(args.num_prompts, args.input_len, args.output_len, args.max_concurrency, 0, args.max_memory,
+                  args.workload, args.request_rate)
     journal = args.journal or str(Path(args.output).with_suffix(".journal.jsonl"))
     tuner = Tuner(model_dir, wl, journal, budget, quality_model(model_dir, args.quality_model), args.rounds,
                   log=lambda s: print(s, file=sys.stderr))
     why = motivations(model_dir, wl)
-    print(f"ouro tune: {model_dir.name}, workload {wl.num_prompts} x {wl.input_len} in / {wl.output_len} out at "
+    print(f"ouro tune: {model_dir.name}, {wl.kind} workload {wl.num_prompts} x {wl.input_len} in / {wl.output_len} out at "
           f"concurrency {wl.concurrency}; quality on {tuner.quality_dir.name} within +{budget:.2%}; journal {journal}",
           file=sys.stderr)
     for name, reason in tuner.space.left_out.items():
@@ -72,7 +78,8 @@ def run_tune(args) -> int:
         from .space import BASELINE, choice_of
         summary = {o.name: choice_of(best, o) for o in tuner.space.options}
         write_config_file(args.output, best, comment=f"ouro tune on {model_dir.name}: " + ", ".join(
-            f"{k}={v}" for k, v in summary.items()), extra={"model": str(args.model), "quality_budget": round(budget, 6)})
+            f"{k}={v}" for k, v in summary.items()), extra={"model": str(args.model), "quality_budget": round(budget, 6),
+                                                    "workload": wl.kind})
         print(f"wrote {args.output}: {best}")
         print(format_journal(tuner.journal.in_order("candidate")))
         ablation = None

@@ -1,7 +1,8 @@
 """The tuning journal: one JSON line per candidate (its configuration, the correctness check, the
 A/B verdict, kept or why not), appended as each finishes. A rerun with the same journal reads it
 back and skips every candidate it already holds (the search takes the same path), so an
-interrupted `ouro tune` resumes where it stopped."""
+interrupted `ouro tune` resumes where it stopped. Its first line is the workload it was measured
+on: a journal of another workload is refused, not mixed in."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ def key(config: dict) -> str:
 
 
 class Journal:
-    def __init__(self, path):
+    def __init__(self, path, workload: dict | None = None):
         self.path = Path(path)
         self.entries: dict[str, dict] = {}
         if self.path.exists():
@@ -22,6 +23,13 @@ class Journal:
                 if line.strip():
                     e = json.loads(line)
                     self.entries[e["key"]] = e
+        if workload is not None:
+            had = self.get("workload", {})
+            if had is None:
+                self.add("workload", {}, {"workload": workload})
+            elif had["workload"] != json.loads(json.dumps(workload)):
+                raise ValueError(f"journal {self.path} holds candidates measured on another workload "
+                                 f"({had['workload']}, not {workload}): pass another --journal, or delete it")
 
     def get(self, phase: str, config: dict) -> dict | None:
         return self.entries.get(f"{phase} {key(config)}")

@@ -36,6 +36,10 @@ def format_journal(entries: list[dict]) -> str:
         ab = e.get("ab")
         abtxt = (f"{ab['verdict']}, time ratio {ab['ratio']:.3f} [{ab['low']:.3f}, {ab['high']:.3f}], noise "
                  f"{ab['noise']:.1%}" if ab else "not timed")
+        if ab and ab.get("ttft_s") and None not in ab["ttft_s"].values() and None not in ab["decode_step_s"].values():
+            t, d = ab["ttft_s"], ab["decode_step_s"]
+            abtxt += (f"; median TTFT {1e3 * t['a']:.0f} -> {1e3 * t['b']:.0f} ms, ITL {1e3 * d['a']:.1f} -> "
+                      f"{1e3 * d['b']:.1f} ms")
         lines.append(f"| {e['option']} | {e['choice']} | {e.get('check', '-')} | {abtxt} | "
                      f"{'kept' if e['kept'] else e['why']} |")
     return "\n".join(lines)

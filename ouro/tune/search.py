@@ -15,6 +15,7 @@ from it in turn and timed against it (the ablation), and the winner against the 
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -52,6 +53,8 @@ class Workload:
     concurrency: int = 8
     seed: int = 0
     max_memory: int = 512 << 20
+    kind: str = "offline"              # offline: the engine in a process; serve: `ouro serve` under load
+    request_rate: float = math.inf     # serve: arrivals per second (Poisson), inf = all at once
 
 
 def greedy_agree(ref: list[dict], got: list[dict]) -> str | None:
@@ -87,11 +90,14 @@ class Tuner:
         pick_dtype("cpu")                  # measured once per machine, then cached
         rates = (cached_entry("cpu") or {}).get("gflop_s")
         self.space = search_space(ModelConfig.from_hf(model_dir), workload.concurrency, gemm_rates=rates)
-        self.journal = Journal(journal_path)
+        self.journal = Journal(journal_path, workload=asdict(workload))
         self._best_worker = None
 
     # ---- measurements ----
-    def worker(self, config: dict) -> Worker:
+    def worker(self, config: dict):
+        if self.workload.kind == "serve":
+            from .server_worker import ServerWorker
+            return ServerWorker(self.model_dir, config, asdict(self.workload))
         return Worker(self.model_dir, config, asdict(self.workload))
 
     def quality(self, lossy: dict) -> float:
@@ -111,17 +117,20 @@ class Tuner:
 
     def ab(self, a: Worker, b: Worker) -> dict:
         """Both workloads, alternating A B B A ...; the paired verdict of B against A."""
-        ta, tb, steps = [], [], {"a": [], "b": []}
+        ta, tb, steps, ttft = [], [], {"a": [], "b": []}, {"a": [], "b": []}
         for r in range(self.rounds):
             for side in (("a", "b") if r % 2 == 0 else ("b", "a")):
                 out = (a if side == "a" else b).ask({"cmd": "run"})
                 (ta if side == "a" else tb).append(out["seconds"])
-                if out["decode_step_s"] is not None:
-                    steps[side].append(out["decode_step_s"])
+                for key, into in (("decode_step_s", steps), ("ttft_s", ttft)):
+                    if out.get(key) is not None:
+                        into[side].append(out[key])
                 tokens = out["output_tokens"]
         v = verdict_from_times(ta, tb, "best", "candidate", paired=True).to_dict()
         v["output_tok_s"] = {"a": tokens / statistics.median(ta), "b": tokens / statistics.median(tb)}
         v["decode_step_s"] = {k: statistics.median(s) if s else None for k, s in steps.items()}
+        if self.workload.kind == "serve":      # the step as the clients saw it, and their first tokens
+            v["ttft_s"] = {k: statistics.median(s) if s else None for k, s in ttft.items()}
         return v
 
     def greedy(self, w: Worker) -> list[dict]:
