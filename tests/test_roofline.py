@@ -106,3 +106,34 @@ def test_count_flops_of_a_plain_matmul():
     a, b = torch.randn(3, 5), torch.randn(5, 7)
     assert count_flops(lambda: a @ b) == 2 * 3 * 5 * 7
     assert count_flops(lambda: torch.bmm(a.expand(2, 3, 5), b.expand(2, 5, 7))) == 2 * 2 * 3 * 5 * 7
+
+
+@pytest.mark.parametrize("method", ["w8a8", "fp8"])
+def test_a_quantised_step_counts_its_low_precision_weights(method):
+    """After W8A8 / FP8 the products are the same FLOPs, now at the low-precision rate; the bytes
+    are one per quantised weight plus a float32 scale per output channel (an int8 weight is a
+    buffer, not a parameter: a floor blind to buffers would drop every quantised product)."""
+    from ouro.quant.w8a8 import W8A8Experts, W8A8Linear, quantize_model
+    torch.manual_seed(0)
+    model = Glm5NextModel(CONFIG)
+    B, L = 3, 7
+    roof = Roofline(flops_per_s=1000.0, bytes_per_s=1e9, low_flops_per_s=4000.0)
+    before = decode_floor(model, roof, context=L, batch=B)
+    assert before["low_precision_flops"] == 0
+    quantize_model(model, method)
+    lin = [m for m in model.modules() if isinstance(m, W8A8Linear)]
+    exp = [m for m in model.modules() if isinstance(m, W8A8Experts)]
+    assert lin and exp
+    q_dense = sum(m.qweight.numel() for m in lin)
+    scales_dense = sum(m.weight_scale.numel() for m in lin)
+    q_expert = sum(m.gate_up_proj_q.numel() + m.down_proj_q.numel() for m in exp) / 4       # per expert
+    s_expert = sum(m.gate_up_proj_scale.numel() + m.down_proj_scale.numel() for m in exp) / 4
+    distinct = 4 * (1 - (1 - 2 / 4) ** B)
+    after = decode_floor(model, roof, context=L, batch=B)
+    assert after["flops"] == before["flops"]
+    low = 2 * B * q_dense + 2 * B * 2 * q_expert
+    assert after["low_precision_flops"] == low
+    want_bytes = before["weight_bytes"] - 3 * q_dense + 4 * scales_dense - distinct * (3 * q_expert - 4 * s_expert)
+    assert after["weight_bytes"] == pytest.approx(want_bytes, rel=1e-12)
+    compute = (after["flops"] - low) / 1000.0 + low / 4000.0
+    assert after["floor_s"] == pytest.approx(max(compute, (want_bytes + after["cache_bytes"]) / 1e9), rel=1e-12)

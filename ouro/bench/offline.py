@@ -82,8 +82,19 @@ def decode_floor(model, roof: Roofline, context: int, batch: int) -> dict:
     """The floor of a decode step of `batch` sequences at `context` tokens: `decode_cost` (what
     the step must compute and move) over the measured matmul rate and copy bandwidth."""
     cost = decode_cost(model, context, batch)
+    low = cost.parts["low_precision_flops"]
     return {"context": context, "batch": batch, "weight_bytes": cost.weight_bytes, "cache_bytes": cost.cache_bytes,
-            "flops": cost.flops, "floor_s": roof.floor_s(cost.flops, cost.bytes), "parts": cost.parts}
+            "flops": cost.flops, "low_precision_flops": low, "floor_s": roof.floor_s(cost.flops, cost.bytes, low),
+            "parts": cost.parts}
+
+
+def low_precision_rate(model, roof: Roofline) -> None:
+    """A quantised model's products run at their own rate: measured once into `roof`."""
+    from ..quant.w8a8 import product_rate
+    kinds = {b.dtype for _, b in model.named_buffers()}
+    for method, dtype in (("w8a8", torch.int8), ("fp8", torch.float8_e4m3fn)):
+        if dtype in kinds and roof.low_flops_per_s is None:
+            roof.low_flops_per_s = product_rate(method)
 
 
 def bench_offline(model_dir, num_prompts=64, input_len=256, output_len=64, concurrency=32, compare=False,
@@ -115,13 +126,15 @@ def bench_offline(model_dir, num_prompts=64, input_len=256, output_len=64, concu
             with span("transformers wave", cat="bench"):
                 waves[-1]["transformers_s"], o = run_transformers(hf, wave, output_len, device)
             hf_outs += o
+    low_precision_rate(model, roof)
     r = {"seed": seed, "num_prompts": num_prompts, "input_len": input_len, "output_len": output_len,
          "concurrency": concurrency, "device": device, "compile": engine.config.compile,
          "quantization": engine.config.quantization, "engine_fields": engine_fields or None,
          "speculative": speculative or None,
          "dtype": str(model.embed_tokens.weight.dtype).replace("torch.", ""), "waves": waves,
          "ouro": _throughput(sum(w["ouro_s"] for w in waves), num_prompts * input_len, outs),
-         "matmul_flops_per_s": roof.flops_per_s, "copy_bytes_per_s": roof.bytes_per_s}
+         "matmul_flops_per_s": roof.flops_per_s, "copy_bytes_per_s": roof.bytes_per_s,
+         "low_precision_ops_per_s": roof.low_flops_per_s}
     decode = [s for s in log if s["decode"] and s["batch"] == concurrency]   # the steps timed
     r["ouro"].update({"decode_step_s": statistics.median(s["s"] for s in decode) if decode else None,
                       "decode_steps_timed": len(decode),
@@ -175,6 +188,7 @@ def _prefill(engine, model, roof, prompt):
         return time.perf_counter() - t
     cost = prefill_cost(model, len(prompt))
     t = statistics.median([timed() for _ in range(3)])
-    floor = roof.floor_s(cost.flops, cost.bytes)
+    floor = roof.floor_s(cost.flops, cost.bytes, cost.parts["low_precision_flops"])
     return {"tokens": len(prompt), "seconds": t, "flops": cost.flops, "bytes": cost.bytes, "floor_s": floor,
+            "low_precision_flops": cost.parts["low_precision_flops"],
             "over_floor": t / floor, "dispatched_flops": count_flops(one)}

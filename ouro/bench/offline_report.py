@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 
-def _floor_terms(flops, nbytes, r) -> str:
+def _floor_terms(flops, nbytes, r, low=0.0) -> str:
+    compute = (f"compute {(flops - low) / 1e9:.2f} GFLOP at {r['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s = "
+               f"{1e3 * (flops - low) / r['matmul_flops_per_s']:.1f} ms")
+    if low and r.get("low_precision_ops_per_s"):
+        rate = r["low_precision_ops_per_s"]
+        compute += f" + {low / 1e9:.2f} GOP int8/fp8 at {rate / 1e9:.0f} GOP/s = {1e3 * low / rate:.1f} ms"
     return (f"max(memory {nbytes / 2**20:.0f} MiB at {r['copy_bytes_per_s'] / 1e9:.1f} GB/s = "
-            f"{1e3 * nbytes / r['copy_bytes_per_s']:.1f} ms, compute {flops / 1e9:.2f} GFLOP at "
-            f"{r['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s = {1e3 * flops / r['matmul_flops_per_s']:.1f} ms)")
+            f"{1e3 * nbytes / r['copy_bytes_per_s']:.1f} ms, {compute})")
 
 
 def format_offline(r: dict) -> str:
@@ -40,11 +44,11 @@ def format_offline(r: dict) -> str:
     if o["decode_step_s"]:
         lines.append(f"  decode step (batch {f['batch']}, context {f['context']}): {1e3 * o['decode_step_s']:.1f} ms "
                      f"(median of {o['decode_steps_timed']}); floor {1e3 * f['floor_s']:.1f} ms = "
-                     f"{_floor_terms(f['flops'], f['weight_bytes'] + f['cache_bytes'], r)}: "
+                     f"{_floor_terms(f['flops'], f['weight_bytes'] + f['cache_bytes'], r, f.get('low_precision_flops', 0.0))}: "
                      f"{r['decode_step_over_floor']:.1f}x the floor")
     p = r["prefill"]
     lines.append(f"  prefill of {p['tokens']} tokens: {1e3 * p['seconds']:.0f} ms; floor {1e3 * p['floor_s']:.1f} ms = "
-                 f"{_floor_terms(p['flops'], p['bytes'], r)}: {p['over_floor']:.1f}x the floor "
+                 f"{_floor_terms(p['flops'], p['bytes'], r, p.get('low_precision_flops', 0.0))}: {p['over_floor']:.1f}x the floor "
                  f"(ouro dispatches {p['dispatched_flops'] / 1e9:.2f} GFLOP)")
     s = o["steps"]
     lines.append(f"  steps: {s['with_prefill']} with prefill {s['with_prefill_s']:.2f} s, "

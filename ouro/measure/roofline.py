@@ -25,6 +25,7 @@ def median_time(fn, repeats: int = 5, warmup: int = 1) -> float:
 class Roofline:
     flops_per_s: float     # dense fp32 matmul rate
     bytes_per_s: float     # large-tensor copy bandwidth (read + write counted)
+    low_flops_per_s: float | None = None    # int8 / e4m3 product rate, where a step has such products
 
     @classmethod
     def measure(cls, device="cpu", dtype=torch.float32) -> "Roofline":
@@ -45,9 +46,14 @@ class Roofline:
         t_cp = median_time(cp, repeats=7)
         return cls(flops_per_s=2 * 1024 * 1024 * 2048 / t_mm, bytes_per_s=2 * src.nbytes / t_cp)
 
-    def floor_s(self, flops: float, bytes_moved: float) -> float:
+    def compute_s(self, flops: float, low_flops: float = 0.0) -> float:
+        """Compute time: `low_flops` of the `flops` at the low-precision rate, the rest at float's."""
+        low_rate = self.low_flops_per_s or self.flops_per_s
+        return (flops - low_flops) / self.flops_per_s + low_flops / low_rate
+
+    def floor_s(self, flops: float, bytes_moved: float, low_flops: float = 0.0) -> float:
         """Lower bound on time: the slower of compute and memory traffic."""
-        return max(flops / self.flops_per_s, bytes_moved / self.bytes_per_s)
+        return max(self.compute_s(flops, low_flops), bytes_moved / self.bytes_per_s)
 
 
 def count_flops(fn) -> int:

@@ -8,8 +8,33 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 
 ROUTED = ("experts.gate_up_proj", "experts.down_proj")   # stacked routed-expert weights
+# a quantised module (`ouro.quant`) keeps its weight as an int8 / e4m3 buffer (`qweight`,
+# `<name>_q`) beside float32 scales (`weight_scale`, `<name>_scale`): weights all the same
+LOW_PRECISION = (torch.int8, torch.float8_e4m3fn)
+QUANT_SUFFIXES = (("qweight", "weight"), ("weight_scale", "weight"), ("_q", ""), ("_scale", ""))
+SCALE = "#scale"     # a quantised weight's scales, named after it (no parameter name has a '#')
+
+
+def weight_tensors(model) -> dict:
+    """{name: tensor} of every weight a step reads: the parameters, and the quantised weights and
+    their scales (buffers), each under the name of the float weight it replaced (so
+    `...experts.gate_up_proj_q` counts as a routed expert, `...q_proj.qweight` as dense)."""
+    out = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    quantised = {n.rpartition(".")[0] for n, b in buffers.items() if b.dtype in LOW_PRECISION}
+    for n, b in buffers.items():
+        owner, _, leaf = n.rpartition(".")
+        if owner not in quantised:
+            continue
+        for suffix, base in QUANT_SUFFIXES:
+            if leaf.endswith(suffix):
+                stem = leaf[: -len(suffix)] + base if suffix.startswith("_") else base
+                out[f"{owner}.{stem}" + ("" if b.dtype in LOW_PRECISION else SCALE)] = b
+                break
+    return out
 
 
 @dataclass
@@ -65,17 +90,20 @@ def step_cost(model, query_lens: list[int], start_pos: list[int], logits_rows: i
     c = model.config
     T = sum(query_lens)
     rows = len(query_lens) if logits_rows is None else logits_rows
-    named = dict(model.named_parameters())
+    named = weight_tensors(model)
     size = lambda p: p.numel() * p.element_size()
-    emb, head = model.embed_tokens.weight, model.lm_head.weight   # (tied weights: one tensor)
-    routed = {n: p for n, p in named.items() if n.endswith(ROUTED)}
+    emb = model.embed_tokens.weight
+    head = named.get("lm_head.weight", getattr(model.lm_head, "weight", None))   # (tied weights: one tensor)
+    routed = {n: p for n, p in named.items() if n.endswith(ROUTED) or n.removesuffix(SCALE).endswith(ROUTED)}
+    scales = {n for n in named if n.endswith(SCALE)}     # bytes, not products
     dense = {n: p for n, p in named.items() if n not in routed and p is not emb and p is not head}
     n_moe = sum(t == "sparse" for t in c.mlp_layer_types)
     E, k = c.n_routed_experts, c.num_experts_per_tok
-    per_expert = sum(p.numel() for p in routed.values()) / max(1, n_moe * E)
+    per_expert = sum(p.numel() for n, p in routed.items() if n not in scales) / max(1, n_moe * E)
+    per_expert_low = sum(p.numel() for n, p in routed.items() if p.dtype in LOW_PRECISION) / max(1, n_moe * E)
     per_expert_bytes = sum(size(p) for p in routed.values()) / max(1, n_moe * E)
 
-    flops = {"weights": 2.0 * T * sum(p.numel() for p in dense.values()),
+    flops = {"weights": 2.0 * T * sum(p.numel() for n, p in dense.items() if n not in scales),
              "routed_experts": 2.0 * T * n_moe * k * per_expert,
              "head": 2.0 * rows * head.numel(), "dsa": 0.0, "indexer": 0.0,
              "kda": 6.0 * T * len(c.kda_layers) * c.linear_num_heads * c.linear_head_dim ** 2}
@@ -101,9 +129,12 @@ def step_cost(model, query_lens: list[int], start_pos: list[int], logits_rows: i
         if ctx // c.index_kpool > keep:
             cache["pool_keys_read"] += len(c.indexer_layers) * 4 * c.index_head_dim * (ctx // c.index_kpool)
         cache["kda_state"] += c.state_bytes_per_slot * (1 if s == 0 else 2)
+    # the share of those FLOPs that are int8 / e4m3 products (a machine runs them at their own rate)
+    low = 2.0 * T * (sum(p.numel() for p in dense.values() if p.dtype in LOW_PRECISION) + n_moe * k * per_expert_low)
+    low += 2.0 * rows * head.numel() if head.dtype in LOW_PRECISION else 0.0
     return StepCost(flops=sum(flops.values()), weight_bytes=sum(weights.values()), cache_bytes=sum(cache.values()),
                     parts={"flops": flops, "weight_bytes": weights, "cache_bytes": cache,
-                           "distinct_experts_per_layer": distinct})
+                           "distinct_experts_per_layer": distinct, "low_precision_flops": low})
 
 
 def decode_cost(model, context: int, batch: int) -> StepCost:

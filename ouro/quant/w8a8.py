@@ -213,6 +213,16 @@ def _time_product(form: str, rows: int) -> float:
     return best_time(lambda: layer(x), budget_s=0.02, max_reps=10)
 
 
+def product_rate(method: str = "w8a8", rows: int = 256, n: int = 2048, k: int = 2048) -> float:
+    """Operations per second of this machine's W8A8 (or FP8) product in the form it picked, at a
+    shape large enough to be compute-bound: the low-precision rate of a roofline floor."""
+    g = torch.Generator().manual_seed(0)
+    q, s = QUANTIZERS[method](torch.randn(n, k, generator=g))
+    layer = W8A8Linear(q, s)
+    x = torch.randn(rows, k, generator=g)
+    return 2.0 * rows * n * k / best_time(lambda: layer(x), budget_s=0.2, max_reps=10)
+
+
 def _ignored(name: str, patterns, n_layers: int) -> bool:
     parts = name.split(".")
     if len(parts) > 1 and parts[0] == "layers" and parts[1].isdigit() and int(parts[1]) >= n_layers:
