@@ -137,3 +137,24 @@ def test_a_quantised_step_counts_its_low_precision_weights(method):
     assert after["weight_bytes"] == pytest.approx(want_bytes, rel=1e-12)
     compute = (after["flops"] - low) / 1000.0 + low / 4000.0
     assert after["floor_s"] == pytest.approx(max(compute, (want_bytes + after["cache_bytes"]) / 1e9), rel=1e-12)
+
+
+@pytest.mark.parametrize("quantised", [False, True])
+def test_part_floors_split_the_step_floor_without_gaps_or_overlaps(quantised):
+    """Every weight and attention term lands in exactly one part: at a rate where only compute
+    counts, the parts' floors add up to the step's compute time, and likewise for memory."""
+    from ouro.measure.step_breakdown import ROWS, part_floors
+    from ouro.measure.step_cost import decode_cost
+    from ouro.quant.w8a8 import quantize_model
+    torch.manual_seed(0)
+    model = Glm5NextModel(CONFIG)
+    if quantised:
+        quantize_model(model)
+    cost = decode_cost(model, 7, 3)
+    low = cost.parts["low_precision_flops"]
+    compute = Roofline(flops_per_s=1000.0, bytes_per_s=1e30, low_flops_per_s=3000.0)
+    floors = part_floors(model, 7, 3, compute)
+    assert set(floors) <= set(ROWS) and floors["routed experts"] > 0 and floors["KDA"] > 0
+    assert sum(floors.values()) == pytest.approx(compute.compute_s(cost.flops, low), rel=1e-9)
+    memory = Roofline(flops_per_s=1e30, bytes_per_s=1000.0)
+    assert sum(part_floors(model, 7, 3, memory).values()) == pytest.approx(cost.bytes / 1000.0, rel=1e-9)

@@ -164,5 +164,14 @@ def test_the_serve_workload_times_real_servers_and_checks_through_http(tmp_path)
     assert [g["tokens"] for g in got] == [w["tokens"] for w in want] and len(got[1]["tokens"]) == 8
     assert logprob_noise(want, got) < 1e-4 and got[0]["top"][0].keys() == want[0]["top"][0].keys()
 
+    # the gap report: the engine's decode step part by part, each against its floor, journaled
+    gap = t.gap(best)
+    rows = {r["part"]: r for r in gap["rows"]}
+    assert gap["batch"] == 2 and gap["floor_ms"] > 0 and gap["plain_step_ms"] > 0
+    assert sum(r["ms"] for r in gap["rows"]) == pytest.approx(gap["hooked_step_ms"], rel=0.05)
+    assert rows["routed experts"]["floor_ms"] > 0 and rows["KDA"]["ms"] > 0
+    from ouro.measure.step_breakdown import format_breakdown
+    assert "routed experts" in format_breakdown(gap) and t.journal.get("gap", best)["breakdown"] == gap
+
     with pytest.raises(ValueError, match="another workload"):
         Tuner(d, Workload(num_prompts=5, kind="serve"), tmp_path / "j.jsonl", quality_dir=d, progress=False)

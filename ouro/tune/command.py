@@ -30,6 +30,7 @@ def add_tune_parser(sub) -> None:
     t.add_argument("--max-memory", type=int, default=512 << 20, help="cache bytes of every candidate")
     t.add_argument("--rounds", type=int, default=3, help="A/B rounds per candidate (each runs both sides)")
     t.add_argument("--no-ablation", action="store_true", help="skip removing each kept option from the winner")
+    t.add_argument("--no-gap", action="store_true", help="skip the winner's decode step part by part against its floor")
     t.add_argument("--json", default=None, metavar="FILE", help="write the journal and the ablation as JSON")
     t.set_defaults(func=run_tune)
 
@@ -82,13 +83,17 @@ def run_tune(args) -> int:
                                                     "workload": wl.kind})
         print(f"wrote {args.output}: {best}")
         print(format_journal(tuner.journal.in_order("candidate")))
-        ablation = None
+        ablation = gap = None
         if not args.no_ablation and best != BASELINE:
             ablation = tuner.ablation(best)
             print(format_ablation(ablation, why))
+        if not args.no_gap:
+            from ..measure.step_breakdown import format_breakdown
+            gap = tuner.gap(best)
+            print(format_breakdown(gap))
     finally:
         tuner.close()
     if args.json:
         Path(args.json).write_text(json.dumps({"best": best, "journal": tuner.journal.in_order("candidate"),
-                                               "ablation": ablation, "motivations": why}, indent=2))
+                                               "ablation": ablation, "gap": gap, "motivations": why}, indent=2))
     return 0

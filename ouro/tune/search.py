@@ -227,6 +227,18 @@ class Tuner:
         gain = total["ab"]["median_a_s"] - total["ab"]["median_b_s"]
         return {"total": total, "rows": rows, "removals_over_total": saved / gain if gain > 0 else None}
 
+    def gap(self, best: dict) -> dict:
+        """The winner's decode step part by part against each part's floor (journaled): what keeps
+        it from the target, named. Measured in the engine's own process, whatever the workload."""
+        got = self.journal.get("gap", best)
+        if got is None:
+            w = Worker(self.model_dir, best, asdict(self.workload))
+            try:
+                got = self.journal.add("gap", best, {"breakdown": w.ask({"cmd": "breakdown"})})
+            finally:
+                w.close()
+        return got["breakdown"]
+
     def _timed(self, a: dict, b: dict) -> dict:
         wa, wb = self.worker(a), self.worker(b)
         try:

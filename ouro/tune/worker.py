@@ -7,7 +7,9 @@ lingers in the other.
 combination answers {"error": ...} and exits), prints {"ready": ...}, then answers one JSON line
 per command on stdin:
 - {"cmd": "run"}: the workload once -> {"seconds", "output_tokens", "decode_step_s"};
-- {"cmd": "greedy", "prompts", "max_tokens"}: greedy tokens and the top-2 logprobs of each step.
+- {"cmd": "greedy", "prompts", "max_tokens"}: greedy tokens and the top-2 logprobs of each step;
+- {"cmd": "breakdown"}: the decode step at the workload's concurrency part by part, each part
+  against its floor (`measure.step_breakdown`).
 """
 
 from __future__ import annotations
@@ -90,6 +92,20 @@ def _greedy(engine, prompts, max_tokens):
             for i in ids]
 
 
+def _breakdown(engine, workload) -> dict:
+    from ..bench.offline import low_precision_rate, make_prompts
+    from ..engine.sampling import SamplingParams
+    from ..measure.roofline import Roofline
+    from ..measure.step_breakdown import decode_breakdown
+    roof = Roofline.measure(engine.config.device)
+    low_precision_rate(engine.model, roof)
+    steps = max(1, min(4, (workload["output_len"] - 4) // 2))
+    prompts = make_prompts(workload["concurrency"], workload["input_len"], engine.model.config.vocab_size,
+                           workload["seed"] + 1)
+    return decode_breakdown(engine, prompts, steps, roof,
+                            SamplingParams(temperature=0, max_tokens=2 * steps + 4, ignore_eos=True))
+
+
 def main(model_dir, fields, workload) -> None:
     fields, workload = json.loads(fields), json.loads(workload)
     try:
@@ -112,6 +128,8 @@ def main(model_dir, fields, workload) -> None:
                               "decode_step_s": statistics.median(decode) if decode else None}), flush=True)
         elif cmd["cmd"] == "greedy":
             print(json.dumps({"outputs": _greedy(engine, cmd["prompts"], cmd["max_tokens"])}), flush=True)
+        elif cmd["cmd"] == "breakdown":
+            print(json.dumps(_breakdown(engine, workload)), flush=True)
     engine.close()
 
 

@@ -1,0 +1,181 @@
+"""Where a decode step's time goes, part by part, against what each part must do.
+
+`Timer` puts forward hooks around each part of a glm5_next model and charges every timed module's
+time, minus its timed children's, to its row (`ROWS`); the engine's own decode steps are timed,
+hooked steps interleaved with plain ones (the plain step is what the engine runs: compiled where
+it compiles; hooks need the eager forward, so a hooked step runs eagerly). `part_floors` is the
+roofline floor of each row: the weights its modules own (a quantised weight at its own size and
+rate), its attention's own work (`step_cost`'s KDA, DSA and indexer terms), over the machine's
+rates. `decode_breakdown` joins the two: what keeps a step from its floor, named by part.
+`benchmarks/decode_breakdown.py` and `ouro tune`'s gap report print it.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+
+from .step_cost import LOW_PRECISION, ROUTED, SCALE, decode_cost, weight_tensors
+
+# "outside the timed modules": the engine (scheduling, metadata, sampling) and the model's own glue
+ROWS = ["routed experts", "router", "MoE combine", "shared expert + dense MLP", "KDA", "DSA without indexer",
+        "DSA indexer", "mHC weights (Sinkhorn)", "mHC merge + layer glue", "norms", "embedding + head",
+        "outside the timed modules"]
+
+
+def parts(model):
+    """(module, row) pairs: every timed module and the row its *own* time (minus timed children) goes to."""
+    out = [(model, "outside the timed modules"), (model.embed_tokens, "embedding + head"),
+           (model.lm_head, "embedding + head"), (model.norm, "norms")]
+    for layer in model.layers:
+        out += [(layer, "mHC merge + layer glue"), (layer.attn_hc, "mHC weights (Sinkhorn)"),
+                (layer.ffn_hc, "mHC weights (Sinkhorn)"), (layer.input_layernorm, "norms"),
+                (layer.post_attention_layernorm, "norms")]
+        a = layer.self_attn
+        if layer.is_kda:
+            out.append((a, "KDA"))
+        else:
+            out.append((a, "DSA without indexer"))
+            if a.indexer is not None:
+                out.append((a.indexer, "DSA indexer"))
+        m = layer.mlp
+        if hasattr(m, "experts"):
+            out += [(m, "MoE combine"), (m.gate, "router"), (m.experts, "routed experts"),
+                    (m.shared_experts, "shared expert + dense MLP")]
+        else:
+            out.append((m, "shared expert + dense MLP"))
+    return out
+
+
+class Timer:
+    """Hooks that charge each timed module's time, minus its timed children's, to its row."""
+
+    def __init__(self, model, device="cpu"):
+        self.sync = torch.cuda.synchronize if str(device).startswith("cuda") else (lambda: None)
+        self.stack, self.seconds, self.ops, self.handles = [], defaultdict(float), defaultdict(int), []
+        for module, row in parts(model):
+            if module is model:     # the model's own row is filled in from the step time
+                continue
+            self.handles.append(module.register_forward_pre_hook(self._enter(row)))
+            self.handles.append(module.register_forward_hook(self._leave))
+
+    def _enter(self, row):
+        def hook(module, args):
+            self.sync()
+            self.stack.append([row, time.perf_counter(), 0.0])
+        return hook
+
+    def _leave(self, module, args, out):
+        self.sync()
+        row, start, children = self.stack.pop()
+        spent = time.perf_counter() - start
+        self.seconds[row] += spent - children
+        if self.stack:
+            self.stack[-1][2] += spent
+
+    def row(self):
+        return self.stack[-1][0] if self.stack else "outside the timed modules"
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+def part_floors(model, context: int, batch: int, roof) -> dict:
+    """{row: floor seconds} of a decode step of `batch` sequences at `context` tokens. A weight
+    belongs to the innermost timed module holding it; routed experts count the expected distinct
+    experts' bytes and `num_experts_per_tok` experts' FLOPs per token (as `step_cost` does)."""
+    c = model.config
+    cost = decode_cost(model, context, batch)
+    rows_of = {id(m): row for m, row in parts(model)}
+    prefixes = sorted(((name, rows_of[id(m)]) for name, m in model.named_modules() if id(m) in rows_of),
+                      key=lambda x: -len(x[0]))
+    E, k = c.n_routed_experts, c.num_experts_per_tok
+    distinct = cost.parts["distinct_experts_per_layer"]
+    work = defaultdict(lambda: [0.0, 0.0, 0.0])        # row -> [flops, low-precision flops, bytes]
+    emb = model.embed_tokens.weight
+    for name, w in weight_tensors(model).items():
+        row = next((r for p, r in prefixes if p and name.startswith(p + ".")), "outside the timed modules")
+        nbytes = w.numel() * w.element_size()
+        n = 0 if name.endswith(SCALE) else w.numel()
+        if w is emb:
+            nbytes, n = min(batch, c.vocab_size) * emb.shape[1] * emb.element_size(), 0
+        elif name.removesuffix(SCALE).endswith(ROUTED):
+            nbytes, n = nbytes * distinct / E, n * k / E
+        flops = 2.0 * batch * n
+        work[row][0] += flops
+        work[row][1] += flops if w.dtype in LOW_PRECISION else 0.0
+        work[row][2] += nbytes
+    f, cb = cost.parts["flops"], cost.parts["cache_bytes"]
+    work["KDA"][0] += f["kda"]
+    work["KDA"][2] += cb["kda_state"]
+    work["DSA without indexer"][0] += f["dsa"]
+    work["DSA without indexer"][2] += cb["latent_read"] + cb["written"]
+    work["DSA indexer"][0] += f["indexer"]
+    work["DSA indexer"][2] += cb["pool_keys_read"]
+    return {row: roof.floor_s(fl, nb, low) for row, (fl, low, nb) in work.items()}
+
+
+def in_decode(engine, batch: int) -> bool:
+    s = engine.scheduler
+    return len(s.running) == batch and not s.waiting and all(r.num_computed == r.num_tokens - 1 for r in s.running)
+
+
+def decode_breakdown(engine, prompts: list[list[int]], steps: int, roof, params) -> dict:
+    """The engine's decode steps at batch len(prompts): plain steps (the engine as it runs, its
+    compiled graph included) interleaved with hooked eager ones; per row the median milliseconds
+    and its floor; `params`: the requests' SamplingParams (enough tokens for 2 * steps + 2)."""
+    model, batch = engine.model, len(prompts)
+    for p in prompts:
+        engine.add_request({"prompt_token_ids": p}, params)
+    while not in_decode(engine, batch):
+        engine.step()
+    engine.step()                                          # warm-up
+    runner = getattr(engine, "runner", None)
+    graph = getattr(runner, "graph", None)
+    plain, hooked, per_row, contexts = [], [], defaultdict(list), []
+    for _ in range(steps):
+        contexts.append(statistics.mean(r.num_tokens for r in engine.scheduler.running))
+        t = time.perf_counter()
+        engine.step()
+        plain.append(time.perf_counter() - t)
+        if graph is not None:
+            runner.graph = None
+        timer = Timer(model, engine.config.device)
+        t = time.perf_counter()
+        engine.step()
+        total = time.perf_counter() - t
+        timer.remove()
+        if graph is not None:
+            runner.graph = graph
+        hooked.append(total)
+        timer.seconds["outside the timed modules"] = total - sum(timer.seconds.values())
+        for row in ROWS:
+            per_row[row].append(timer.seconds.get(row, 0.0))
+    while engine.has_unfinished():
+        engine.step()
+    context = round(statistics.mean(contexts))
+    floors = part_floors(model, context, batch, roof)
+    cost = decode_cost(model, context, batch)
+    return {"batch": batch, "context": context, "compiled": graph is not None,
+            "plain_step_ms": 1e3 * statistics.median(plain), "hooked_step_ms": 1e3 * statistics.median(hooked),
+            "floor_ms": 1e3 * roof.floor_s(cost.flops, cost.bytes, cost.parts["low_precision_flops"]),
+            "rows": [{"part": row, "ms": 1e3 * statistics.median(per_row[row]),
+                      "floor_ms": 1e3 * floors.get(row, 0.0)} for row in ROWS]}
+
+
+def format_breakdown(b: dict, target_over_floor: float = 3.0) -> str:
+    """The table, and the parts that keep the step from `target_over_floor` x its floor, largest first."""
+    lines = [f"decode step at batch {b['batch']}, context {b['context']}: {b['plain_step_ms']:.1f} ms as run"
+             f"{' (compiled)' if b['compiled'] else ''} against a floor of {b['floor_ms']:.2f} ms "
+             f"({b['plain_step_ms'] / b['floor_ms']:.1f}x; target {target_over_floor:g}x = "
+             f"{target_over_floor * b['floor_ms']:.1f} ms). Eager step with hooks {b['hooked_step_ms']:.1f} ms, by part:",
+             "| part | ms | its floor, ms | x its floor | over target x floor, ms |", "|---|---|---|---|---|"]
+    for r in sorted(b["rows"], key=lambda r: -(r["ms"] - target_over_floor * r["floor_ms"])):
+        x = f"{r['ms'] / r['floor_ms']:.1f}" if r["floor_ms"] > 0 else "no floor (element-wise)"
+        lines.append(f"| {r['part']} | {r['ms']:.1f} | {r['floor_ms']:.2f} | {x} | "
+                     f"{max(0.0, r['ms'] - target_over_floor * r['floor_ms']):.1f} |")
+    return "\n".join(lines)
