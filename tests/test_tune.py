@@ -22,6 +22,9 @@ def test_config_file_round_trip_and_errors(tmp_path):
     fields = {"dtype": "float32", "quantization": "w8a8", "page_size": 16, "compile": True, "kv_cache_dtype": "int8"}
     write_config_file(p, fields, comment="a test", extra={"model": "tiny-py"})
     assert load_config_file(p) == fields
+    listed = {**fields, "quantization_ignore": ("*.kv_b_proj", 'odd"name')}     # a TOML array back as a tuple
+    write_config_file(p, listed)
+    assert load_config_file(p) == listed
     (tmp_path / "bad.toml").write_text("[engine]\npage_sise = 16\n")
     with pytest.raises(ValueError, match="page_sise"):
         load_config_file(tmp_path / "bad.toml")
@@ -36,16 +39,20 @@ def test_llm_and_serve_read_the_file_and_flags_win(tmp_path):
     from ouro import LLM
     from ouro.cli import apply_config_file, build_parser
     p = tmp_path / "tuned.toml"
-    write_config_file(p, {"page_size": 16, "quantization": "w8a8", "max_num_batched_tokens": 512})
+    write_config_file(p, {"page_size": 16, "quantization": "w8a8", "max_num_batched_tokens": 512,
+                          "quantization_ignore": ("*.kv_b_proj",)})
     llm = LLM("tiny-py", max_memory=32 << 20, config=str(p), max_num_batched_tokens=256)
     cfg = llm.engine.config
     assert (cfg.page_size, cfg.quantization, cfg.max_num_batched_tokens) == (16, "w8a8", 256)
     assert llm.engine.quantized is not None                        # the file's quantisation was applied
+    assert "lm_head" in llm.engine.quantized["quantized"] and "lm_head" not in llm.engine.quantized["kept"]
     argv = ["serve", "--config", str(p), "--page-size", "32"]
     args = build_parser(argv).parse_args(argv)
     args.argv = argv
     apply_config_file(args)
     assert (args.page_size, args.quantization, args.max_num_batched_tokens) == (32, "w8a8", 512)
+    from ouro.config.engine import split_patterns
+    assert split_patterns(args.quantization_ignore) == ("*.kv_b_proj",)       # the flag's comma-separated form
 
 
 def test_tie_rule_of_the_exactness_check():
@@ -73,6 +80,9 @@ def test_search_space_and_choices():
     q = next(o for o in space.options if o.name == "quantization")
     cfg = apply(dict(BASELINE), q, {"quantization": "w8a8"})
     assert choice_of(cfg, q) == "w8a8" and apply(cfg, q, {}) == BASELINE
+    head = apply(cfg, q, dict(q.choices[-1][1]))
+    assert "lm_head" not in head["quantization_ignore"] and "*.kv_b_proj" in head["quantization_ignore"]
+    assert choice_of(json.loads(json.dumps(head)), q) == "w8a8 with the head"      # as a journal reads it back
     assert lossy_fields({**cfg, "page_size": 16}, space) == {"dtype": "float32", "quantization": "w8a8"}
     slow = search_space(c, 8, cores=1, gemm_rates={"bfloat16": 0.95, "float32": 156.5})   # AVX2 without bf16
     assert "dtype" not in [o.name for o in slow.options] and "0.95 GFLOP/s" in slow.left_out["dtype=bfloat16"]

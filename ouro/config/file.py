@@ -20,7 +20,7 @@ FLAGS = {"dtype": "dtype", "page_size": "page_size", "max_num_seqs": "max_num_se
          "torch_compile_max_bs": "torch_compile_max_bs", "quantization": "quantization",
          "kv_cache_dtype": "kv_cache_dtype", "kv_cache_layer_dtype": "kv_cache_layer_dtype",
          "speculative_algorithm": "speculative_algorithm", "speculative_num_steps": "speculative_num_steps",
-         "tensor_parallel_size": "tp", "expert_parallel": "ep"}
+         "tensor_parallel_size": "tp", "expert_parallel": "ep", "quantization_ignore": "quantization_ignore"}
 
 
 def load_config_file(path) -> dict:
@@ -36,11 +36,14 @@ def load_config_file(path) -> dict:
     unknown = sorted(set(fields) - set(FLAGS))
     if unknown:
         raise ValueError(f"config file {p}: unknown [engine] keys {unknown}; known: {', '.join(sorted(FLAGS))}")
+    fields = {k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}   # TOML arrays
     EngineConfig(**fields)          # validates every value, naming the field
     return dict(fields)
 
 
 def _toml_value(v) -> str:
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, (int, float)):
@@ -73,4 +76,6 @@ def apply_to_args(args, argv: list[str], parser, fields: dict) -> None:
             continue
         if field == "expert_parallel":        # --ep N: N = --tp when on
             value = fields.get("tensor_parallel_size", getattr(args, "tp", 1)) if value else 1
+        if field == "quantization_ignore":    # the flag's form: comma-separated patterns
+            value = ",".join(value)
         setattr(args, dest, value)

@@ -109,7 +109,9 @@ class Tuner:
         from ..eval.corpus import load_split
         from ..eval.ppl import evaluate_bits_per_byte
         docs = load_split("held_out", max_bytes=self.quality_bytes)
+        ignore = lossy.get("quantization_ignore")
         llm = LLM(str(self.quality_dir), dtype=lossy.get("dtype", "float32"), quantization=lossy.get("quantization"),
+                  quantization_ignore=tuple(ignore) if ignore is not None else None,
                   kv_cache_dtype=lossy.get("kv_cache_dtype", "auto"), max_memory=128 << 20, page_size=16)
         r = evaluate_bits_per_byte(llm, llm.engine.tokenizer, docs, context_len=512, progress=False)
         llm.engine.close()

@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from ..quant.w8a8 import UNQUANTISED
+
 
 @dataclass(frozen=True)
 class Option:
@@ -33,6 +35,8 @@ class Space:
 BASELINE = {"dtype": "float32"}       # the unoptimised engine: float32, eager, unquantised, one rank
 
 
+HEAD_TOO = tuple(p for p in UNQUANTISED if p != "lm_head")    # quantisation's default keep-list less the head
+
 SLOW_GEMM = 0.5       # a dtype whose measured GEMM rate is below this share of float32's is not tried
 
 
@@ -51,7 +55,9 @@ def search_space(model_config, concurrency: int, cores: int | None = None, gemm_
             dtypes.append((dt, {"dtype": dt}))
     opts = [
         Option("dtype", tuple(dtypes), exact=False),
-        Option("quantization", (("none", {}), ("w8a8", {"quantization": "w8a8"}), ("fp8", {"quantization": "fp8"})),
+        Option("quantization", (("none", {}), ("w8a8", {"quantization": "w8a8"}), ("fp8", {"quantization": "fp8"}),
+                                # the output layer too: at decode it is a third of the step's products
+                                ("w8a8 with the head", {"quantization": "w8a8", "quantization_ignore": HEAD_TOO})),
                exact=False),
         Option("kv_cache_dtype", (("auto", {}), ("int8", {"kv_cache_dtype": "int8"}),
                                   ("fp8_e4m3", {"kv_cache_dtype": "fp8_e4m3"})), exact=False),
@@ -93,8 +99,9 @@ def apply(config: dict, option: Option, choice: dict) -> dict:
 
 def choice_of(config: dict, option: Option) -> str:
     """The label of the option's choice that `config` holds."""
+    same = lambda a, b: (list(a) if isinstance(a, tuple) else a) == (list(b) if isinstance(b, tuple) else b)  # noqa: E731 (a journal's JSON has lists)
     for label, f in reversed(option.choices):
-        if f and all(config.get(k) == v for k, v in f.items()):
+        if f and all(same(config.get(k), v) for k, v in f.items()):
             return label
     return option.choices[0][0]
 

@@ -73,6 +73,7 @@ def _engine(model_dir, fields, workload):
     from ..engine.llm_engine import LLMEngine
     from ..models.loader import load_model
     torch.set_num_threads(threads_for(fields))
+    fields = {k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}     # JSON arrays
     cfg = EngineConfig(**{"max_num_seqs": workload["concurrency"], "max_memory": workload["max_memory"],
                           "max_model_len": workload["input_len"] + workload["output_len"] + 8, **fields})
     model = load_model(model_dir, dtype=cfg.torch_dtype(), device=cfg.device, kda_chunk_size=cfg.kda_chunk_size)
