@@ -105,10 +105,14 @@ def test_a_search_checks_before_it_times_and_resumes_from_its_journal(tmp_path):
         # broken fast path would make them), and a budget no quantisation meets
         t.space = Space([Option("page_size", (("64", {}), ("16", {"page_size": 16})), exact=True),
                          Option("chunks", (("2048", {}), ("512", {"max_num_batched_tokens": 512})), exact=True),
-                         Option("quantization", (("none", {}), ("w8a8", {"quantization": "w8a8"})), exact=False)])
+                         Option("quantization", (("none", {}), ("w8a8", {"quantization": "w8a8"})), exact=False),
+                         Option("pages", (("64", {}), ("32", {"page_size": 32})), exact=True)])
         real = t.greedy
 
         def greedy(w):
+            if w.fields.get("page_size") == 32:      # a worker that dies mid-measurement
+                w.proc.kill()
+                w.proc.wait()
             out = real(w)
             if w.fields.get("max_num_batched_tokens") == 512:
                 out[1]["tokens"] = [x + 1 for x in out[1]["tokens"]]
@@ -126,9 +130,10 @@ def test_a_search_checks_before_it_times_and_resumes_from_its_journal(tmp_path):
     q = entries["quantization"]
     assert q["why"].startswith("check failed: held-out bits/byte") and "ab" not in q
     assert 0 < abs(q["quality_cost"]) < 0.05 and q["bits_per_byte_fp32"] > 0
+    assert entries["pages"]["why"].startswith("failed while measured: the worker exited"), entries["pages"]
     assert best in (BASELINE, {**BASELINE, "page_size": 16})
     lines = journal.read_text().splitlines()
-    assert len([json.loads(x) for x in lines if json.loads(x)["phase"] == "candidate"]) == 3
+    assert len([json.loads(x) for x in lines if json.loads(x)["phase"] == "candidate"]) == 4
     # a rerun reads every candidate back: nothing is measured again, the same winner comes out
     again = tuner()
     again.worker = lambda config: pytest.fail("a journaled candidate was run again")

@@ -166,13 +166,17 @@ class Tuner:
         except (ValueError, RuntimeError) as e:
             return dict(entry, kept=False, why=f"refused: {e}")
         try:
-            if option.exact:
-                ref, got = self.greedy(self.best_worker(best)), self.greedy(w)
-                why = greedy_agree(ref, got)
-                entry["check"] = why or f"greedy tokens agree (logprob noise {logprob_noise(ref, got):.1e})"
-                if why is not None:
-                    return dict(entry, kept=False, why=f"check failed: {why}")
-            v = self.ab(self.best_worker(best), w)
+            try:
+                if option.exact:
+                    ref, got = self.greedy(self.best_worker(best)), self.greedy(w)
+                    why = greedy_agree(ref, got)
+                    entry["check"] = why or f"greedy tokens agree (logprob noise {logprob_noise(ref, got):.1e})"
+                    if why is not None:
+                        return dict(entry, kept=False, why=f"check failed: {why}")
+                v = self.ab(self.best_worker(best), w)
+            except (RuntimeError, ValueError) as e:     # a process died or stopped answering mid-measurement
+                self._drop_best_worker()
+                return dict(entry, kept=False, why=f"failed while measured: {e}")
             entry["ab"] = v
             kept = v["verdict"] == "faster"
             entry.update(kept=kept, why="faster" if kept else f"A/B: {v['verdict']} (ratio {v['ratio']:.3f})")
@@ -249,6 +253,11 @@ class Tuner:
             wa.close()
             wb.close()
 
-    def close(self) -> None:
+    def _drop_best_worker(self) -> None:
+        """After a failure either side may be broken: the best's process is started anew when next needed."""
         if self._best_worker is not None:
             self._best_worker.close()
+            self._best_worker = None
+
+    def close(self) -> None:
+        self._drop_best_worker()

@@ -35,7 +35,7 @@ def refusal(log: str) -> str:
 class ServerWorker:
     def __init__(self, model_dir, fields: dict, workload: dict, timeout_s: float = 1800.0):
         from ..config.file import write_config_file
-        self.fields, self.workload = fields, workload
+        self.fields, self.workload, self.timeout_s = fields, workload, timeout_s
         self.dir = Path(tempfile.mkdtemp(prefix="ouro-tune-"))
         write_config_file(self.dir / "candidate.toml", fields, comment="an ouro tune candidate")
         self.port = free_port()
@@ -73,9 +73,13 @@ class ServerWorker:
         if self._prompts is None:
             vocab = ModelConfig.from_hf(self._model_dir()).vocab_size
             self._prompts = make_prompts(w["num_prompts"], w["input_len"], vocab, w["seed"])
-        records, duration = asyncio.run(run_load(self.base, "/v1/completions", None, self._prompts, w["output_len"],
-                                                 w.get("request_rate", float("inf")), w["concurrency"], w["seed"],
-                                                 progress=False))
+        load = run_load(self.base, "/v1/completions", None, self._prompts, w["output_len"],
+                        w.get("request_rate", float("inf")), w["concurrency"], w["seed"], progress=False)
+        try:        # a server that stops answering fails the candidate, never hangs the search
+            records, duration = asyncio.run(asyncio.wait_for(load, self.timeout_s))
+        except asyncio.TimeoutError:
+            raise RuntimeError(f"the workload did not finish in {self.timeout_s:.0f} s: "
+                               f"{refusal(self.output())}") from None
         m = calculate_metrics([r.to_dict() for r in records], duration)
         if m["failed"]:
             errors = sorted({r.error for r in records if r.error})
@@ -89,7 +93,7 @@ class ServerWorker:
         import httpx
         body = {"prompt": prompts, "max_tokens": max_tokens, "temperature": 0.0, "logprobs": 2, "ignore_eos": True,
                 "return_tokens_as_token_ids": True}
-        r = httpx.post(self.base + "/v1/completions", json=body, timeout=600)
+        r = httpx.post(self.base + "/v1/completions", json=body, timeout=self.timeout_s)
         if r.status_code != 200:
             raise RuntimeError(f"greedy check request failed: HTTP {r.status_code}: {r.text[:300]}")
         by_index = {c["index"]: c["logprobs"] for c in r.json()["choices"]}

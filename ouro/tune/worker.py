@@ -49,8 +49,11 @@ class Worker:
         return out
 
     def ask(self, cmd: dict) -> dict:
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
+        try:
+            self.proc.stdin.write(json.dumps(cmd) + "\n")
+            self.proc.stdin.flush()
+        except OSError:            # the process is gone: say so as `_answer` does
+            pass
         return self._answer()
 
     def close(self) -> None:
