@@ -154,6 +154,15 @@ def add_kv_cache_flags(p) -> None:
                    help="per-layer override of --kv-cache-dtype, e.g. '3:fp8_e4m3' or '0-1:bf16,3:int8' (DSA layers)")
 
 
+def add_media_flags(p) -> None:
+    p.add_argument("--limit-mm-per-prompt", default='{"image": 8}', metavar="JSON",
+                   help='images a request may carry, e.g. \'{"image": 4}\'')
+    p.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                   help="image_url parts may name local files under DIR (off by default; URLs are never fetched)")
+    p.add_argument("--max-image-bytes", type=int, default=16 << 20, help="largest encoded image accepted")
+    p.add_argument("--max-image-pixels", type=int, default=40_000_000, help="largest width x height accepted")
+
+
 def add_serve_parser(sub) -> None:
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default: the trained tiny-py model on 127.0.0.1:8000)")
     sv.add_argument("--model", default=DEFAULT_MODEL,
@@ -190,6 +199,7 @@ def add_serve_parser(sub) -> None:
     sv.add_argument("--shutdown-timeout", type=float, default=30.0,
                     help="seconds in-flight requests get to finish after SIGTERM")
     sv.add_argument("--max-request-body-bytes", type=int, default=4 << 20)
+    add_media_flags(sv)
     sv.add_argument("--logits-processors", nargs="*", default=[],
                     help="'module:Class' logits processors, each built with the checkpoint directory")
     sv.add_argument("--trace", default=None, metavar="FILE",

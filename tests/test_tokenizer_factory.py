@@ -171,6 +171,6 @@ def test_chat_template_tool_role_and_bad_role(hf_dir):
     ]
     out = hf.apply_chat_template(msgs, tokenize=False)
     assert out == ("[gMASK]<sop><|user|>\nweather?<|assistant|>\n<think></think>"
-                   "<|observation|>\n<tool_response>\nsunny\n</tool_response>")
+                   "<|observation|>\n<tool_response>\nsunny<|begin_of_image|><|image|><|end_of_image|>\n</tool_response>")
     with pytest.raises(Exception, match="Unsupported chat role"):
         hf.apply_chat_template([{"role": "wizard", "content": "x"}], tokenize=False)

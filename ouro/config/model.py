@@ -1,4 +1,5 @@
-"""Frozen configuration objects. `ModelConfig` mirrors the text part of a `glm5_next` config.json."""
+"""Frozen configuration objects. `ModelConfig` mirrors the text part of a `glm5_next` config.json
+(and its top-level image/video token ids); `VisionConfig` its `vision_config`."""
 
 from __future__ import annotations
 
@@ -63,6 +64,13 @@ class ModelConfig:
     mlp_layer_types: tuple[str, ...] = ()
     indexer_types: tuple[str, ...] = ()
     has_mtp: bool = False  # checkpoint layer `num_hidden_layers` is an MTP draft layer
+    # placeholder and delimiter tokens of images and videos (top level of config.json)
+    image_token_id: int = 154854
+    image_start_token_id: int = 154830
+    image_end_token_id: int = 154831
+    video_token_id: int = 154855
+    video_start_token_id: int = 154832
+    video_end_token_id: int = 154833
 
     def __post_init__(self):
         n = self.num_hidden_layers
@@ -179,6 +187,7 @@ class ModelConfig:
             kw["has_mtp"] = True
         if "tie_word_embeddings" in d:
             kw["tie_word_embeddings"] = d["tie_word_embeddings"]
+        kw.update({k: d[k] for k in MEDIA_TOKEN_FIELDS if d.get(k) is not None})
         return cls(**kw)
 
     @classmethod
@@ -194,6 +203,8 @@ class ModelConfig:
 
     def to_text_config(self) -> dict:
         d = dataclasses.asdict(self)
+        for k in MEDIA_TOKEN_FIELDS:   # top-level fields of config.json, not the text model's
+            d.pop(k)
         if d.pop("has_mtp"):
             d["num_nextn_predict_layers"] = 1
         for k in ("layer_types", "mlp_layer_types", "indexer_types"):
@@ -210,7 +221,74 @@ class ModelConfig:
             "vision_config": vision_config or {},
             "tie_word_embeddings": self.tie_word_embeddings,
             "dtype": "float32",
+            **{k: getattr(self, k) for k in MEDIA_TOKEN_FIELDS},
         }
+
+
+# in the order of models/tokenizer_factory.MEDIA_TOKENS, their tokens in a vision preset
+MEDIA_TOKEN_FIELDS = ("image_start_token_id", "image_end_token_id", "video_start_token_id",
+                      "video_end_token_id", "image_token_id", "video_token_id")
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """The vision tower of a `glm5_next` checkpoint (`vision_config`); defaults are transformers'."""
+    depth: int = 24
+    hidden_size: int = 1024
+    num_heads: int = 16
+    intermediate_size: int = 4096
+    out_hidden_size: int = 1536
+    projection_intermediate_size: int = 10240
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    in_channels: int = 3
+    rms_norm_eps: float = 1e-5
+    swiglu_limit: float = 10.0
+    attention_bias: bool = True
+    hidden_act: str = "silu"
+    rope_theta: float = 10000.0
+
+    def __post_init__(self):
+        if self.hidden_act != "silu":
+            raise CheckpointError(f"vision_config: hidden_act {self.hidden_act!r} is not supported; "
+                                  "ouro's clamped SwiGLU uses silu")
+        for name in ("patch_size", "temporal_patch_size", "spatial_merge_size"):
+            if not _is_int(getattr(self, name)):
+                raise CheckpointError(f"vision_config: {name} must be one integer, got {getattr(self, name)!r}")
+        # the axial rope splits each head into (h, w) x (cos pair) quarters
+        if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 4:
+            raise CheckpointError(f"vision_config: hidden_size {self.hidden_size} / num_heads {self.num_heads} "
+                                  "must be a head size divisible by 4")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def patch_dim(self) -> int:
+        """Values in one flattened patch (a row of `pixel_values`)."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
+
+    @classmethod
+    def from_hf(cls, d: dict) -> "VisionConfig":
+        """From a checkpoint's `vision_config` (transformers' aliases and rope spellings accepted)."""
+        d = dict(d)
+        for alias, name in (("num_attention_heads", "num_heads"), ("num_hidden_layers", "depth")):
+            if alias in d:
+                d.setdefault(name, d.pop(alias))
+        rope = d.get("rope_parameters") or {}
+        if rope.get("rope_type", "axial") != "axial":
+            raise CheckpointError(f"vision_config: rope_type {rope['rope_type']!r} is not supported (axial only)")
+        theta = rope.get("rope_theta", d.get("rope_theta"))
+        names = {f.name for f in dataclasses.fields(cls)} - {"rope_theta"}
+        kw = {k: v for k, v in d.items() if k in names}
+        return cls(**kw, **({} if theta is None else {"rope_theta": float(theta)}))
+
+    def to_hf_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        theta = d.pop("rope_theta")
+        return dict(d, model_type="glm5_next_vision", rope_parameters={"rope_theta": theta, "rope_type": "axial"})
 
 
 KV_GROUP = 128                      # values per scale in a quantised cache row (ops/quant/kv_rows.py)

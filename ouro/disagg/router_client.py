@@ -19,6 +19,7 @@ import time
 import zmq
 import zmq.asyncio
 
+from ..serve.generation import GenerationError
 from ..serve.engine_client import EngineUnavailable
 from ..serve.messages import decode, encode, params_to_wire
 
@@ -125,7 +126,10 @@ class DisaggClient:
         return self.state == "ready" and all(lk.dead is None for lk in self.links)
 
     # ---- requests ----
-    async def add(self, rid: str, prompt_ids: list[int], params, queue: asyncio.Queue | None = None) -> asyncio.Queue:
+    async def add(self, rid: str, prompt_ids: list[int], params, queue: asyncio.Queue | None = None,
+                  images: list | None = None) -> asyncio.Queue:
+        if images:
+            raise GenerationError(400, "image requests are not served with --disagg yet: serve them on one server")
         if not self.healthy:
             raise EngineUnavailable(self.dead_reason or "the workers are not ready")
         q = queue if queue is not None else asyncio.Queue()

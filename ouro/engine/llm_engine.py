@@ -16,6 +16,7 @@ from .detokenizer import IncrementalDetokenizer
 from .memory import available_bytes, plan_memory
 from .model_runner import ModelRunner
 from .page_pool import PagePool, SlotPool
+from .multimodal import split_images
 from .request import Request, RequestFailed, RequestOutput, prompt_token_ids
 from .sampling import Sampler, SamplingParams, make_generator
 from . import tp_workers
@@ -29,12 +30,14 @@ class LLMEngine:
                  checkpoint_interval: int = 1, verbose: bool = True, record_logits: bool = False,
                  logits_processors=(), model_dir=None, mtp_layer=None, tp_follower_module=None):
         """model_dir: the checkpoint `model` came from; context parallelism loads it on its helper ranks,
-        speculative decoding its MTP layer (or pass `mtp_layer`, an `ouro.models.mtp.MTPLayer`).
+        speculative decoding its MTP layer (or pass `mtp_layer`, an `ouro.models.mtp.MTPLayer`), an
+        image its vision tower.
         tp_follower_module: the tensor-parallel followers' entry, for a role with more operations."""
         self.check_options(config, model.config, enable_prefix_caching, checkpoint_interval)
         self.tp = tp_workers.start(model, config, model_dir, tp_follower_module)     # the model now holds this rank's shard
         mc = model.config
-        self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.model, self.tokenizer, self.config, self.model_dir = model, tokenizer, config, model_dir
+        self._images = None       # `image_encoder()`, at the first image
         self.record_logits = record_logits    # keep each sampled step's logits (tests, probes)
         # callables (prompt_ids, output_ids, logits [V]) -> logits, applied before sampling
         self.logits_processors = list(logits_processors)
@@ -141,12 +144,14 @@ class LLMEngine:
         """Queue one sequence. Everything is checked before the engine changes, so a rejected
         request leaves no trace. Fan-out (n > 1) is the caller's: see `SamplingParams.child`."""
         ids, params = self.check_request(prompt, params, request_id)
+        images = split_images(prompt)[1]
+        mm = self.image_encoder().encode(ids, images) if images else None    # the encode step
         n = next(self._ids)
         if request_id is None:
             request_id = f"req-{n}"
             while request_id in self.requests:   # a user may have taken this name
                 request_id = f"req-{next(self._ids)}"
-        req = Request(request_id, ids, params, generator=make_generator(params.seed, self.config.seed + n))
+        req = Request(request_id, ids, params, generator=make_generator(params.seed, self.config.seed + n), mm=mm)
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None] * len(ids)
         if self.tokenizer is not None:
@@ -168,7 +173,10 @@ class LLMEngine:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         if request_id is not None and request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
+        prompt, images = split_images(prompt)
         ids = prompt_token_ids(prompt, self.tokenizer)
+        if images:
+            ids = self.image_encoder().expand(ids, images)
         if not ids:
             raise ValueError("the prompt is empty")
         bad = [t for t in ids if not 0 <= t < self.model.config.vocab_size]
@@ -186,6 +194,15 @@ class LLMEngine:
         if self.tokenizer is None and params.stop_list:
             raise ValueError("stop strings need a tokenizer; this checkpoint has none (use stop_token_ids)")
         return ids, params
+
+    def image_encoder(self):
+        """The checkpoint's image processor and vision tower, loaded at the first image."""
+        if self._images is None:
+            if self.tp is not None:
+                raise ValueError("image input with --tp is not supported yet: serve image requests at --tp 1")
+            from .multimodal import ImageEncoder
+            self._images = ImageEncoder(self.model_dir, self.model.config, device=self.config.device)
+        return self._images
 
     def abort(self, request_id: str) -> bool:
         req = self.requests.pop(request_id, None)
@@ -341,7 +358,7 @@ class LLMEngine:
             if n >= len(r.prompt_ids) and r.request_id in self._pending_ckpt:
                 full = len(r.prompt_ids) // ps
                 pending = self._pending_ckpt.pop(r.request_id)
-                rejected = self.prefix_cache.insert(r.prompt_ids[: full * ps], r.pages[:full], pending)
+                rejected = self.prefix_cache.insert(r.key_ids[: full * ps], r.pages[:full], pending)
                 for c in rejected:
                     self.runner.checkpoints.release(c)
 

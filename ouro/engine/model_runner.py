@@ -57,6 +57,22 @@ class CheckpointStore:
         self.free_ids.append(i)
 
 
+def image_rows(reqs, counts, device):
+    """(flat rows, their embeddings) of the batch's image positions, or None: a chunk covering a
+    prompt's image tokens takes the image rows instead of the tokens' embeddings."""
+    rows, values, start = [], [], 0
+    for r, n in zip(reqs, counts):
+        if r.mm is not None and r.num_computed < len(r.prompt_ids):
+            offsets, which = r.mm.chunk_rows(r.num_computed, n)
+            rows += [start + o for o in offsets]
+            if which:
+                values.append(r.mm.embeds[which[0]: which[-1] + 1])
+        start += n
+    if not rows:
+        return None
+    return torch.tensor(rows, device=device), torch.cat(values).to(device)
+
+
 class ModelRunner:
     def __init__(self, model, plan: MemoryPlan, device="cpu", compile_max_bs: int = 0, cp=None, kv_kinds=None,
                  cache_config=None, keep_hidden: bool = False):
@@ -145,6 +161,7 @@ class ModelRunner:
         ids = [t for r, n in zip(reqs, counts)
                for t in (r.all_ids + r.draft_ids if n > r.num_tokens - r.num_computed else r.all_ids)
                [r.num_computed: r.num_computed + n]]
+        ctx.embeds = image_rows(reqs, counts, self.device)
         with span("forward", cat="compute"):
             logits = self.model(torch.tensor(ids, device=self.device), ctx)
         if records:

@@ -49,10 +49,16 @@ class Request:
     spec_record: object | None = None
     spec_counts: list = field(default_factory=lambda: [0, 0, 0])   # verifications, tokens emitted, drafts verified
     spec_off: bool = False               # the online canary stopped this request's speculation
+    mm: object | None = None             # an `engine.multimodal.ImageInputs`: the prompt's image rows
 
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def key_ids(self) -> list[int]:
+        """What the prefix cache matches: the tokens, each image's tokens keyed by that image."""
+        return self.all_ids if self.mm is None else self.mm.key_ids(self.prompt_ids) + self.output_ids
 
     @property
     def num_tokens(self) -> int:

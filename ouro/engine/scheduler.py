@@ -143,7 +143,7 @@ class Scheduler:
         """A fresh prompt of at least the threshold (no prefix hit: the ranks start from zero;
         no prompt logprobs: only the last token's logits come back)."""
         return bool(self.cp_threshold) and req.num_computed == 0 and req.num_tokens >= self.cp_threshold \
-            and req.params.prompt_logprobs is None
+            and req.params.prompt_logprobs is None and req.mm is None     # image rows stay on this rank
 
     def _schedule_cp(self) -> ScheduledBatch | None:
         """The first waiting request's whole prompt, alone in its step (running requests wait
@@ -224,7 +224,7 @@ class Scheduler:
             req.restore_from = None
 
     def _attach_prefix(self, req: Request) -> None:
-        m = self.prefix_cache.match(req.all_ids)
+        m = self.prefix_cache.match(req.key_ids)
         if m.usable_tokens > 0:
             self.prefix_cache.lock(m)
             req.prefix_match = m

@@ -145,6 +145,8 @@ class ForwardContext:
     # speculative rows: batch index -> what their KDA layers keep for replay instead of committing
     # their state (`engine.speculative`); None: every row commits as usual
     replay: dict | None = None
+    # image rows: (flat row indices, their embeddings) that replace those tokens' embeddings
+    embeds: tuple | None = None
 
     @classmethod
     def build(cls, cache: ModelCache, query_lens, start_pos, state_slots, page_table, logits: str = "last"):
@@ -287,6 +289,7 @@ class GraphContext:
     - the indexer reads `page_table`'s whole width of pools, masked per row by position."""
     is_decode = True
     rows_as_queries = True
+    embeds = None            # a decode step's tokens are text
     split_decode = None
     slot_range = None
     any_fresh = True

@@ -13,12 +13,14 @@ from .precision import KeepFloat32
 
 
 class MLP(nn.Module):
-    def __init__(self, config, intermediate_size: int):
+    """The clamped SwiGLU MLP: dense layers, shared experts, and (with biases) the vision blocks."""
+
+    def __init__(self, config, intermediate_size: int, bias: bool = False):
         super().__init__()
         D = config.hidden_size
-        self.gate_proj = Linear(D, intermediate_size, bias=False)
-        self.up_proj = Linear(D, intermediate_size, bias=False)
-        self.down_proj = Linear(intermediate_size, D, bias=False)
+        self.gate_proj = Linear(D, intermediate_size, bias=bias)
+        self.up_proj = Linear(D, intermediate_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, D, bias=bias)
         self.limit = config.swiglu_limit
 
     def forward(self, x):

@@ -52,6 +52,9 @@ class Glm5NextModel(nn.Module):
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        if ctx.embeds is not None:         # image rows in place of their placeholder tokens' embeddings
+            rows, values = ctx.embeds
+            x = x.index_copy(0, rows, values.to(x.dtype))
         streams = x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
         selection = None
         for layer in self.layers:

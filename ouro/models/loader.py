@@ -6,6 +6,8 @@ stacked, one `mlp.experts.gate_up_proj` [E, 2I, D] (gate rows, then up) and one 
 
 One table (`checkpoint_layout`) maps each model parameter to its on-disk tensors; loading and
 writing both use it. Loading goes tensor by tensor, so peak memory is the model plus one tensor.
+The vision tower (`model.visual.*`) is its own model: `load_vision` reads it, `save_weights(...,
+vision=)` writes it beside the text tensors.
 """
 
 from __future__ import annotations
@@ -21,9 +23,11 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..config import CheckpointError, ModelConfig
+from ..config.model import VisionConfig
 from .fp8_checkpoint import FP8_DTYPES, SCALE_SUFFIX, FP8Format, check_scale, dequantize
 
 PREFIX = "model.language_model."
+VISION_PREFIXES = ("model.visual.", "visual.")   # what save_pretrained writes; older exports
 MAX_LISTED = 50   # problems named in one error; a wrong config can mismatch every tensor
 
 
@@ -91,8 +95,25 @@ def _index_files(directory: Path) -> dict[str, Path]:
     return where
 
 
+def vision_layout(vision: torch.nn.Module, prefix: str = VISION_PREFIXES[0]) -> list[DiskTensors]:
+    """The vision tower's tensors on disk: its own names under `prefix`, unchanged in shape."""
+    return [DiskTensors(param, [prefix + param], *_same(t.shape)) for param, t in vision.state_dict().items()]
+
+
+def _disk_shapes(where: dict[str, Path]) -> tuple[dict, dict]:
+    """Shape and dtype of every tensor on disk, read from the headers (no tensor is loaded)."""
+    shapes, dtypes = {}, {}
+    for f in sorted(set(where.values())):
+        with safe_open(str(f), "pt") as h:
+            for k in h.keys():
+                if where.get(k) == f:
+                    shapes[k] = tuple(h.get_slice(k).get_shape())
+                    dtypes[k] = h.get_slice(k).get_dtype()
+    return shapes, dtypes
+
+
 def _ignored_kind(name: str, config: ModelConfig) -> str | None:
-    if name.startswith("model.visual.") or name.startswith("visual."):
+    if name.startswith(VISION_PREFIXES):
         return "vision"
     if re.match(rf"{re.escape(PREFIX)}layers\.(\d+)\.", name):
         if int(name[len(PREFIX) + 7:].split(".")[0]) >= config.num_hidden_layers:
@@ -121,13 +142,7 @@ def check_checkpoint(model: torch.nn.Module, directory: str | Path, partial: boo
         layout = [d for d in layout if not (d.param == "lm_head.weight" and d.names[0] not in where)]
     expected = {n: s for d in layout for n, s in zip(d.names, d.shapes)}
     problems, ignored = [], {"vision": 0, "mtp": 0}
-    shapes, dtypes = {}, {}
-    for f in sorted(set(where.values())):
-        with safe_open(str(f), "pt") as h:
-            for k in h.keys():
-                if where.get(k) == f:
-                    shapes[k] = tuple(h.get_slice(k).get_shape())
-                    dtypes[k] = h.get_slice(k).get_dtype()
+    shapes, dtypes = _disk_shapes(where)
     fp8 = _fp8_format(directory)
     scales = {}
     for name in [k for k in shapes if k.endswith(SCALE_SUFFIX)]:
@@ -158,11 +173,15 @@ def check_checkpoint(model: torch.nn.Module, directory: str | Path, partial: boo
     for name in sorted(expected.keys() & shapes.keys()):
         if shapes[name] != expected[name]:
             problems.append(f"tensor {name} has shape {list(shapes[name])}, expected {list(expected[name])}")
+    _raise_problems(directory, problems)
+    return layout, where, ignored, (fp8, {w: w + SCALE_SUFFIX for w in scales})
+
+
+def _raise_problems(directory, problems: list[str]):
     if problems:
         shown = problems[:MAX_LISTED] + ([f"... and {len(problems) - MAX_LISTED} more"] if len(problems) > MAX_LISTED else [])
         raise CheckpointError(f"{directory}: checkpoint does not match the config ({len(problems)} problems):\n  "
                               + "\n  ".join(shown))
-    return layout, where, ignored, (fp8, {w: w + SCALE_SUFFIX for w in scales})
 
 
 def _fp8_format(directory: Path):
@@ -203,16 +222,21 @@ def load_weights(model: torch.nn.Module, directory: str | Path, progress: bool =
 
 
 def save_weights(model: torch.nn.Module, directory: str | Path, max_shard_bytes: int = 2 << 30,
-                 progress: bool = False, transform=None, stacked_experts: bool = False) -> list[Path]:
+                 progress: bool = False, transform=None, stacked_experts: bool = False,
+                 vision: torch.nn.Module | None = None) -> list[Path]:
     """Write the model's tensors in the on-disk layout, sharded with an index when large.
     `transform(disk name, tensor) -> {disk name: tensor}`: what to write instead (the FP8 writer);
-    `stacked_experts`: routed experts as one tensor per layer and projection."""
+    `stacked_experts`: routed experts as one tensor per layer and projection; `vision`: a
+    `VisionModel` written under `model.visual.` in the same files."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     state = model.state_dict()
+    todo = [(d, state) for d in checkpoint_layout(model, stacked_experts)]
+    if vision is not None:
+        todo += [(d, vision.state_dict()) for d in vision_layout(vision)]
     shards, current, size = [], {}, 0
     from tqdm import tqdm
-    for d in tqdm(checkpoint_layout(model, stacked_experts), desc="writing", unit="tensor", disable=not progress):
+    for d, state in tqdm(todo, desc="writing", unit="tensor", disable=not progress):
         for name, tensor in zip(d.names, d.split(state[d.param].detach())):
             for n, t in (transform(name, tensor) if transform else {name: tensor}).items():
                 t = t.contiguous().clone()
@@ -261,6 +285,49 @@ def load_model(directory: str | Path, dtype=torch.float32, device="cpu", kda_chu
         model = Glm5NextModel(config, kda_chunk_size).to(dtype)
     report = load_weights(model, directory, progress=progress)
     model.load_report = report
+    return model.eval()
+
+
+def load_vision(directory: str | Path, dtype=torch.float32, device="cpu"):
+    """The checkpoint's vision tower as a `VisionModel`, or None when it has none (no `vision_config`
+    or no `model.visual.*` tensors). Every tower tensor must be there with its shape, and nothing else
+    may sit under the prefix: a CheckpointError names each tensor that does not fit."""
+    from .vision import VisionModel
+    directory = Path(directory)
+    path = directory / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{directory}: no config.json (expected a Hugging Face glm5_next checkpoint directory)")
+    vision_config = json.loads(path.read_text()).get("vision_config")
+    where = _index_files(directory)
+    prefix = next((p for p in VISION_PREFIXES if any(k.startswith(p) for k in where)), None)
+    if not vision_config or prefix is None:
+        return None
+    config = VisionConfig.from_hf(vision_config)
+    with torch.device("meta"):
+        layout = vision_layout(VisionModel(config), prefix)
+    where = {k: f for k, f in where.items() if k.startswith(prefix)}
+    shapes, dtypes = _disk_shapes(where)
+    expected = {d.names[0]: d.shapes[0] for d in layout}
+    problems = [f"missing tensor {n} (expected shape {list(expected[n])})" for n in sorted(expected.keys() - shapes.keys())]
+    problems += [f"tensor {n} has shape {list(shapes[n])}, expected {list(expected[n])}"
+                 for n in sorted(expected.keys() & shapes.keys()) if shapes[n] != expected[n]]
+    problems += [f"unexpected tensor {n} with shape {list(shapes[n])}" for n in sorted(shapes.keys() - expected.keys())]
+    # block-FP8 exports keep the tower unquantised; a float8 tower tensor is not read as if it were
+    problems += [f"tensor {n} is {dt}: ouro reads the vision tower unquantised only"
+                 for n, dt in sorted(dtypes.items()) if dt in FP8_DTYPES]
+    _raise_problems(directory, problems)
+    with torch.device(device):
+        model = VisionModel(config).to(dtype)
+    state, handles = model.state_dict(), {}
+    try:
+        for d in layout:
+            f = where[d.names[0]]
+            if f not in handles:
+                handles[f] = safe_open(str(f), "pt")
+            with torch.no_grad():
+                state[d.param].copy_(handles[f].get_tensor(d.names[0]))
+    finally:
+        handles.clear()
     return model.eval()
 
 

@@ -3,10 +3,13 @@
 - `tiny`: < 1M parameters, 3 KDA + 1 DSA layers, sparse selection kicks in past 16 tokens; tests.
 - `small`: about 135M parameters; benchmarks on a CPU.
 - `flash`: the published GLM-5.3-Flash dimensions; config only (memory planning).
+- `tiny-vl`: `tiny` with a small vision tower (`VISION_PRESETS`) and image/video tokens at the top
+  of its tokenizer; tests of image input.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -14,6 +17,7 @@ from pathlib import Path
 import torch
 
 from ..config import ModelConfig
+from ..config.model import MEDIA_TOKEN_FIELDS, VisionConfig
 
 KDA, DSA = "linear_attention", "indexed_attention"
 
@@ -42,13 +46,21 @@ PRESETS: dict[str, ModelConfig] = {
         indexer_types=("full",) * 4, pad_token_id=0, eos_token_id=[0, 7, 9]),
     "flash": ModelConfig(),  # defaults are the published GLM-5.3-Flash dimensions
 }
+# image/video tokens take the tokenizer's top ids (tokenizer_factory.MEDIA_TOKENS, in that order)
+PRESETS["tiny-vl"] = dataclasses.replace(PRESETS["tiny"], **{
+    field: PRESETS["tiny"].vocab_size - len(MEDIA_TOKEN_FIELDS) + i for i, field in enumerate(MEDIA_TOKEN_FIELDS)})
+
+VISION_PRESETS: dict[str, VisionConfig] = {
+    "tiny-vl": VisionConfig(depth=2, hidden_size=32, num_heads=2, intermediate_size=64,
+                            out_hidden_size=PRESETS["tiny-vl"].hidden_size, projection_intermediate_size=64),
+}
 
 CONFIG_ONLY = {"flash"}
 TRAINED = {"tiny-py"}     # shipped trained; `make_model` writes only random-init presets
 BUILTIN_DIR = Path(__file__).parent / "builtin"
 # bumped whenever what make_model writes changes (weights, tokenizer, template): cached presets
 # of another format are rebuilt
-PRESET_FORMAT = 2
+PRESET_FORMAT = 3
 
 
 def parameter_count(config: ModelConfig) -> int:
@@ -118,6 +130,21 @@ def condition_indexer(params: dict[str, torch.Tensor], config: ModelConfig, pref
         wq[:, :, 0] = 2.0 * sign[:, None] * u
 
 
+@torch.no_grad()
+def init_vision_weights(tower: torch.nn.Module, seed: int = 0, std: float = 0.02) -> None:
+    """Deterministic random init of a vision tower, every tensor random (norm weights around 1,
+    biases small), so a comparison of two towers checks each of them."""
+    gen = torch.Generator().manual_seed(seed + 7919)     # apart from the text model's stream
+    for name, p in sorted(tower.state_dict().items()):
+        if "norm" in name and name.endswith(".weight"):
+            p.copy_(torch.empty(p.shape).uniform_(0.5, 1.5, generator=gen))
+        elif name.endswith(".bias"):
+            p.copy_(torch.empty(p.shape).normal_(0.0, 0.1, generator=gen))
+        else:   # fan-in scaled: activations stay of order one through the blocks
+            fan_in = p[0].numel()
+            p.copy_(torch.empty(p.shape).normal_(0.0, max(std, fan_in ** -0.5), generator=gen))
+
+
 def generation_config(config: ModelConfig) -> dict:
     return {"eos_token_id": config.eos_token_ids, "pad_token_id": config.pad_token_id,
             "do_sample": False, "max_new_tokens": 256}
@@ -129,7 +156,7 @@ def make_model(preset: str, directory: str | Path, seed: int = 0, progress: bool
     Refuses a path that is a file, and a directory that already holds a checkpoint unless `overwrite`."""
     from .glm5_next import Glm5NextModel
     from .loader import save_weights
-    from .tokenizer_factory import write_tokenizer_files
+    from .tokenizer_factory import MEDIA_TOKENS, write_tokenizer_files
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
     if preset in TRAINED:
@@ -142,12 +169,16 @@ def make_model(preset: str, directory: str | Path, seed: int = 0, progress: bool
     if (directory / "config.json").exists() and not overwrite:
         raise ValueError(f"{directory} already holds a checkpoint (config.json); pass --overwrite to replace it")
     directory.mkdir(parents=True, exist_ok=True)
-    # a tiny vision tower config so transformers can build the full model class
-    vision = {"depth": 1, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64,
-              "out_hidden_size": config.hidden_size, "projection_intermediate_size": 64}
+    tower_config = VISION_PRESETS.get(preset)
+    # text presets: a tiny vision tower config (no weights) so transformers can build the full model class
+    vision = tower_config.to_hf_dict() if tower_config else {
+        "depth": 1, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64,
+        "out_hidden_size": config.hidden_size, "projection_intermediate_size": 64}
     (directory / "config.json").write_text(json.dumps(config.to_hf_dict(vision), indent=2))
     (directory / "generation_config.json").write_text(json.dumps(generation_config(config), indent=2))
-    write_tokenizer_files(directory, config.vocab_size, config.max_position_embeddings)
+    media = MEDIA_TOKENS if tower_config else ()
+    write_tokenizer_files(directory, config.vocab_size, config.max_position_embeddings, extra_special=media)
+    _check_media_ids(directory, config, media)
     # lets `ouro serve` say that the text of a random-init preset is meaningless
     (directory / "ouro_preset.json").write_text(json.dumps({"preset": preset, "random_init": preset not in CONFIG_ONLY,
                                                             "seed": seed, "format": PRESET_FORMAT}, indent=2))
@@ -155,5 +186,22 @@ def make_model(preset: str, directory: str | Path, seed: int = 0, progress: bool
         return directory
     model = Glm5NextModel(config)
     init_weights(model, seed)
-    save_weights(model, directory, progress=progress)
+    tower = None
+    if tower_config:
+        from .vision import VisionModel
+        tower = VisionModel(tower_config)
+        init_vision_weights(tower, seed)
+    save_weights(model, directory, progress=progress, vision=tower)
     return directory
+
+
+def _check_media_ids(directory: Path, config: ModelConfig, media: tuple[str, ...]) -> None:
+    """The ids config.json names for the image/video tokens are the tokenizer's."""
+    from tokenizers import Tokenizer
+    if not media:
+        return
+    tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    got = {f: tokenizer.token_to_id(t) for f, t in zip(MEDIA_TOKEN_FIELDS, media)}
+    want = {f: getattr(config, f) for f in MEDIA_TOKEN_FIELDS}
+    if got != want:
+        raise RuntimeError(f"the tokenizer's image/video token ids {got} are not config.json's {want}")

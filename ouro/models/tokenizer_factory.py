@@ -11,6 +11,10 @@ Vocab layout (fixed, independent of ``vocab_size``):
     ids 20..275    the 256 byte symbols
     ids 276..      learned merges
 
+``extra_special`` tokens (the image/video tokens of a vision preset) take the top ids of the
+tokenizer, after the merges: training stops that many entries short, so a tokenizer built
+without them is unchanged.
+
 The tokenizer has at most ``min(vocab_size, MAX_TRAINED_VOCAB)`` entries and
 in practice is capped further by how many merges the small corpus supports
 (~2.6k). For a large model vocab (e.g. 32000) the tokenizer is therefore
@@ -56,6 +60,17 @@ PAD_TOKEN = "<|endoftext|>"
 # Tokens a GLM chat model stops on: end of text, or the start of the next turn.
 STOP_TOKENS: tuple[str, ...] = ("<|endoftext|>", "<|user|>", "<|observation|>")
 
+# Image and video tokens (GLM's spelling), added only where asked (`extra_special`); in the order
+# of config.model.MEDIA_TOKEN_FIELDS, the config.json fields naming their ids
+MEDIA_TOKENS: tuple[str, ...] = (
+    "<|begin_of_image|>",
+    "<|end_of_image|>",
+    "<|begin_of_video|>",
+    "<|end_of_video|>",
+    "<|image|>",
+    "<|video|>",
+)
+
 NUM_BYTES = 256
 MIN_VOCAB_SIZE = len(SPECIAL_TOKENS) + NUM_BYTES  # 276: no merges at all
 # Upper bound on trained entries; a bigger vocab would only memorise the corpus.
@@ -70,6 +85,8 @@ MAX_TRAINED_VOCAB = 4096
 #   OpenAI's JSON strings first);
 # - "tool" messages become one <|observation|> turn per run of results, each in
 #   <tool_response>...</tool_response>; "developer" is a system turn; other roles raise;
+# - an image part is the model's placeholder, <|begin_of_image|><|image|><|end_of_image|> (the
+#   processor expands <|image|> to the image's token count);
 # - thinking is on unless reasoning_effort == "none" or enable_thinking is false: the
 #   generation prompt is "<|assistant|>\n<think>" (on) or "<|assistant|>\n<think></think>" (off).
 CHAT_TEMPLATE = r"""
@@ -79,6 +96,8 @@ CHAT_TEMPLATE = r"""
     {%- for part in content -%}
       {%- if part is string -%}{{- part -}}
       {%- elif part is mapping and part.type == 'text' -%}{{- part.text -}}
+      {%- elif part is mapping and part.type in ('image', 'image_url', 'input_image') -%}
+        {{- '<|begin_of_image|><|image|><|end_of_image|>' -}}
       {%- endif -%}
     {%- endfor -%}
   {%- elif content is defined and content is not none -%}{{- content -}}
@@ -149,20 +168,23 @@ CHAT_TEMPLATE = r"""
 """.strip()
 
 
-def build_tokenizer(vocab_size: int, texts=None, max_vocab: int = MAX_TRAINED_VOCAB) -> Tokenizer:
+def build_tokenizer(vocab_size: int, texts=None, max_vocab: int = MAX_TRAINED_VOCAB,
+                    extra_special: tuple[str, ...] = ()) -> Tokenizer:
     """Train the byte-level BPE; same result on every machine and run. `texts`: documents to
-    train on (default: the small built-in corpus, kept as one document)."""
-    if vocab_size < MIN_VOCAB_SIZE:
+    train on (default: the small built-in corpus, kept as one document). `extra_special`: special
+    tokens given the ids right after the trained entries (the top of the tokenizer)."""
+    if vocab_size - len(extra_special) < MIN_VOCAB_SIZE:
         raise ValueError(
-            f"vocab_size must be >= {MIN_VOCAB_SIZE} "
-            f"({len(SPECIAL_TOKENS)} special tokens + {NUM_BYTES} bytes), got {vocab_size}"
+            f"vocab_size must be >= {MIN_VOCAB_SIZE + len(extra_special)} "
+            f"({len(SPECIAL_TOKENS)} special tokens + {NUM_BYTES} bytes"
+            + (f" + {len(extra_special)} extra special tokens" if extra_special else "") + f"), got {vocab_size}"
         )
     tokenizer = Tokenizer(models.BPE())
     # No prefix space: keeps encode/decode an exact inverse for any text.
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=min(vocab_size, max_vocab),
+        vocab_size=min(vocab_size, max_vocab) - len(extra_special),
         # 1 lets the small corpus yield as many merges as possible; ties are
         # broken by symbol ids inside the trainer, so the result is stable.
         min_frequency=1,
@@ -173,6 +195,8 @@ def build_tokenizer(vocab_size: int, texts=None, max_vocab: int = MAX_TRAINED_VO
     # One document: keeps "\n\n" and newline+indent pairs that code relies on.
     docs = [CORPUS] if texts is None else list(texts)
     tokenizer.train_from_iterator(docs, trainer=trainer, length=len(docs))
+    if extra_special:
+        tokenizer.add_special_tokens(list(extra_special))
     _check_layout(tokenizer, vocab_size)
     return tokenizer
 
@@ -207,21 +231,22 @@ def special_token_ids(tokenizer: Tokenizer) -> dict[str, int]:
 
 
 def write_tokenizer_files(
-    directory: str | os.PathLike[str], vocab_size: int, model_max_length: int, tokenizer: Tokenizer | None = None
+    directory: str | os.PathLike[str], vocab_size: int, model_max_length: int, tokenizer: Tokenizer | None = None,
+    extra_special: tuple[str, ...] = (),
 ) -> dict:
     """Write tokenizer.json / tokenizer_config.json / special_tokens_map.json (of `tokenizer`,
-    default: the one `build_tokenizer(vocab_size)` trains on the built-in corpus).
+    default: the one `build_tokenizer(vocab_size, extra_special=)` trains on the built-in corpus).
 
     Returns the ids from ``special_token_ids`` plus ``tokenizer_size`` (the
     real number of entries, which may be below ``vocab_size``).
     """
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = tokenizer or build_tokenizer(vocab_size)
+    tokenizer = tokenizer or build_tokenizer(vocab_size, extra_special=extra_special)
     # to_str() is byte-identical across runs, so checkpoints diff cleanly.
     (out / "tokenizer.json").write_text(tokenizer.to_str(pretty=True) + "\n", encoding="utf-8")
 
-    extra = [t for t in SPECIAL_TOKENS if t not in (EOS_TOKEN, PAD_TOKEN)]
+    extra = [t for t in SPECIAL_TOKENS if t not in (EOS_TOKEN, PAD_TOKEN)] + list(extra_special)
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "model_max_length": model_max_length,

@@ -45,6 +45,8 @@ class ServerState:
     draining: bool = False
     in_flight: int = 0
     tracing: dict | None = None      # an on-demand trace being recorded (trace_routes.py)
+    images: object | None = None     # engine.multimodal.ImagePrompt (None: the model takes text only)
+    media: object | None = None      # media.MediaLimits
     metrics: Metrics = field(default=None)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -196,7 +198,7 @@ def build_app(state: ServerState) -> FastAPI:
         for j in jobs:
             _check_length(state, j.prompt_ids, body)
         gens = [Generation(state.client, m, state.tokenizer, j.prompt_ids, j.child_params, j.stop,
-                           j.skip_special_tokens) for j in jobs]
+                           j.skip_special_tokens, images=j.images) for j in jobs]
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         place.owned = True
         try:

@@ -28,11 +28,13 @@ class ChatFormat:
         template = ChatTemplate.from_checkpoint(directory)
         return None if template is None else cls(template)
 
-    def render(self, body) -> Rendered:
+    def render(self, body, messages=None) -> Rendered:
+        """`messages`: the body's, as plain dicts, when the caller already read them (images)."""
         kwargs = dict(body.chat_template_kwargs or {})
         if body.reasoning_effort is not None:
             kwargs.setdefault("reasoning_effort", body.reasoning_effort)
-        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        if messages is None:
+            messages = [m.model_dump(exclude_none=True) for m in body.messages]
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
         choice = body.tool_choice
         if choice is not None and not isinstance(choice, str):

@@ -13,7 +13,7 @@ import time
 import zmq
 import zmq.asyncio
 
-from .messages import decode, encode, params_to_wire
+from .messages import decode, encode, images_to_wire, params_to_wire
 
 
 class EngineUnavailable(RuntimeError):
@@ -88,14 +88,18 @@ class EngineClient:
         return self.state == "ready" and self.proc is not None and self.proc.is_alive()
 
     # ---- requests ----
-    async def add(self, rid: str, prompt_ids: list[int], params, queue: asyncio.Queue | None = None) -> asyncio.Queue:
-        """Send a request; its outputs (and errors) arrive on `queue` (shared by a request's n choices)."""
+    async def add(self, rid: str, prompt_ids: list[int], params, queue: asyncio.Queue | None = None,
+                  images: list | None = None) -> asyncio.Queue:
+        """Send a request; its outputs (and errors) arrive on `queue` (shared by a request's n choices).
+        `images`: encoded image bytes, in prompt order (base64 on the JSON wire)."""
         if not self.healthy:
             raise EngineUnavailable(self.dead_reason or "the engine is not ready")
         q = queue if queue is not None else asyncio.Queue()
         self.queues[rid] = q
-        await self.push.send(encode({"type": "add", "rid": rid, "prompt_token_ids": prompt_ids,
-                                     "params": params_to_wire(params)}))
+        msg = {"type": "add", "rid": rid, "prompt_token_ids": prompt_ids, "params": params_to_wire(params)}
+        if images:
+            msg["images"] = images_to_wire(images)
+        await self.push.send(encode(msg))
         return q
 
     async def abort(self, rid: str) -> None:

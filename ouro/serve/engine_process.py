@@ -133,6 +133,7 @@ def on_trace_message(msg: dict, sender) -> None:
 
 
 def _loop(engine, inbox, sender, decode, params_from_wire) -> None:
+    from .messages import prompt_from_wire
     last_beat, failures, parent = 0.0, 0, os.getppid()
     busy_since = None                 # the trace's "pending" spans: when the engine has work
     while True:
@@ -147,8 +148,7 @@ def _loop(engine, inbox, sender, decode, params_from_wire) -> None:
             kind = msg.get("type")
             if kind == "add":
                 try:
-                    engine.add_request({"prompt_token_ids": msg["prompt_token_ids"]}, params_from_wire(msg["params"]),
-                                       msg["rid"])
+                    engine.add_request(prompt_from_wire(msg), params_from_wire(msg["params"]), msg["rid"])
                 except ValueError as e:
                     sender.send({"type": "error", "rid": msg["rid"], "message": str(e), "status": 400})
             elif kind == "abort":

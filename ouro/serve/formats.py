@@ -22,6 +22,7 @@ class Job:
     skip_special_tokens: bool
     parser_factory: object = None  # chat: () -> streaming output parser per choice
     choice_base: int = 0           # index of this job's first choice in the response
+    images: list | None = None     # encoded images (bytes), in prompt order
 
 
 def _max_tokens(state, body, n_prompt: int) -> int:
@@ -78,11 +79,18 @@ def completion_jobs(state, body) -> list[Job]:
 def chat_jobs(state, body) -> list[Job]:
     if state.chat is None:
         raise ApiError(400, "this checkpoint has no chat template; use /v1/completions")
+    from .media import collect_images
+    messages = [m.model_dump(exclude_none=True) for m in body.messages]
+    messages, images = collect_images(messages, state.media) if state.media is not None else (messages, [])
+    if images and state.images is None:
+        raise ApiError(400, "this model takes text only: it has no vision tower")
     try:
-        rendered = state.chat.render(body)
+        rendered = state.chat.render(body, messages)
     except ValueError as e:
         raise ApiError(400, f"cannot apply the chat template: {e}") from None
     ids = state.tokenizer.encode(rendered.text, add_special_tokens=False).ids
+    if images:
+        ids = expand_images(state, ids, images)
     top = body.top_logprobs if body.logprobs else None
     if body.top_logprobs and not body.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true")
@@ -94,7 +102,16 @@ def chat_jobs(state, body) -> list[Job]:
             raise ApiError(400, f"tool_choice needs max_tokens > {len(forced)} to open the tool call")
         params = dataclasses.replace(params, forced_prefix_ids=forced)
     return [Job(ids, _children(body, params), _stops(body), False,
-                parser_factory=lambda: state.chat.parser(body, rendered))]
+                parser_factory=lambda: state.chat.parser(body, rendered), images=images or None)]
+
+
+def expand_images(state, ids: list[int], images: list[bytes]) -> list[int]:
+    """The prompt's image placeholders at each image's token count (from its size)."""
+    from ..models.image_processor import load_image
+    try:
+        return state.images.expand(ids, [load_image(raw) for raw in images])
+    except ValueError as e:
+        raise ApiError(400, f"images: {e}") from None
 
 
 @dataclass

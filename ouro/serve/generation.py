@@ -41,8 +41,8 @@ _ids = itertools.count()
 
 class Generation:
     def __init__(self, client, metrics, tokenizer, prompt_ids: list[int], child_params: list, stop: list[str],
-                 skip_special_tokens: bool, arrival: float | None = None):
-        self.client, self.metrics, self.prompt_ids = client, metrics, prompt_ids
+                 skip_special_tokens: bool, arrival: float | None = None, images: list | None = None):
+        self.client, self.metrics, self.prompt_ids, self.images = client, metrics, prompt_ids, images
         self.params = child_params
         base = f"{next(_ids)}-{int(time.time() * 1000) % 10**8}"
         self.choices = [Choice(i, f"r{base}-{i}", IncrementalDetokenizer(tokenizer, prompt_ids, stop, skip_special_tokens))
@@ -60,7 +60,7 @@ class Generation:
     async def start(self) -> None:
         try:
             for c, p in zip(self.choices, self.params):
-                await self.client.add(c.rid, self.prompt_ids, p, self.queue)
+                await self.client.add(c.rid, self.prompt_ids, p, self.queue, images=self.images)
         except EngineUnavailable as e:
             await self.abort()
             raise GenerationError(503, str(e)) from None

@@ -4,7 +4,8 @@ JSON (not pickle) so the same messages can later travel over TCP to remote prefi
 workers written in anything, and so a peer can never make the other execute code.
 
 frontend -> engine (PUSH/PULL):
-  {"type": "add", "rid", "prompt_token_ids": [int], "params": {SamplingParams fields}}
+  {"type": "add", "rid", "prompt_token_ids": [int], "params": {SamplingParams fields},
+   "images": [base64 of encoded image bytes] (optional: the prompt's images, in order)}
   {"type": "abort", "rid"}
   {"type": "shutdown"}
   {"type": "start_trace", "heartbeat": bool}   (clear and record spans; heartbeat thread optional)
@@ -21,6 +22,7 @@ engine -> frontend (PUSH/PULL):
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
 
@@ -38,6 +40,22 @@ def encode(msg: dict) -> bytes:
 
 def decode(raw: bytes) -> dict:
     return json.loads(raw)
+
+
+def images_to_wire(images: list[bytes]) -> list[str]:
+    return [base64.b64encode(raw).decode() for raw in images]
+
+
+def images_from_wire(items: list[str]) -> list[bytes]:
+    return [base64.b64decode(s) for s in items]
+
+
+def prompt_from_wire(msg: dict) -> dict:
+    """The engine's prompt of an "add" message: token ids, and the images when there are any."""
+    prompt = {"prompt_token_ids": msg["prompt_token_ids"]}
+    if msg.get("images"):
+        prompt["multi_modal_data"] = {"image": images_from_wire(msg["images"])}
+    return prompt
 
 
 def params_to_wire(p: SamplingParams) -> dict:

@@ -30,6 +30,22 @@ def engine_kwargs(args) -> dict:
             "prefix_checkpoint_interval": args.prefix_checkpoint_interval, **speculative_args(args), **tp_args(args)}
 
 
+def media_for(args, directory, mc):
+    """(the checkpoint's ImagePrompt or None, the image limits of the command line)."""
+    from ..engine.multimodal import ImagePrompt, has_vision_tower
+    from .media import MediaLimits
+    try:
+        per_prompt = json.loads(getattr(args, "limit_mm_per_prompt", None) or "{}")
+        max_images = int(per_prompt.get("image", 8))
+    except (ValueError, TypeError, AttributeError):
+        raise ValueError(f"--limit-mm-per-prompt takes JSON like '{{\"image\": 4}}', got "
+                         f"{getattr(args, 'limit_mm_per_prompt', None)!r}") from None
+    limits = MediaLimits(max_images=max_images, max_bytes=getattr(args, "max_image_bytes", 16 << 20),
+                         max_pixels=getattr(args, "max_image_pixels", 40_000_000),
+                         allowed_local_path=getattr(args, "allowed_local_media_path", None))
+    return (ImagePrompt(directory, mc) if has_vision_tower(directory) else None), limits
+
+
 def random_init_note(directory: Path) -> str | None:
     marker = directory / "ouro_preset.json"
     if marker.is_file():
@@ -79,6 +95,7 @@ def serve(args, make_client=None) -> int:
                         model_name=name, max_model_len=0, capacity_tokens=0,
                         vocab_size=mc.vocab_size, api_key=args.api_key, max_queued_requests=args.max_queued_requests,
                         max_num_seqs=args.max_num_seqs, max_body_bytes=args.max_request_body_bytes, metrics=metrics)
+    state.images, state.media = media_for(args, directory, mc)
     app = build_app(state)
 
     class Server(uvicorn.Server):

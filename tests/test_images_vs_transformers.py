@@ -1,0 +1,133 @@
+"""A prompt with images through ouro's engine (processor, vision tower, image rows scattered into
+the prompt's placeholder rows, chunked prefill, decode) against transformers' full glm5_next
+model on the same pixels, on `tiny-vl` (every tower weight random). Also: the prefix cache tells
+two different images behind the same placeholder ids apart, and reuses an identical one."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from numerics import rel_rms
+from ouro.config import EngineConfig, ModelConfig
+from ouro.engine.llm_engine import LLMEngine
+from ouro.engine.multimodal import ImageInputs
+from ouro.engine.sampling import SamplingParams
+from ouro.models.image_processor import ImageProcessor, expand_placeholders
+from ouro.models.loader import load_model
+from ouro.models.resolve import load_tokenizer, resolve_model
+
+TOL = 1e-4
+
+
+def picture(h: int, w: int, seed: int):
+    from PIL import Image
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+
+
+@pytest.fixture(scope="module")
+def vl():
+    d = resolve_model("tiny-vl")
+    from transformers import Glm5NextForConditionalGeneration
+    hf = Glm5NextForConditionalGeneration.from_pretrained(d, dtype=torch.float32).eval()
+    return d, hf, ModelConfig.from_hf(d)
+
+
+def engine(d, prefix=False, **kw):
+    cfg = EngineConfig(**{"max_memory": 64 << 20, "page_size": 16, "max_num_batched_tokens": 16, **kw})
+    return LLMEngine(load_model(d), load_tokenizer(d), cfg, verbose=False, record_logits=True, model_dir=d,
+                     enable_prefix_caching=prefix)
+
+
+def placeholder(c):
+    return [c.image_start_token_id, c.image_token_id, c.image_end_token_id]
+
+
+def run(eng, ids, images, steps=4, prompt_logprobs=True):
+    rid = eng.add_request({"prompt_token_ids": ids, "multi_modal_data": {"image": images}},
+                          SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True,
+                                         prompt_logprobs=0 if prompt_logprobs else None))
+    out = None
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.request_id == rid and o.finished:
+                out = o
+    return rid, out
+
+
+@torch.no_grad()
+def hf_run(hf, ids, pixels, grid, tokens):
+    """transformers' prompt logits, then its decode logits fed `tokens`."""
+    out = hf(input_ids=torch.tensor([ids]), pixel_values=pixels, image_grid_thw=grid, use_cache=True)
+    prefill, cache, decode = out.logits[0], out.cache, []
+    for t in tokens[:-1]:
+        out = hf(input_ids=torch.tensor([[t]]), cache=cache, use_cache=True)
+        cache = out.cache
+        decode.append(out.logits[0, -1])
+    return prefill, decode
+
+
+@pytest.mark.parametrize("sizes", [[(60, 90)], [(45, 70), (90, 40)]], ids=["one image", "two back to back"])
+def test_image_prompt_equals_transformers(vl, sizes):
+    d, hf, c = vl
+    images = [picture(h, w, seed=i + 3) for i, (h, w) in enumerate(sizes)]
+    ids = [5, 6, 7] + placeholder(c) * len(images) + [8, 9, 10]
+    proc = ImageProcessor.from_dir(d)
+    pixels, grid = proc(images)
+    expanded = expand_placeholders(ids, proc.tokens_per_image(grid), c.image_token_id, c.image_start_token_id,
+                                   c.image_end_token_id)
+    eng = engine(d)
+    rid, out = run(eng, ids, images)
+    assert out.prompt_token_ids == expanded and len(expanded) > 20      # prefilled over several chunks
+    prefill, decode = hf_run(hf, expanded, pixels, grid, out.token_ids)
+    # every prompt position: the logprob of the next prompt token, as transformers has it
+    ours = torch.tensor([e[expanded[p + 1]] for p, e in enumerate(out.prompt_logprobs[1:])])
+    ref = prefill[:-1].log_softmax(-1).gather(-1, torch.tensor(expanded[1:])[:, None])[:, 0]
+    assert not torch.isnan(ours).any() and rel_rms(ours, ref) < TOL
+    logits = eng.logits_history[rid]
+    assert rel_rms(logits[0], prefill[-1]) < TOL
+    for got, want in zip(logits[1:], decode):
+        assert rel_rms(got, want) < TOL
+    assert out.token_ids[0] == int(prefill[-1].argmax())
+
+
+def test_image_rows_one_position_off_are_caught(vl, monkeypatch):
+    """The planted fault: image rows scattered one position late. The comparison must fail."""
+    d, hf, c = vl
+    images = [picture(60, 90, seed=3)]
+    ids = [5, 6, 7] + placeholder(c) + [8, 9]
+    real = ImageInputs.chunk_rows
+
+    def shifted(self, start, n):
+        offsets, rows = real(self, start, n)
+        keep = [(o + 1, r) for o, r in zip(offsets, rows) if o + 1 < n]
+        return [o for o, _ in keep], [r for _, r in keep]
+    monkeypatch.setattr(ImageInputs, "chunk_rows", shifted)
+    proc = ImageProcessor.from_dir(d)
+    pixels, grid = proc(images)
+    eng = engine(d, max_num_batched_tokens=2048)
+    rid, out = run(eng, ids, images, steps=1)
+    prefill, _ = hf_run(hf, out.prompt_token_ids, pixels, grid, out.token_ids)
+    assert rel_rms(eng.logits_history[rid][0], prefill[-1]) > 100 * TOL
+
+
+def test_prefix_cache_keys_images_by_their_pixels(vl):
+    """Same placeholder ids, another image: no cached page is shared and the logits are a cold
+    run's; the same image again: its pages are reused and the logits are the same."""
+    d, _, c = vl
+    a, b = picture(60, 90, seed=11), picture(60, 90, seed=12)
+    ids = [5, 6, 7] + placeholder(c) + [8, 9, 10, 11]
+    cold = {}
+    for name, img in (("a", a), ("b", b)):
+        eng = engine(d)
+        rid, out = run(eng, ids, [img], steps=2)
+        cold[name] = (eng.logits_history[rid][0], out.token_ids)
+    eng = engine(d, prefix=True)           # chunks of a page: a KDA checkpoint at every page boundary
+    run(eng, ids, [a], steps=2, prompt_logprobs=False)
+    for name, img, hit in (("b", b, False), ("a", a, True)):
+        rid, out = run(eng, ids, [img], steps=2, prompt_logprobs=False)
+        assert (out.cached_tokens >= 16) == hit, (name, out.cached_tokens)
+        assert rel_rms(eng.logits_history[rid][0], cold[name][0]) < TOL and out.token_ids == cold[name][1]
+    assert rel_rms(cold["a"][0], cold["b"][0]) > 1e-3          # the two images do change the logits
