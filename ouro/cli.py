@@ -50,6 +50,14 @@ def _cmd_plan(args) -> int:
         print(format_device_plan(args.model, device_plan(config, c, args.tp, args.cp, getattr(torch, args.kv_cache_dtype),
                                                          device_bytes=memory, prefill_chunk=args.prefill_chunk,
                                                          ep=tp_args(args)["expert_parallel"])))
+    from .engine.vision_plan import format_vision_plan, vision_config_of
+    vision = vision_config_of(args.model)
+    if vision is not None:
+        try:
+            sizes = [tuple(int(v) for v in s.lower().split("x"))[::-1] for s in args.image_size.split(",")]
+        except ValueError:
+            raise ValueError(f"--image-size takes WxH sizes separated by commas, got {args.image_size!r}") from None
+        print(format_vision_plan(args.model, vision, sizes))
     return 0
 
 
@@ -217,7 +225,7 @@ def build_parser(argv=None) -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     mk = sub.add_parser("make-model", help="write a deterministic random-init checkpoint of a preset")
-    mk.add_argument("preset", help="tiny | small | flash (flash: config and tokenizer only)")
+    mk.add_argument("preset", help="tiny | tiny-vl | small | flash (flash: config and tokenizer only)")
     mk.add_argument("directory")
     mk.add_argument("--seed", type=int, default=0)
     mk.add_argument("--overwrite", action="store_true", help="replace a checkpoint already in DIRECTORY")
@@ -291,6 +299,8 @@ def build_parser(argv=None) -> argparse.ArgumentParser:
     plan.add_argument("--cp", type=int, default=1, help="context-parallel ranks of one prefill")
     plan.add_argument("--device-memory", default=None, help="memory of one device, e.g. 141GB or 80GiB: how many requests fit")
     plan.add_argument("--prefill-chunk", type=int, default=8192, help="most prompt tokens one rank prefills at once")
+    plan.add_argument("--image-size", default="448x448,1024x768,3584x2800", metavar="WxH,...",
+                      help="image sizes whose tokens and tower memory to show (a model with a vision tower)")
     plan.set_defaults(func=_cmd_plan)
 
     add_eval_parser(sub)

@@ -68,3 +68,32 @@ def test_config_cache_sizes_are_what_a_model_cache_allocates(preset, dtype):
     paged = sum(t.nbytes for t in (cache.latent, cache.index_keys, cache.index_gates, cache.index_pooled))
     assert paged == pages * page_size * c.cache_bytes_per_token(dtype)
     assert cache.conv.nbytes + cache.recurrent.nbytes == slots * c.state_bytes_per_slot
+
+
+def test_vision_plan_counts_the_tower_and_an_images_tokens():
+    """The tower's parameters as the built tower has them (and transformers' tower of the published
+    dimensions), an image's tokens as the processor gives them, and the section in `ouro plan`."""
+    import subprocess
+    import sys
+
+    from transformers.models.glm5_next.configuration_glm5_next import Glm5NextVisionConfig
+    from transformers.models.glm5_next.modeling_glm5_next import Glm5NextVisionModel
+
+    from ouro.config.model import VisionConfig
+    from ouro.engine.vision_plan import image_cost, tower_parameters
+    from ouro.models.image_processor import ImageProcessor
+    from ouro.models.presets import VISION_PRESETS
+    from ouro.models.vision import VisionModel
+    tiny = VISION_PRESETS["tiny-vl"]
+    assert tower_parameters(tiny) == sum(p.numel() for p in VisionModel(tiny).parameters())
+    with torch.device("meta"):
+        hf = Glm5NextVisionModel(Glm5NextVisionConfig())
+    assert tower_parameters(VisionConfig()) == sum(p.numel() for p in hf.parameters())
+    proc = ImageProcessor()
+    for h, w in ((448, 448), (768, 1024), (10, 10), (2800, 3600)):
+        c = image_cost(VisionConfig(), h, w)
+        assert c["tokens"] == proc.tokens_per_image(torch.tensor([proc.grid(h, w)]))[0] and c["activation_bytes"] > 0
+    assert image_cost(VisionConfig(), 2800, 3600)["tokens"] <= 8000
+    out = subprocess.run([sys.executable, "-m", "ouro.cli", "plan", "--model", "tiny-vl", "--context", "64",
+                          "--image-size", "448x448"], capture_output=True, text=True, check=True).stdout
+    assert "vision tower" in out and f"-> {image_cost(tiny, 448, 448)['tokens']:,} tokens" in out

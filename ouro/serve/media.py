@@ -98,6 +98,8 @@ def collect_images(messages: list[dict], limits: MediaLimits) -> tuple[list[dict
         parts = []
         for j, p in enumerate(content):
             kind = p.get("type") if isinstance(p, dict) else None
+            if kind in ("video_url", "video", "input_video"):
+                raise ApiError(400, f"messages[{i}].content[{j}]: video input is not supported; send frames as images")
             if kind in ("image_url", "input_image", "image"):
                 where = f"messages[{i}].content[{j}]"
                 if len(images) >= limits.max_images:

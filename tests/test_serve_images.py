@@ -1,0 +1,105 @@
+"""Image chat through a real `ouro serve` on `tiny-vl`: the official `openai` client's image_url
+parts give the tokens of offline generation with the same image; every limit is a 400 with the
+OpenAI error body before any work, and nothing is left behind."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import numpy as np
+import openai
+import pytest
+
+from ouro.config import EngineConfig
+from ouro.engine.llm_engine import LLMEngine
+from ouro.engine.sampling import SamplingParams
+from ouro.models.loader import load_model
+from ouro.models.resolve import load_tokenizer, resolve_model
+from ouro.serve.chat_template import ChatTemplate
+from serve_helpers import Server, idle, post
+
+
+def png(h: int, w: int, seed: int) -> bytes:
+    from PIL import Image
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def data_uri(raw: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(raw).decode()
+
+
+@pytest.fixture(scope="module")
+def media(tmp_path_factory):
+    d = tmp_path_factory.mktemp("media")
+    (d / "local.png").write_bytes(png(50, 60, seed=5))
+    return d
+
+
+@pytest.fixture(scope="module")
+def server(media, tmp_path_factory):
+    s = Server(resolve_model("tiny-vl"), "--allowed-local-media-path", str(media), "--limit-mm-per-prompt",
+               '{"image": 2}', "--max-image-pixels", "200000", tmp_path=tmp_path_factory.mktemp("logs"))
+    yield s
+    s.stop()
+
+
+def offline_tokens(messages, images: list[bytes], n: int) -> list[int]:
+    d = resolve_model("tiny-vl")
+    text = ChatTemplate.from_checkpoint(d).render(messages)
+    tok = load_tokenizer(d)
+    eng = LLMEngine(load_model(d), tok, EngineConfig(max_memory=64 << 20, page_size=16), verbose=False, model_dir=d)
+    eng.add_request({"prompt_token_ids": tok.encode(text, add_special_tokens=False).ids,
+                     "multi_modal_data": {"image": images}}, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    out = None
+    while eng.has_unfinished():
+        for o in eng.step():
+            out = o if o.finished else out
+    return out.token_ids
+
+
+def test_image_chat_equals_offline_generation(server, media):
+    client = openai.OpenAI(base_url=server.base + "/v1", api_key="x", max_retries=0)
+    a, b = png(40, 70, seed=1), (media / "local.png").read_bytes()
+    content = [{"type": "text", "text": "compare"}, {"type": "image_url", "image_url": {"url": data_uri(a)}},
+               {"type": "image_url", "image_url": {"url": f"file://{media / 'local.png'}"}}]
+    r = client.chat.completions.create(model=None, messages=[{"role": "user", "content": content}], max_tokens=6,
+                                       temperature=0, logprobs=True,
+                                       extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    got = [int(e.token.removeprefix("token_id:")) for e in r.choices[0].logprobs.content]
+    rendered = [{"role": "user", "content": [{"type": "text", "text": "compare"}, {"type": "image"}, {"type": "image"}]}]
+    assert got == offline_tokens(rendered, [a, b], 6)
+    assert r.usage.prompt_tokens > 16 * 2            # the image tokens count as prompt tokens
+    assert idle(server)
+
+
+@pytest.mark.parametrize("part, status, says", [
+    ({"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}, 400, "network"),
+    ({"type": "image_url", "image_url": {"url": "file:///etc/hostname"}}, 400, "outside --allowed-local-media-path"),
+    ({"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}, 400, "base64"),
+    ({"type": "image_url", "image_url": {"url": data_uri(b"not an image at all")}}, 400, "not a readable image"),
+    ({"type": "image_url", "image_url": {"url": data_uri(png(500, 500, seed=2))}}, 400, "pixels"),
+    ({"type": "image_url"}, 400, "image_url.url"),
+    ({"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}, 400, "video input is not supported"),
+], ids=["http", "outside", "bad base64", "not an image", "too many pixels", "no url", "video"])
+def test_bad_images_are_400s_that_cost_nothing(server, part, status, says):
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, part]}], "max_tokens": 2}
+    r = post(server, "/v1/chat/completions", body)
+    assert r.status_code == status and says in r.json()["message"], r.text
+    assert r.json()["object"] == "error" and r.json()["type"] == "BadRequestError"
+    assert idle(server)
+
+
+def test_too_many_images_and_a_text_only_model(server, tiny_checkpoint, tmp_path):
+    img = {"type": "image_url", "image_url": {"url": data_uri(png(30, 30, seed=3))}}
+    r = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": [img] * 3}], "max_tokens": 2})
+    assert r.status_code == 400 and "more than 2 images" in r.json()["message"]
+    text_only = Server(tiny_checkpoint, tmp_path=tmp_path)
+    try:
+        r = post(text_only, "/v1/chat/completions", {"messages": [{"role": "user", "content": [img]}], "max_tokens": 2})
+        assert r.status_code == 400 and "text only" in r.json()["message"]
+    finally:
+        text_only.stop()
