@@ -17,6 +17,7 @@ PROBES = {
     "kernels": ("ouro.lab.kernels", "per-op microbenchmarks: correct first, then time, roofline share, Amdahl"),
     "leaks": ("ouro.lab.leaks", "pages and state slots each request path returns, with the path that kept them"),
     "disagg": ("ouro.lab.disagg_check", "prefill/decode handoff under timeouts and aborts: late writes, wrong outputs, leaks"),
+    "vision": ("ouro.lab.vision_numerics", "images against transformers: the tower module by module, then the image rows"),
 }
 
 

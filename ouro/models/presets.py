@@ -51,7 +51,8 @@ PRESETS["tiny-vl"] = dataclasses.replace(PRESETS["tiny"], **{
     field: PRESETS["tiny"].vocab_size - len(MEDIA_TOKEN_FIELDS) + i for i, field in enumerate(MEDIA_TOKEN_FIELDS)})
 
 VISION_PRESETS: dict[str, VisionConfig] = {
-    "tiny-vl": VisionConfig(depth=2, hidden_size=32, num_heads=2, intermediate_size=64,
+    # swiglu_limit 1: random activations cross it, so the clamp is exercised (and checked)
+    "tiny-vl": VisionConfig(depth=2, hidden_size=32, num_heads=2, intermediate_size=64, swiglu_limit=1.0,
                             out_hidden_size=PRESETS["tiny-vl"].hidden_size, projection_intermediate_size=64),
 }
 
@@ -60,7 +61,7 @@ TRAINED = {"tiny-py"}     # shipped trained; `make_model` writes only random-ini
 BUILTIN_DIR = Path(__file__).parent / "builtin"
 # bumped whenever what make_model writes changes (weights, tokenizer, template): cached presets
 # of another format are rebuilt
-PRESET_FORMAT = 3
+PRESET_FORMAT = 4
 
 
 def parameter_count(config: ModelConfig) -> int:
