@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
+from image_helpers import rows_one_position_late
 from numerics import rel_rms
 from ouro.config import EngineConfig, ModelConfig
 from ouro.engine.llm_engine import LLMEngine
-from ouro.engine.multimodal import ImageInputs
 from ouro.engine.sampling import SamplingParams
 from ouro.models.image_processor import ImageProcessor, expand_placeholders
 from ouro.models.loader import load_model
@@ -98,13 +98,7 @@ def test_image_rows_one_position_off_are_caught(vl, monkeypatch):
     d, hf, c = vl
     images = [picture(60, 90, seed=3)]
     ids = [5, 6, 7] + placeholder(c) + [8, 9]
-    real = ImageInputs.chunk_rows
-
-    def shifted(self, start, n):
-        offsets, rows = real(self, start, n)
-        keep = [(o + 1, r) for o, r in zip(offsets, rows) if o + 1 < n]
-        return [o for o, _ in keep], [r for _, r in keep]
-    monkeypatch.setattr(ImageInputs, "chunk_rows", shifted)
+    rows_one_position_late(monkeypatch)
     proc = ImageProcessor.from_dir(d)
     pixels, grid = proc(images)
     eng = engine(d, max_num_batched_tokens=2048)

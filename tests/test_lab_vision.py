@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from ouro.engine.multimodal import ImageInputs
+from image_helpers import rows_one_position_late
 from ouro.lab.vision_numerics import probe_vision
 
 SIZES = [(60, 90), (90, 40)]
@@ -37,13 +37,7 @@ def test_a_dropped_merger_clamp_is_named_at_the_merger(monkeypatch):
 
 
 def test_rows_one_position_late_are_named_with_the_shift(monkeypatch):
-    real = ImageInputs.chunk_rows
-
-    def late(self, start, n):
-        offsets, rows = real(self, start, n)
-        keep = [(o + 1, r) for o, r in zip(offsets, rows) if o + 1 < n]
-        return [o for o, _ in keep], [r for _, r in keep]
-    monkeypatch.setattr(ImageInputs, "chunk_rows", late)
+    rows_one_position_late(monkeypatch)
     findings = probe_vision("tiny-vl", SIZES)
     assert findings[0].severity == "info"                  # the tower itself is fine
     row = findings[1]
