@@ -74,6 +74,7 @@ def _with_outliers(tmp_path, layer: int):
     return d
 
 
+@pytest.mark.slow       # the per-layer measurements it searches over are tested by default above
 def test_the_policy_search_keeps_layers_until_the_budget_holds(tmp_path):
     """A layer made sensitive to int8 (outlier columns) breaks a 0.1% budget: the search keeps that
     layer unquantised first and stops once the measured policy is within the budget."""

@@ -12,6 +12,7 @@ from ouro.lab.tp_run import first_mismatch
 from ouro.models.resolve import resolve_model
 
 
+@pytest.mark.slow       # TP=2 against TP=1 token for token is tested by default (test_tp.py)
 def test_tp2_agrees_with_tp1_module_by_module():
     d = resolve_model("tiny")
     prompt = list(range(3, 43))

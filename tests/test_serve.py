@@ -96,6 +96,14 @@ def test_tokens_as_token_ids_name_the_offline_engines_tokens(client, model_dir):
     assert got.logprobs.text_offset == plain.logprobs.text_offset
 
 
+def test_an_image_to_a_text_only_model_is_a_400(server):
+    import base64
+    url = "data:image/png;base64," + base64.b64encode(b"\x89PNG not really").decode()
+    r = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": url}}]}], "max_tokens": 2})
+    assert r.status_code == 400 and "text only" in r.json()["message"], r.text
+
+
 def test_metrics_record_requests(server, client):
     before = server.metrics()
     client.completions.create(model=None, prompt="metrics", max_tokens=5, temperature=0, extra_body={"ignore_eos": True})

@@ -93,13 +93,8 @@ def test_bad_images_are_400s_that_cost_nothing(server, part, status, says):
     assert idle(server)
 
 
-def test_too_many_images_and_a_text_only_model(server, tiny_checkpoint, tmp_path):
+def test_too_many_images(server):
     img = {"type": "image_url", "image_url": {"url": data_uri(png(30, 30, seed=3))}}
     r = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": [img] * 3}], "max_tokens": 2})
     assert r.status_code == 400 and "more than 2 images" in r.json()["message"]
-    text_only = Server(tiny_checkpoint, tmp_path=tmp_path)
-    try:
-        r = post(text_only, "/v1/chat/completions", {"messages": [{"role": "user", "content": [img]}], "max_tokens": 2})
-        assert r.status_code == 400 and "text only" in r.json()["message"]
-    finally:
-        text_only.stop()
+    assert idle(server)

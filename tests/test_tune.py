@@ -142,13 +142,39 @@ def test_a_search_checks_before_it_times_and_resumes_from_its_journal(tmp_path):
     EngineConfig(**best)
 
 
-def test_the_serve_workload_times_real_servers_and_checks_through_http(tmp_path):
-    """--workload serve: each candidate is a real `ouro serve --config` process under streaming
-    load. Its greedy check goes through /v1/completions and gives the engine-process worker's
-    tokens and logprobs; a combination the server refuses is journaled with the server's reason;
-    a journal of another workload is refused."""
+def test_the_serve_worker_answers_as_the_engine_worker(tmp_path):
+    """--workload serve's candidate is a real `ouro serve --config` process: its greedy check over
+    /v1/completions gives the engine-process worker's tokens and logprobs, a run under streaming
+    load reports throughput, TTFT and the step between tokens, a combination the server refuses
+    is a ValueError with the server's reason, and a journal of another workload is refused."""
     from ouro.tune.server_worker import ServerWorker
     from ouro.tune.worker import Worker
+    d = resolve_model("tiny")
+    wl = Workload(num_prompts=4, input_len=16, output_len=6, concurrency=2, max_memory=32 << 20, kind="serve")
+    served = ServerWorker(d, dict(BASELINE), wl.__dict__)
+    engine = Worker(d, dict(BASELINE), wl.__dict__)
+    try:
+        prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
+        got = served.ask({"cmd": "greedy", "prompts": prompts, "max_tokens": 8})["outputs"]
+        want = engine.ask({"cmd": "greedy", "prompts": prompts, "max_tokens": 8})["outputs"]
+        run = served.ask({"cmd": "run"})
+    finally:
+        served.close()
+        engine.close()
+    assert [g["tokens"] for g in got] == [w["tokens"] for w in want] and len(got[1]["tokens"]) == 8
+    assert logprob_noise(want, got) < 1e-4 and got[0]["top"][0].keys() == want[0]["top"][0].keys()
+    assert run["output_tokens"] == 4 * 6 and run["seconds"] > 0 and 0 < run["ttft_s"] < 30 and 0 < run["decode_step_s"] < 5
+    with pytest.raises(ValueError, match="MTP"):
+        ServerWorker(d, {**BASELINE, "speculative_algorithm": "NEXTN"}, wl.__dict__)
+    Tuner(d, wl, tmp_path / "j.jsonl", quality_dir=d, progress=False).close()
+    with pytest.raises(ValueError, match="another workload"):
+        Tuner(d, Workload(num_prompts=5, kind="serve"), tmp_path / "j.jsonl", quality_dir=d, progress=False)
+
+
+@pytest.mark.slow       # a whole search of real servers (the worker itself is tested by default above)
+def test_the_serve_workload_times_real_servers_and_checks_through_http(tmp_path):
+    """--workload serve: a search over real servers; a candidate the server refuses is journaled
+    with the server's reason; the winner's gap report is journaled."""
     d = resolve_model("tiny")
     wl = Workload(num_prompts=4, input_len=16, output_len=6, concurrency=2, max_memory=32 << 20, kind="serve")
     t = Tuner(d, wl, tmp_path / "j.jsonl", quality_dir=d, rounds=1, check_prompts=2, check_tokens=8,
@@ -167,18 +193,6 @@ def test_the_serve_workload_times_real_servers_and_checks_through_http(tmp_path)
     assert sp["why"].startswith("refused: ouro serve exited") and "MTP" in sp["why"] and "ab" not in sp, sp
     assert best in (BASELINE, {**BASELINE, "page_size": 16})
 
-    served = ServerWorker(d, dict(BASELINE), t.workload.__dict__)
-    engine = Worker(d, dict(BASELINE), t.workload.__dict__)
-    try:
-        prompts = t.check["prompts"]
-        got = served.ask({"cmd": "greedy", "prompts": prompts, "max_tokens": 8})["outputs"]
-        want = engine.ask({"cmd": "greedy", "prompts": prompts, "max_tokens": 8})["outputs"]
-    finally:
-        served.close()
-        engine.close()
-    assert [g["tokens"] for g in got] == [w["tokens"] for w in want] and len(got[1]["tokens"]) == 8
-    assert logprob_noise(want, got) < 1e-4 and got[0]["top"][0].keys() == want[0]["top"][0].keys()
-
     # the gap report: the engine's decode step part by part, each against its floor, journaled
     gap = t.gap(best)
     rows = {r["part"]: r for r in gap["rows"]}
@@ -188,5 +202,23 @@ def test_the_serve_workload_times_real_servers_and_checks_through_http(tmp_path)
     from ouro.measure.step_breakdown import format_breakdown
     assert "routed experts" in format_breakdown(gap) and t.journal.get("gap", best)["breakdown"] == gap
 
-    with pytest.raises(ValueError, match="another workload"):
-        Tuner(d, Workload(num_prompts=5, kind="serve"), tmp_path / "j.jsonl", quality_dir=d, progress=False)
+
+
+def test_the_gap_report_splits_an_engine_step_by_part():
+    """The engine's decode step part by part (hooks), each part against its own floor."""
+    from ouro.config import EngineConfig
+    from ouro.engine.llm_engine import LLMEngine
+    from ouro.engine.sampling import SamplingParams
+    from ouro.measure.roofline import Roofline
+    from ouro.measure.step_breakdown import ROWS, decode_breakdown, format_breakdown
+    from ouro.models.loader import load_model
+    d = resolve_model("tiny")
+    eng = LLMEngine(load_model(d), None, EngineConfig(max_memory=32 << 20, page_size=16, max_num_seqs=3),
+                    verbose=False)
+    roof = Roofline(flops_per_s=1e10, bytes_per_s=1e10)
+    b = decode_breakdown(eng, [[5, 6, 7] * 6, [8, 9] * 7, [4] * 11], 2, roof,
+                         SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    rows = {r["part"]: r for r in b["rows"]}
+    assert set(rows) == set(ROWS) and b["batch"] == 3 and not eng.has_unfinished()
+    assert rows["routed experts"]["floor_ms"] > 0 and rows["KDA"]["ms"] > 0 and rows["KDA"]["floor_ms"] > 0
+    assert b["floor_ms"] > 0 and b["plain_step_ms"] > 0 and "over target" in format_breakdown(b)

@@ -87,6 +87,14 @@ def image_size(raw: bytes, where: str) -> tuple[int, int]:
         raise ApiError(400, f"{where}: not a readable image ({e})") from None
 
 
+IMAGE_PARTS = ("image_url", "input_image", "image")
+
+
+def has_images(messages: list[dict]) -> bool:
+    return any(isinstance(p, dict) and p.get("type") in IMAGE_PARTS
+               for m in messages if isinstance(m.get("content"), list) for p in m["content"])
+
+
 def collect_images(messages: list[dict], limits: MediaLimits) -> tuple[list[dict], list[bytes]]:
     """(messages with each image part as {"type": "image"}, the images' bytes in prompt order)."""
     images, out = [], []
@@ -100,7 +108,7 @@ def collect_images(messages: list[dict], limits: MediaLimits) -> tuple[list[dict
             kind = p.get("type") if isinstance(p, dict) else None
             if kind in ("video_url", "video", "input_video"):
                 raise ApiError(400, f"messages[{i}].content[{j}]: video input is not supported; send frames as images")
-            if kind in ("image_url", "input_image", "image"):
+            if kind in IMAGE_PARTS:
                 where = f"messages[{i}].content[{j}]"
                 if len(images) >= limits.max_images:
                     raise ApiError(400, f"{where}: more than {limits.max_images} images in one request "
