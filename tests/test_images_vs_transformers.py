@@ -125,3 +125,20 @@ def test_prefix_cache_keys_images_by_their_pixels(vl):
         assert (out.cached_tokens >= 16) == hit, (name, out.cached_tokens)
         assert rel_rms(eng.logits_history[rid][0], cold[name][0]) < TOL and out.token_ids == cold[name][1]
     assert rel_rms(cold["a"][0], cold["b"][0]) > 1e-3          # the two images do change the logits
+
+
+def test_tp2_image_prompt_equals_one_rank(vl):
+    """Under --tp 2 rank 0 encodes the images and its followers get the rows with each forward."""
+    from ouro.engine.llm import LLM
+    d, _, c = vl
+    prompt = {"prompt_token_ids": [5, 6] + placeholder(c) * 2 + [7, 8, 9],
+              "multi_modal_data": {"image": [picture(60, 90, seed=21), picture(40, 40, seed=22)]}}
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
+    one = LLM(str(d), max_memory=64 << 20, page_size=16, max_num_batched_tokens=16).generate(prompt, params)[0]
+    two = LLM(str(d), max_memory=64 << 20, page_size=16, max_num_batched_tokens=16, tensor_parallel_size=2)
+    try:
+        got = two.generate(prompt, params)[0]
+    finally:
+        two.engine.close()
+    assert got.outputs[0].token_ids == one.outputs[0].token_ids and len(got.prompt_token_ids) > 20
+    assert got.outputs[0].logprobs == pytest.approx(one.outputs[0].logprobs, abs=1e-4)

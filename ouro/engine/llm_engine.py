@@ -197,9 +197,7 @@ class LLMEngine:
 
     def image_encoder(self):
         """The checkpoint's image processor and vision tower, loaded at the first image."""
-        if self._images is None:
-            if self.tp is not None:
-                raise ValueError("image input with --tp is not supported yet: serve image requests at --tp 1")
+        if self._images is None:       # (under --tp rank 0 encodes; the followers get the rows with each forward)
             from .multimodal import ImageEncoder
             self._images = ImageEncoder(self.model_dir, self.model.config, device=self.config.device)
         return self._images

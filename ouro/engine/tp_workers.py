@@ -13,6 +13,7 @@ past the timeout."""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import subprocess
@@ -24,6 +25,24 @@ from ..parallel.groups import free_port, init
 
 JOIN_TIMEOUT_S = 300.0       # followers load the checkpoint before they join
 
+
+
+def embeds_to_wire(embeds):
+    """A batch's image rows for the followers (rank 0 runs the vision tower): row indices, and the
+    float32 values as base64 (exact, and a third of their JSON text)."""
+    if embeds is None:
+        return None
+    rows, values = embeds
+    v = values.detach().float().contiguous().cpu()
+    return {"rows": rows.tolist(), "shape": list(v.shape), "values": base64.b64encode(v.numpy().tobytes()).decode()}
+
+
+def embeds_from_wire(d, device):
+    if d is None:
+        return None
+    import numpy as np
+    values = torch.from_numpy(np.frombuffer(base64.b64decode(d["values"]), dtype=np.float32).copy()).view(*d["shape"])
+    return torch.tensor(d["rows"], device=device), values.to(device)
 
 class TPBroken(RuntimeError):
     """A tensor-parallel rank is gone: the engine cannot compute any more."""
@@ -107,7 +126,7 @@ class TPWorkers:
         logits = ctx.logits_index.tolist() if ctx.logits_index is not None else "all"
         self.send({"op": "forward", "ids": ids.tolist(), "query_lens": list(ctx.query_lens), "start_pos": list(ctx.start_pos),
                    "slots": list(ctx.state_slots_list), "table": ctx.page_table.tolist(), "logits": logits,
-                   "candidates": int(module.lm_head.candidates)})
+                   "candidates": int(module.lm_head.candidates), "embeds": embeds_to_wire(ctx.embeds)})
 
     def attach(self, runner, n_checkpoints: int, kv_kinds: dict) -> None:
         """Rank 0's runner is built: the followers build the same cache, and from now on see every
@@ -256,6 +275,7 @@ class Follower:
         ctx = ForwardContext.build(self.cache, op["query_lens"], op["start_pos"], op["slots"], op["table"],
                                    logits=logits if isinstance(logits, str) else torch.tensor(logits))
         self.model.lm_head.candidates = op["candidates"]      # the same collectives as rank 0's
+        ctx.embeds = embeds_from_wire(op.get("embeds"), self.device)   # rank 0 encoded the images
         self.model(torch.tensor(op["ids"], device=self.device), ctx)
 
     def op_warm_up(self, op):
