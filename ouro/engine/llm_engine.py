@@ -17,6 +17,7 @@ from .memory import available_bytes, plan_memory
 from .model_runner import ModelRunner
 from .page_pool import PagePool, SlotPool
 from .multimodal import split_images
+from .options import check_engine_options
 from .request import Request, RequestFailed, RequestOutput, prompt_token_ids
 from .sampling import Sampler, SamplingParams, make_generator
 from . import tp_workers
@@ -112,39 +113,13 @@ class LLMEngine:
             if helper is not None:
                 helper.close()
 
-    @staticmethod
-    def check_options(config: EngineConfig, mc, enable_prefix_caching: bool, checkpoint_interval: int) -> None:
-        """Engine options against each other, the model's config and the machine (no weights needed)."""
-        config.validate()
-        config.check_device()
-        if isinstance(checkpoint_interval, bool) or not isinstance(checkpoint_interval, int) or checkpoint_interval < 1:
-            raise ValueError(f"prefix checkpoint_interval must be an integer >= 1 (pages), got {checkpoint_interval!r}")
-        tp_workers.check_options(config, mc)
-        if config.speculative_algorithm and config.context_parallel_size > 1:
-            raise ValueError("speculative decoding does not combine with context parallelism yet; drop one of them")
-        if config.speculative_algorithm and not mc.has_mtp:
-            raise ValueError("speculative decoding with NEXTN needs a checkpoint with an MTP layer "
-                             "(num_nextn_predict_layers >= 1); this one has none")
-        if config.deterministic_inference and config.compile:
-            raise ValueError("--enable-deterministic-inference runs torch's kernels eagerly (a compiled graph would "
-                             "bypass the batch-invariant ones); drop --compile")
-        if config.kv_kinds(mc) and config.compile:
-            raise ValueError("a quantised KV cache (--kv-cache-dtype / --kv-cache-layer-dtype) does not combine with "
-                             "--compile yet; drop one of them")
-        if config.page_size % mc.index_kpool:
-            raise ValueError(f"page_size must be a multiple of the model's index_kpool ({mc.index_kpool}), "
-                             f"got {config.page_size}")
-        if enable_prefix_caching and checkpoint_interval * config.page_size > config.max_num_batched_tokens:
-            raise ValueError(f"the prefix-cache checkpoint interval ({checkpoint_interval} pages x page_size "
-                             f"{config.page_size}) must fit in max_num_batched_tokens ({config.max_num_batched_tokens}), "
-                             "or prefill could never reach a checkpoint")
+    check_options = staticmethod(check_engine_options)    # `engine/options.py`
 
     # ---- requests ----
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
         """Queue one sequence. Everything is checked before the engine changes, so a rejected
         request leaves no trace. Fan-out (n > 1) is the caller's: see `SamplingParams.child`."""
-        ids, params = self.check_request(prompt, params, request_id)
-        images = split_images(prompt)[1]
+        ids, params, images = self._checked(prompt, params, request_id)
         mm = self.image_encoder().encode(ids, images) if images else None    # the encode step
         n = next(self._ids)
         if request_id is None:
@@ -162,6 +137,10 @@ class LLMEngine:
 
     def check_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None):
         """Validate a request without queuing it; returns (prompt token ids, params)."""
+        return self._checked(prompt, params, request_id)[:2]
+
+    def _checked(self, prompt, params, request_id):
+        """`check_request`, also returning the prompt's images (decoded once)."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -193,7 +172,7 @@ class LLMEngine:
             raise ValueError(f"forced_prefix_ids out of range [0, {self.model.config.vocab_size})")
         if self.tokenizer is None and params.stop_list:
             raise ValueError("stop strings need a tokenizer; this checkpoint has none (use stop_token_ids)")
-        return ids, params
+        return ids, params, images
 
     def image_encoder(self):
         """The checkpoint's image processor and vision tower, loaded at the first image."""

@@ -13,6 +13,7 @@ image's tokens by a value derived from the image's hash (negative: no real token
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 from dataclasses import dataclass
 
@@ -38,21 +39,8 @@ class ImageInputs:
 
     def chunk_rows(self, start: int, n: int) -> tuple[list[int], list[int]]:
         """For the chunk of prompt positions [start, start + n): (offsets in the chunk, rows of `embeds`)."""
-        import bisect
         lo, hi = bisect.bisect_left(self.positions, start), bisect.bisect_left(self.positions, start + n)
         return [p - start for p in self.positions[lo:hi]], list(range(lo, hi))
-
-
-def has_vision_tower(model_dir) -> bool:
-    """Whether the checkpoint holds vision tower tensors (`model.visual.*`), read from the headers."""
-    from pathlib import Path
-
-    from safetensors import safe_open
-    for f in sorted(Path(model_dir).glob("*.safetensors")):
-        with safe_open(str(f), "pt") as st:
-            if any(k.startswith(("model.visual.", "visual.")) for k in st.keys()):
-                return True
-    return False
 
 
 def image_hash(pixel_values: torch.Tensor, grid: torch.Tensor) -> str:

@@ -19,6 +19,7 @@ import inspect
 import torch
 
 from .findings import Finding
+from .kernel_refs import rel_rms
 
 PROBE = "vision"
 TOL = 1e-4          # float32 relative RMS of a module's output (the tower agrees to ~1e-6)
@@ -46,8 +47,8 @@ def pictures(sizes, seed: int) -> list:
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double().reshape(b.shape), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+    """The lab's relative RMS error (inf on a shape mismatch or a non-finite value), `a` seen in `b`'s shape."""
+    return rel_rms(a.reshape(b.shape), b)
 
 
 def record(tower) -> tuple[dict, dict, list, list]:
@@ -107,7 +108,7 @@ def tower_findings(tower, hf_visual, pixels, grid) -> list[Finding]:
         return a is None or b is None or a.numel() != b.numel() or rel(a, b) <= TOL
     modules = dict(tower.named_modules())
     for i, (name, err) in enumerate(errors):
-        if (err > TOL or err != err) and input_ok(name):
+        if err > TOL and input_ok(name):       # (inf: a NaN or a shape that does not fit)
             return [Finding(PROBE, "error", f"vision tower: `visual.{name}` ({type(modules[name]).__name__}) is the "
                             f"first module to turn a matching input into an output past tolerance: rel RMS {err:.2e} "
                             "against transformers",

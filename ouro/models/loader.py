@@ -6,9 +6,8 @@ stacked, one `mlp.experts.gate_up_proj` [E, 2I, D] (gate rows, then up) and one 
 
 One table (`checkpoint_layout`) maps each model parameter to its on-disk tensors; loading and
 writing both use it. Loading goes tensor by tensor, so peak memory is the model plus one tensor.
-The vision tower (`model.visual.*`) is its own model: `load_vision` reads it, `save_weights(...,
-vision=)` writes it beside the text tensors.
-"""
+The vision tower (`model.visual.*`) is its own model: `load_vision` reads it (`has_vision` asks),
+`save_weights(..., vision=)` writes it beside the text tensors."""
 
 from __future__ import annotations
 
@@ -288,6 +287,15 @@ def load_model(directory: str | Path, dtype=torch.float32, device="cpu", kda_chu
     return model.eval()
 
 
+def _vision_prefix(where: dict) -> str | None:
+    return next((p for p in VISION_PREFIXES if any(k.startswith(p) for k in where)), None)
+
+
+def has_vision(directory: str | Path) -> bool:
+    """Whether the checkpoint holds vision tower tensors (read from the file headers only)."""
+    return _vision_prefix(_index_files(Path(directory))) is not None
+
+
 def load_vision(directory: str | Path, dtype=torch.float32, device="cpu"):
     """The checkpoint's vision tower as a `VisionModel`, or None when it has none (no `vision_config`
     or no `model.visual.*` tensors). Every tower tensor must be there with its shape, and nothing else
@@ -299,7 +307,7 @@ def load_vision(directory: str | Path, dtype=torch.float32, device="cpu"):
         raise CheckpointError(f"{directory}: no config.json (expected a Hugging Face glm5_next checkpoint directory)")
     vision_config = json.loads(path.read_text()).get("vision_config")
     where = _index_files(directory)
-    prefix = next((p for p in VISION_PREFIXES if any(k.startswith(p) for k in where)), None)
+    prefix = _vision_prefix(where)
     if not vision_config or prefix is None:
         return None
     config = VisionConfig.from_hf(vision_config)

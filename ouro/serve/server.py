@@ -32,7 +32,8 @@ def engine_kwargs(args) -> dict:
 
 def media_for(args, directory, mc):
     """(the checkpoint's ImagePrompt or None, the image limits of the command line)."""
-    from ..engine.multimodal import ImagePrompt, has_vision_tower
+    from ..engine.multimodal import ImagePrompt
+    from ..models.loader import has_vision
     from .media import MediaLimits
     try:
         per_prompt = json.loads(getattr(args, "limit_mm_per_prompt", None) or "{}")
@@ -43,7 +44,7 @@ def media_for(args, directory, mc):
     limits = MediaLimits(max_images=max_images, max_bytes=getattr(args, "max_image_bytes", 16 << 20),
                          max_pixels=getattr(args, "max_image_pixels", 40_000_000),
                          allowed_local_path=getattr(args, "allowed_local_media_path", None))
-    return (ImagePrompt(directory, mc) if has_vision_tower(directory) else None), limits
+    return (ImagePrompt(directory, mc) if has_vision(directory) else None), limits
 
 
 def random_init_note(directory: Path) -> str | None:
