@@ -1,5 +1,5 @@
-"""The disaggregation commands: `ouro serve --role prefill|decode` (a worker), `ouro router`
-(the OpenAI front over workers) and `ouro serve --disagg XPYD` (all of them on this host).
+"""The disaggregation commands: `ouro serve --role encode|prefill|decode` (a worker), `ouro router`
+(the OpenAI front over workers) and `ouro serve --disagg [XE]YPZD` (all of them on this host).
 
 Flags follow SGLang's PD disaggregation where they map: `--disaggregation-mode` (our `--role`),
 `--disaggregation-transfer-backend` (tcp or shm here), `--disaggregation-bootstrap-port` (the
@@ -17,9 +17,11 @@ import sys
 
 def add_worker_flags(sv) -> None:
     g = sv.add_argument_group("disaggregation", "prefill/decode workers (see `ouro router`)")
-    g.add_argument("--role", "--disaggregation-mode", dest="role", default=None, choices=["prefill", "decode"],
-                   help="run a prefill or decode worker instead of a server: the engine protocol over TCP on "
-                        "--host:--port (messages in) and --port+1 (out), for `ouro router`")
+    g.add_argument("--role", "--disaggregation-mode", dest="role", default=None, choices=["encode", "prefill", "decode"],
+                   help="run an encode (vision tower only), prefill or decode worker instead of a server: the engine "
+                        "protocol over TCP on --host:--port (messages in) and --port+1 (out), for `ouro router`")
+    g.add_argument("--encoder-cache-mb", type=int, default=256,
+                   help="prefill: MiB of image rows from encode workers kept for reuse (least recently used out)")
     g.add_argument("--disaggregation-transfer-backend", "--transfer-backend", dest="transfer_backend", default="tcp",
                    choices=["tcp", "shm", "mooncake"],
                    help="decode: how prefilled state arrives (shm: same host only; mooncake: Mooncake's "
@@ -29,9 +31,9 @@ def add_worker_flags(sv) -> None:
     g.add_argument("--transfer-timeout", type=float, default=30.0,
                    help="seconds a room waits for its prefill worker, and a prefill worker for its room, "
                         "before the handshake gives it up")
-    g.add_argument("--disagg", default=None, metavar="XPYD",
-                   help="start X prefill and Y decode workers on this host and serve them through a router on "
-                        "--host:--port, e.g. 1P1D")
+    g.add_argument("--disagg", default=None, metavar="[XE]YPZD",
+                   help="start X encode (optional), Y prefill and Z decode workers on this host and serve them "
+                        "through a router on --host:--port, e.g. 1P1D or 1E1P1D")
     g.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)   # --disagg's own workers
 
 
@@ -40,6 +42,9 @@ def add_router_parser(sub) -> None:
     r = sub.add_parser("router", help="OpenAI-compatible front over prefill and decode workers")
     r.add_argument("--prefill", action="append", required=True, metavar="HOST:PORT", help="a prefill worker (repeatable)")
     r.add_argument("--decode", action="append", required=True, metavar="HOST:PORT", help="a decode worker (repeatable)")
+    r.add_argument("--encode", action="append", default=[], metavar="HOST:PORT",
+                   help="an encode worker (repeatable): image requests go encode -> prefill -> decode; without one "
+                        "the prefill workers encode images themselves")
     r.add_argument("--model", default=DEFAULT_MODEL, help="the checkpoint the workers serve (its tokenizer and template)")
     r.add_argument("--served-model-name", default=None)
     r.add_argument("--host", default="127.0.0.1")
@@ -60,7 +65,8 @@ def _cmd_router(args) -> int:
     from ..serve.server import serve
     from .router_client import DisaggClient
     return serve(args, lambda directory, on_stats: DisaggClient(args.prefill, args.decode, on_stats,
-                                                                heartbeat_timeout_s=args.worker_timeout))
+                                                                heartbeat_timeout_s=args.worker_timeout,
+                                                                encode=args.encode, model_dir=directory))
 
 
 def free_port_pair() -> int:
@@ -78,20 +84,24 @@ def free_port_pair() -> int:
     raise RuntimeError("no pair of free ports found")
 
 
-def parse_layout(text: str) -> tuple[int, int]:
-    m = re.fullmatch(r"(\d+)P(\d+)D", text.strip().upper())
-    if not m or int(m[1]) < 1 or int(m[2]) < 1:
-        raise ValueError(f"--disagg takes XPYD with X, Y >= 1 (e.g. 1P1D), got {text!r}")
-    return int(m[1]), int(m[2])
+def parse_layout(text: str) -> tuple[int, int, int]:
+    """(encode, prefill, decode) workers of `[XE]YPZD`."""
+    m = re.fullmatch(r"(?:(\d+)E)?(\d+)P(\d+)D", text.strip().upper())
+    if not m or int(m[2]) < 1 or int(m[3]) < 1 or (m[1] is not None and int(m[1]) < 1):
+        raise ValueError(f"--disagg takes [XE]YPZD with X, Y, Z >= 1 (e.g. 1P1D or 1E1P1D), got {text!r}")
+    return int(m[1] or 0), int(m[2]), int(m[3])
 
 
 def worker_argv(args, role: str, port: int) -> list[str]:
     """The `ouro serve --role ...` command line of one local worker, from this serve's engine flags."""
     argv = [sys.executable, "-m", "ouro.cli", "serve", "--role", role, "--model", str(args.model), "--host", "127.0.0.1",
-            "--port", str(port), "--device", args.device, "--dtype", args.dtype, "--page-size", str(args.page_size),
-            "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-            "--transfer-backend", args.transfer_backend, "--transfer-timeout", str(args.transfer_timeout),
-            "--exit-with-parent"]
+            "--port", str(port), "--device", args.device, "--transfer-timeout", str(args.transfer_timeout)]
+    if role == "encode":                 # the tower alone: none of the engine's flags apply
+        return argv + ["--exit-with-parent"]
+    argv += ["--dtype", args.dtype, "--page-size", str(args.page_size),
+             "--encoder-cache-mb", str(getattr(args, "encoder_cache_mb", 256)),
+             "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+             "--transfer-backend", args.transfer_backend, "--exit-with-parent"]
     if args.max_memory:
         argv += ["--max-memory", str(args.max_memory)]
     if args.enable_prefix_caching:
@@ -128,16 +138,17 @@ def serve_disagg(args) -> int:
     if getattr(args, "tp", 1) > 1 and args.transfer_backend != "tcp":
         raise ValueError("--disagg with --tp sends each rank's shard over tcp: drop --transfer-backend "
                          f"{args.transfer_backend}")
-    n_prefill, n_decode = parse_layout(args.disagg)
-    procs, roles = {}, {"prefill": [], "decode": []}
-    for role, n in (("prefill", n_prefill), ("decode", n_decode)):
+    n_encode, n_prefill, n_decode = parse_layout(args.disagg)
+    procs, roles = {}, {"encode": [], "prefill": [], "decode": []}
+    for role, n in (("encode", n_encode), ("prefill", n_prefill), ("decode", n_decode)):
         for _ in range(n):
             port = free_port_pair()
             address = f"127.0.0.1:{port}"
             procs[address] = subprocess.Popen(worker_argv(args, role, port))
             roles[role].append(address)
     try:
-        return serve(args, lambda directory, on_stats: DisaggClient(roles["prefill"], roles["decode"], on_stats, procs))
+        return serve(args, lambda directory, on_stats: DisaggClient(roles["prefill"], roles["decode"], on_stats, procs,
+                                                                    encode=roles["encode"], model_dir=directory))
     finally:
         stop_all(procs.values())
 
@@ -157,13 +168,22 @@ def stop_all(procs, timeout_s: float = 10.0) -> None:
 
 
 def run_role(args) -> int:
-    """`ouro serve --role prefill|decode`."""
+    """`ouro serve --role encode|prefill|decode`."""
     from ..models.resolve import resolve_model
     from ..serve.server import engine_kwargs
     from .worker import run_worker
     if args.cp > 1:
         raise ValueError("--role does not combine with --cp yet")
     directory = resolve_model(args.model, progress=True)
+    if args.role == "encode":
+        from ..models.loader import has_vision
+        from .encode_worker import run_encoder
+        if not has_vision(directory):
+            raise ValueError(f"{directory} has no vision tower (no model.visual.* tensors): an encode worker needs one")
+        if getattr(args, "tp", 1) > 1:
+            raise ValueError("an encode worker runs the vision tower on one device: drop --tp")
+        run_encoder(str(directory), args.host, args.port, args.device, args.transfer_timeout, args.exit_with_parent)
+        return 0
     run_worker(args.role, str(directory), engine_kwargs(args), args.host, args.port, args.transfer_backend,
-               args.bootstrap_port, args.transfer_timeout, args.exit_with_parent)
+               args.bootstrap_port, args.transfer_timeout, args.exit_with_parent, args.encoder_cache_mb << 20)
     return 0

@@ -20,7 +20,10 @@ from __future__ import annotations
 import queue
 import time
 
+import torch
+
 from ..engine.detokenizer import IncrementalDetokenizer
+from ..engine.multimodal import ImageInputs, image_positions, image_spans
 from ..engine.page_pool import OutOfPages
 from ..engine.request import Request, Status
 from ..engine.sampling import make_generator
@@ -29,6 +32,16 @@ from . import shared_cache
 from .kv_receiver import KVReceiver
 from .prefill_engine import set_generator_state
 from .wake_queue import WakeQueue
+
+
+def awaited_images(ids: list[int], config, hashes: list[str]) -> ImageInputs:
+    """A prompt's image inputs before their rows arrive: keyed by `hashes`, the rows NaN until the
+    prefill worker's `mm` frame fills them (a row never written shows)."""
+    counts = [n for _, n in image_spans(ids, config)]
+    if len(counts) != len(hashes):
+        raise ValueError(f"the prompt has {len(counts)} images, the request names {len(hashes)}")
+    rows = torch.full((sum(counts), config.hidden_size), float("nan"))
+    return ImageInputs(image_positions(ids, config), rows, list(hashes), counts)
 
 
 class NoRoom(RuntimeError):
@@ -64,19 +77,22 @@ class DecodeEngine:
     def address(self) -> str:
         return self.kv.address
 
-    def reserve(self, rid: str, prompt_ids: list[int], params) -> dict:
+    def reserve(self, rid: str, prompt_ids: list[int], params, image_hashes: list[str] | None = None) -> dict:
         """A room for the request: its slot and prompt pages. Raises ValueError (a bad request)
-        or NoRoom (no slot or pages free now)."""
+        or NoRoom (no slot or pages free now). `image_hashes`: the keys of a prompt's images
+        (expanded in `prompt_ids`): its prefix-cache key, and a tensor the image rows arrive into."""
         e = self.engine
         ids, params = e.check_request({"prompt_token_ids": prompt_ids}, params, rid)
         if rid in self.reserved:
             raise ValueError(f"duplicate request id {rid!r}")
+        mm = awaited_images(ids, e.model.config, image_hashes) if image_hashes else None
+        keys = mm.key_ids(ids) if mm is not None else ids
         slot = e.slots.alloc()
         if slot is None:
             raise NoRoom("no free state slot on the decode worker")
         held = None                      # a prefix this worker holds: its rows need not travel
         if e.prefix_cache is not None:
-            held = e.prefix_cache.match(ids, rows_only=True)
+            held = e.prefix_cache.match(keys, rows_only=True)
             if held.usable_tokens:
                 e.prefix_cache.lock(held)
             else:
@@ -91,11 +107,12 @@ class DecodeEngine:
             raise NoRoom(f"no pages on the decode worker: {err}") from None
         n = next(e._ids)
         req = Request(rid, ids, params, generator=make_generator(params.seed, e.config.seed + n), pages=pages, slot=slot,
-                      prefix_match=held)
+                      prefix_match=held, mm=mm)
         if e.tokenizer is not None:
             req.detokenizer = IncrementalDetokenizer(e.tokenizer, ids, params.stop_list, params.skip_special_tokens)
         self.reserved[rid] = req
-        room = self.kv.rooms.reserve(rid, pages, slot, len(ids), held.usable_tokens if held else 0, self.timeout_s)
+        room = self.kv.rooms.reserve(rid, pages, slot, len(ids), held.usable_tokens if held else 0, self.timeout_s,
+                                     image_rows=mm.embeds if mm is not None else None)
         info = self.kv.room_info(room)
         if self.addresses:
             info["addresses"] = self.addresses
@@ -185,7 +202,7 @@ class DecodeEngine:
         req.cached_tokens = result.get("cached_tokens", 0)     # prompt tokens the prefill worker did not compute
         if e.prefix_cache is not None:   # its full pages serve later requests' rows here
             full = len(req.prompt_ids) // e.config.page_size
-            e.prefix_cache.insert(req.prompt_ids[: full * e.config.page_size], req.pages[:full], {})
+            e.prefix_cache.insert(req.key_ids[: full * e.config.page_size], req.pages[:full], {})
         req.status, req.first_scheduled = Status.RUNNING, time.monotonic()
         set_generator_state(req.generator, result.get("generator"))
         e.requests[req.request_id] = req

@@ -1,6 +1,7 @@
 """The decode worker's end of the transfer: a `Receiver` whose frames drive the `RoomTable`.
 
 - `hello` -> `go` when the room is still reserved (it is now that connection's to write), else `no`;
+- `mm` -> the prompt's image rows (any backend: inline bytes) into the room's `image_rows`;
 - `kv` -> over tcp the blocks are read straight into the room's pages and slot (`page_segments`),
   over shm they are already there; either way the rows are booked;
 - `done` / `failed` / `aborted` -> the room completes or is freed (`RoomTable.finished`);
@@ -35,9 +36,12 @@ class KVReceiver:
         return info
 
     def _resolve(self, header, peer):
-        room = self.rooms.destination(header.get("rid"), peer) if header.get("type") == "kv" else None
+        kind = header.get("type")
+        room = self.rooms.destination(header.get("rid"), peer) if kind in ("kv", "mm") else None
         if room is None:
             return None
+        if kind == "mm":                  # the prompt's image rows, straight into the request's tensor
+            return None if room.image_rows is None else [[room.image_rows]]
         return page_segments(self.cache, self.pieces[header["layer"]], room.pages, room.slot,
                              header["t0"], header["t1"], header["final"])
 
@@ -48,6 +52,8 @@ class KVReceiver:
             peer.send_control({"type": "go" if ok else "no", "rid": rid})
         elif kind == "kv":
             self.rooms.received(rid, peer, header["layer"], header["t0"], header["t1"], header["final"])
+        elif kind == "mm":
+            self.rooms.received_images(rid, peer)
         elif kind in ("done", "failed", "aborted"):
             self.rooms.finished(rid, peer, kind, dict(header, received_at=time.time()))
 

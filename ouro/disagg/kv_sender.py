@@ -72,6 +72,10 @@ class KVSender:
         the request's pages now, when they grew since `open` (chunked prefill)."""
         self.jobs.put(("kv", rid, (layer, t0, t1, final, pages)))
 
+    def image_rows(self, rid: str, rows) -> None:
+        """The prompt's image rows: the decode side recomputes from them if it ever preempts the request."""
+        self.jobs.put(("mm", rid, rows))
+
     def finish(self, rid: str, result: dict) -> None:
         self.jobs.put(("done", rid, result))
 
@@ -185,6 +189,8 @@ class KVSender:
                 views = page_segments(self._remote(o.room), lp, o.room["pages"], o.room["slot"], lo, t1, final)
             o.sender.put(header, blocks, views)
             self.bytes_sent += sum(b.numel() * b.element_size() for b in blocks)
+        elif kind == "mm":
+            self.bytes_sent += o.sender.send_inline({"type": "mm", "rid": o.rid}, [arg])
         else:                             # done / failed: the request's last frame
             o.sender.notify(dict(arg, type=kind, rid=o.rid))
             self._end(o, kind)

@@ -18,7 +18,9 @@ import time
 
 import torch
 
+from ..engine.multimodal import ImageInputs, image_spans
 from ..engine.request import Request
+from .encoder_cache import EmbedsReceiver, EncoderCache, ImageWaits
 from .kv_sender import KVSender
 from .wake_queue import WakeQueue
 
@@ -33,9 +35,11 @@ def set_generator_state(gen: torch.Generator | None, state: str | None) -> None:
 
 
 class PrefillEngine:
-    def __init__(self, engine, timeout_s: float = 30.0, overlap: bool = True):
+    def __init__(self, engine, timeout_s: float = 30.0, overlap: bool = True, images: bool = False,
+                 encoder_cache_bytes: int = 256 << 20, host: str = "127.0.0.1"):
         """overlap=False: a request's layers are queued only once its prefill is done (the A/B
-        that shows what overlapping the transfer with compute buys)."""
+        that shows what overlapping the transfer with compute buys). images: the checkpoint takes
+        images: listen for encode workers' rows (`encoder_cache`)."""
         if engine.cp is not None:
             raise ValueError("a prefill worker does not combine with --cp yet")
         self.engine, self.overlap = engine, overlap
@@ -49,17 +53,71 @@ class PrefillEngine:
             self.kv = MirroredSender(self.kv, engine.tp)
         self._rows: list = []
         self._opened: set[str] = set()         # requests whose transfer the thread has begun
+        self.asks: list[tuple[str, list[str]]] = []          # (rid, image hashes) to ask the router for
+        self.failures: list[tuple[str, str, int]] = []       # (rid, why, status) for the caller to report
+        self.waits = ImageWaits(EncoderCache(encoder_cache_bytes), min(timeout_s, 10.0))
+        self.embeds = None
+        if images:
+            self.embeds = EmbedsReceiver(engine.model.config.hidden_size, lambda h, rows: self.released.put(("rows", h, rows)),
+                                         f"{host}:0")
         model = engine.model
         self._handles = [model.register_forward_pre_hook(self._before_forward)]
         self._handles += [layer.register_forward_hook(self._after_layer(i)) for i, layer in enumerate(model.layers)]
 
-    def add(self, rid: str, prompt_ids: list[int], params, room: dict) -> None:
-        """Queue a request; `params` are the client's (max_tokens is the decode side's business)."""
-        self.engine.add_request({"prompt_token_ids": prompt_ids}, dataclasses.replace(params, max_tokens=1), rid)
+    def add(self, rid: str, prompt_ids: list[int], params, room: dict, images: dict | None = None) -> None:
+        """Queue a request; `params` are the client's (max_tokens is the decode side's business).
+        `images` (a prompt with images, expanded): {"hashes": [...], "coming": [hashes an encode
+        worker is sending now]} (rows from the encoder cache), or {"hashes", "data": [encoded
+        images]} (no encode worker: encoded here)."""
+        params = dataclasses.replace(params, max_tokens=1)
+        if rid in self.waits.waiting:
+            raise ValueError(f"duplicate request id {rid!r}")
+        prompt = {"prompt_token_ids": prompt_ids}
+        if not images:
+            return self._admit(rid, prompt, params, room)
+        hashes = list(images.get("hashes") or [])
+        if images.get("data") is not None:
+            from ..engine.multimodal import as_images
+            from ..serve.messages import images_from_wire
+            ids, _ = self.engine.check_request(prompt, params, rid)
+            mm = self.engine.image_encoder().encode(ids, as_images(images_from_wire(images["data"])), hashes or None)
+            return self._admit(rid, prompt, params, room, mm)
+        if self.embeds is None:
+            raise ValueError("this checkpoint takes no images")
+        ids, _ = self.engine.check_request(prompt, params, rid)      # a bad request is refused before it waits
+        if len(image_spans(ids, self.engine.model.config)) != len(hashes):
+            raise ValueError(f"the prompt has {len(image_spans(ids, self.engine.model.config))} images, "
+                             f"the request names {len(hashes)}")
+        wait, ask = self.waits.add(rid, (prompt, params, room), hashes, images.get("coming", ()))
+        if ask:
+            self.asks.append((rid, ask))
+        if not wait.missing():
+            self._admit_waited(wait)
+
+    def _admit(self, rid, prompt, params, room, mm=None) -> None:
+        self.engine.add_request(prompt, params, rid, mm=mm)
         self.engine.requests[rid].hold_on_finish = True
         self.rooms[rid] = room
 
+    def _admit_waited(self, wait) -> None:
+        prompt, params, room = wait.request
+        ids = prompt["prompt_token_ids"]
+        try:
+            mm = ImageInputs.from_rows(ids, self.engine.model.config, [wait.got[h] for h in wait.hashes], wait.hashes)
+            self._admit(wait.rid, prompt, params, room, mm)
+        except ValueError as e:             # rows that do not fit the prompt: this request fails, nothing else
+            self.failures.append((wait.rid, f"the encoded images do not fit the prompt: {e}", 400))
+
+    def _images(self) -> None:
+        """Requests waiting for image rows: admit the complete, ask again for the overdue, fail the lost."""
+        again, lost = self.waits.overdue()
+        self.asks += [(w.rid, w.missing()) for w in again]
+        self.failures += [(w.rid, f"the rows of {len(w.missing())} image(s) never reached this prefill worker "
+                                  f"after {w.asks} asks (is an encode worker up?)", 503) for w in lost]
+
     def abort(self, rid: str) -> None:
+        if self.waits.drop(rid):         # still waiting for its images: nothing computed, nothing sent
+            return
         req = self.engine.requests.get(rid)
         self.engine.abort(rid)
         self._deferred.pop(rid, None)
@@ -73,6 +131,7 @@ class PrefillEngine:
         """Return the held pages of finished transfers, then one engine step. Requests whose
         prefill finished are handed to the transfer thread's `done`."""
         self.drain_released()
+        self._images()
         self._rows = []
         outs = self.engine.step() if self.engine.has_unfinished() else []
         if self.engine.speculator is not None:
@@ -97,9 +156,14 @@ class PrefillEngine:
     def drain_released(self) -> None:
         while True:
             try:
-                rid, outcome = self.released.get_nowait()
+                item = self.released.get_nowait()
             except queue.Empty:
                 return
+            if item[0] == "rows" and len(item) == 3:       # an image's rows from an encode worker
+                for wait in self.waits.arrived(item[1], item[2]):
+                    self._admit_waited(wait)
+                continue
+            rid, outcome = item
             if rid in self.engine.requests:    # still computing, but nobody will take its state now
                 self.engine.abort(rid)
             if self.engine.tp is not None:     # the followers' transfers read the same pages on their ranks
@@ -111,7 +175,7 @@ class PrefillEngine:
             self.outcomes[rid] = outcome
 
     def has_work(self) -> bool:
-        return self.engine.has_unfinished() or bool(self.engine.scheduler.held)
+        return self.engine.has_unfinished() or bool(self.engine.scheduler.held) or bool(self.waits)
 
     def wakeups(self) -> WakeQueue:
         """What the worker's loop sleeps on beside its messages: the transfer thread's endings."""
@@ -125,6 +189,8 @@ class PrefillEngine:
         for h in self._handles:
             h.remove()
         self.kv.close()
+        if self.embeds is not None:
+            self.embeds.close()
         self.released.close()
 
     # ---- the transfer thread's callback (not the engine thread) ----
@@ -148,6 +214,8 @@ class PrefillEngine:
             if req.request_id not in self._opened:
                 self._opened.add(req.request_id)
                 self.kv.open(req.request_id, room, req.slot, pages)
+                if req.mm is not None:            # the decode side recomputes from them after a preemption
+                    self.kv.image_rows(req.request_id, req.mm.embeds)
                 if t0 > room["skip_tokens"]:      # a prefix hit here: rows the decode side lacks, computed earlier
                     for lp in self.kv.pieces:
                         if lp.kind == "dsa":

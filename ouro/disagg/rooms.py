@@ -52,6 +52,8 @@ class Room:
     covered: dict = field(default_factory=dict)   # DSA layer -> tokens received up to
     finals: set = field(default_factory=set)      # KDA layers whose final state arrived
     result: dict | None = None  # the `done` frame: first token and its logprobs
+    image_rows: object = None   # a prompt with images: the tensor its image rows arrive into (`mm` frame)
+    images_in: bool = False     # ... and whether they did
     reason: str | None = None   # why it was freed, if not consumed
 
 
@@ -63,11 +65,12 @@ class RoomTable:
         self.lock = threading.Lock()
 
     # ---- the decode engine's side ----
-    def reserve(self, rid: str, pages: list[int], slot: int, prompt_len: int, skip_tokens: int, timeout_s: float) -> Room:
+    def reserve(self, rid: str, pages: list[int], slot: int, prompt_len: int, skip_tokens: int, timeout_s: float,
+                image_rows=None) -> Room:
         with self.lock:
             if rid in self.rooms:
                 raise ValueError(f"request {rid!r} already has a room")
-            room = Room(rid, list(pages), slot, prompt_len, skip_tokens, self.clock() + timeout_s)
+            room = Room(rid, list(pages), slot, prompt_len, skip_tokens, self.clock() + timeout_s, image_rows=image_rows)
             room.covered = dict.fromkeys(self.dsa_layers, skip_tokens)
             self.rooms[rid] = room
             return room
@@ -140,6 +143,13 @@ class RoomTable:
             if final and layer in self.kda_layers:
                 room.finals.add(layer)
 
+    def received_images(self, rid: str, conn) -> None:
+        """Book the image rows (read into `room.image_rows`): a preempted request recomputes from them."""
+        with self.lock:
+            room = self.destination(rid, conn)
+            if room is not None and room.image_rows is not None:
+                room.images_in = True
+
     def finished(self, rid: str, conn, kind: str, frame: dict) -> None:
         """The writer's last word for the room: `done` (with the first token), `failed`, or
         `aborted`. After it the writer writes nothing more for this room."""
@@ -177,8 +187,9 @@ class RoomTable:
             return room.reason
         short = [f"layer {k} rows up to {v}" for k, v in room.covered.items() if v != room.prompt_len]
         states = sorted(self.kda_layers - room.finals)
-        if short or states:
-            return "; ".join(short + ([f"no final state for layers {states}"] if states else []))
+        images = ["no image rows"] if room.image_rows is not None and not room.images_in else []
+        if short or states or images:
+            return "; ".join(short + ([f"no final state for layers {states}"] if states else []) + images)
         return None
 
     def _close(self, room: Room, reason: str) -> None:

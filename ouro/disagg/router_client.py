@@ -8,6 +8,11 @@ fails the request with that side's status (400, 503), and a request the prefill 
 has its room released on the decode side. A worker whose heartbeats stop (or whose process, when
 the router started it, exits) is dead: its requests fail with 503 at once, and rooms waiting on a
 dead prefill worker are aborted on the decode side. Workers are picked round robin.
+
+A request with images goes to an encode worker first (`image_routes`): its rows reach the prefill
+worker before a room is reserved; text-only requests never touch the encode workers, and an
+encode worker down fails image requests only (/health stays 200 while prefill and decode are up).
+Without encode workers the prefill worker encodes the images itself.
 """
 
 from __future__ import annotations
@@ -21,10 +26,14 @@ import zmq.asyncio
 
 from ..serve.generation import GenerationError
 from ..serve.engine_client import EngineUnavailable
-from ..serve.messages import decode, encode, params_to_wire
+from ..engine.multimodal import bytes_hash
+from ..serve.messages import decode, encode, images_to_wire, params_to_wire
+from .image_routes import ENCODE_STATS, ENCODER_CACHE_STATS, ImageRoutes
 
 HEARTBEAT_TIMEOUT_S = 10.0     # a worker beats between steps: a long prefill step must not look like death
 RESERVE_TIMEOUT_S = 30.0
+ENCODE_TIMEOUT_S = 120.0       # an encode worker's answer (its heartbeats say sooner when it is gone)
+ROLES = ("encode", "prefill", "decode")
 
 
 class WorkerLink:
@@ -60,8 +69,9 @@ class WorkerLink:
 
 class DisaggClient:
     def __init__(self, prefill: list[str], decode: list[str], on_stats=None, procs: dict | None = None,
-                 heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S):
-        self.addresses = {"prefill": list(prefill), "decode": list(decode)}
+                 heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S, encode: list[str] = (), model_dir=None):
+        self.addresses = {"encode": list(encode), "prefill": list(prefill), "decode": list(decode)}
+        self.images = ImageRoutes()
         self.procs = procs or {}                # address -> a process the router started (--disagg)
         self.on_stats = on_stats or (lambda stats: None)
         self.heartbeat_timeout_s = heartbeat_timeout_s
@@ -78,9 +88,9 @@ class DisaggClient:
     # ---- life cycle ----
     async def start(self, timeout: float = 600.0) -> None:
         self.ctx = zmq.asyncio.Context()
-        self.links = [WorkerLink(self.ctx, a, role, self.procs.get(a)) for role in ("prefill", "decode")
-                      for a in self.addresses[role]]
-        self._rr = {role: itertools.cycle([lk for lk in self.links if lk.role == role]) for role in ("prefill", "decode")}
+        self.links = [WorkerLink(self.ctx, a, role, self.procs.get(a)) for role in ROLES for a in self.addresses[role]]
+        self._rr = {role: itertools.cycle([lk for lk in self.links if lk.role == role]) for role in ROLES
+                    if self.addresses[role]}
         deadline = time.monotonic() + timeout
         for link in self.links:
             while not link.info:
@@ -123,21 +133,43 @@ class DisaggClient:
 
     @property
     def healthy(self) -> bool:
-        return self.state == "ready" and all(lk.dead is None for lk in self.links)
+        """Prefill and decode workers all up (an encode worker down fails image requests only)."""
+        return self.state == "ready" and all(lk.dead is None for lk in self.links if lk.role != "encode")
+
+    def _encoder(self) -> WorkerLink | None:
+        """The next living encode worker, round robin, or None."""
+        for _ in range(len(self.addresses["encode"])):
+            link = next(self._rr["encode"])
+            if link.dead is None:
+                return link
+        return None
 
     # ---- requests ----
     async def add(self, rid: str, prompt_ids: list[int], params, queue: asyncio.Queue | None = None,
                   images: list | None = None) -> asyncio.Queue:
-        if images:
-            raise GenerationError(400, "image requests are not served with --disagg yet: serve them on one server")
         if not self.healthy:
             raise EngineUnavailable(self.dead_reason or "the workers are not ready")
+        p, d = next(self._rr["prefill"]), next(self._rr["decode"])
+        if images and p.info.get("embeds") is None:
+            raise GenerationError(400, "this model takes text only: the prefill workers have no image input")
         q = queue if queue is not None else asyncio.Queue()
         self.queues[rid] = q
-        p, d = next(self._rr["prefill"]), next(self._rr["decode"])
         wire = params_to_wire(params)
+        hashes, image_part = None, None
+        if images:                                   # encode first: nothing is reserved while it runs
+            hashes = [bytes_hash(raw) for raw in images]
+            self.images.hold(rid, p, images, hashes)
+            if self.addresses["encode"]:
+                coming = await self._encode(rid, p, self.images.unsent(p, hashes))
+                if coming is None or rid not in self.queues:     # failed (the error is queued) or aborted
+                    self.images.drop(rid)
+                    return q
+                image_part = {"hashes": hashes, "coming": coming}
+            else:                                    # no encode worker: the prefill worker encodes them
+                image_part = {"hashes": hashes, "data": images_to_wire(images)}
         fut = self._reserving[rid] = asyncio.get_running_loop().create_future()
-        await d.send({"type": "reserve", "rid": rid, "prompt_token_ids": prompt_ids, "params": wire})
+        await d.send({"type": "reserve", "rid": rid, "prompt_token_ids": prompt_ids, "params": wire,
+                      "image_hashes": hashes})
         try:
             answer = await asyncio.wait_for(fut, RESERVE_TIMEOUT_S)
         except asyncio.TimeoutError:
@@ -147,16 +179,34 @@ class DisaggClient:
         if "error" in answer:
             q.put_nowait({"rid": rid, "error": answer["error"], "status": answer["status"]})
             await d.send({"type": "abort", "rid": rid})     # in case it reserved after all
+            self.images.drop(rid)
             return q
         if rid not in self.queues:                          # aborted while reserving
             await d.send({"type": "abort", "rid": rid})
+            self.images.drop(rid)
             return q
         self.routes[rid] = (p, d)
-        await p.send({"type": "add", "rid": rid, "prompt_token_ids": prompt_ids, "params": wire, "room": answer["room"]})
+        await p.send({"type": "add", "rid": rid, "prompt_token_ids": prompt_ids, "params": wire, "room": answer["room"],
+                      "images": image_part})
         return q
+
+    async def _encode(self, rid: str, p: WorkerLink, todo: list[int]) -> list[str] | None:
+        """Have an encode worker send the images `todo` (indices) to `p`; returns their hashes once
+        sent (the prefill worker waits for them), or None with the request's error queued."""
+        held = self.images.held.get(rid)
+        if not todo or held is None:
+            return []
+        answer = await self.images.encode(rid, todo, self._encoder, ENCODE_TIMEOUT_S)
+        if "error" in answer:
+            q = self.queues.pop(rid, None)
+            if q is not None:
+                q.put_nowait({"rid": rid, "error": answer["error"], "status": answer["status"]})
+            return None
+        return answer["hashes"]
 
     async def abort(self, rid: str) -> None:
         self.queues.pop(rid, None)
+        await self.images.abort(rid)
         route = self.routes.pop(rid, None)
         if route is not None:
             for link in route:
@@ -165,6 +215,7 @@ class DisaggClient:
 
     def release(self, rid: str) -> None:
         self.queues.pop(rid, None)
+        self.images.drop(rid)
         self.routes.pop(rid, None)
 
     # ---- tracing on demand: every worker records; stop returns all their events ----
@@ -190,6 +241,7 @@ class DisaggClient:
             kind, rid = msg["type"], msg.get("rid")
             if kind == "outputs":
                 for item in msg["items"]:
+                    self.images.drop(item["rid"])           # prefilled: its images are no longer needed
                     q = self.queues.get(item["rid"])
                     if q is not None:
                         q.put_nowait(item)
@@ -199,7 +251,13 @@ class DisaggClient:
                 fut = self._reserving.get(rid)
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
+            elif kind == "encoded":
+                self.images.encoded(link, msg)
+            elif kind == "need_images":           # an encoder-cache miss on a prefill worker: encode again
+                await self._reencode(link, rid, msg.get("hashes", []))
             elif kind == "error":
+                if link.role == "encode" and self.images.encode_failed(link, rid, msg):
+                    continue
                 await self._error(link, rid, msg["message"], msg.get("status", 500))
             elif kind == "stats":
                 link.stats, link.last_beat = msg["stats"], time.monotonic()
@@ -221,17 +279,30 @@ class DisaggClient:
         q = self.queues.pop(rid, None)
         if q is not None:
             q.put_nowait({"rid": rid, "error": message, "status": status})
+        self.images.drop(rid)
         route = self.routes.pop(rid, None)
-        if route is not None:            # the other side lets go too: the room is released, the prefill stops
-            other = route[1] if link.role == "prefill" else route[0]
-            if other.dead is None:
-                await other.send({"type": "abort", "rid": rid})
+        if route is not None:            # the other sides let go too: the room is released, the prefill stops
+            for other in route:
+                if other is not link and other.dead is None:
+                    await other.send({"type": "abort", "rid": rid})
+
+    async def _reencode(self, p: WorkerLink, rid: str, hashes: list[str]) -> None:
+        """A prefill worker lacks these rows: an encode worker sends them again (no encode worker
+        up, or the request's images already let go: the request fails)."""
+        self.images.forget(p, hashes)
+        todo = self.images.indices(rid, hashes)
+        if todo is None or rid not in self.routes:
+            return
+        answer = await self.images.encode(rid, todo, self._encoder, ENCODE_TIMEOUT_S)
+        if "error" in answer and rid in self.routes:
+            await self._error(p, rid, answer["error"], answer["status"])
 
     def _merge_stats(self, latencies: list[float]) -> None:
         """Engine metrics from the decode workers (where requests run); transfer counters from both;
         `latencies`: the transfer latencies this heartbeat brought (each observed once)."""
         dec = [lk.stats for lk in self.links if lk.role == "decode" and lk.stats]
         pre = [lk.stats for lk in self.links if lk.role == "prefill" and lk.stats]
+        enc = [lk.stats for lk in self.links if lk.role == "encode" and lk.stats]
         s = {k: sum(x.get(k, 0) for x in dec) for k in ("running", "pages_free", "pages_total", "slots_free",
                                                          "slots_total", "preemptions", "rooms", "transfers_completed",
                                                          "transfers_failed", "kv_bytes_received")}
@@ -239,6 +310,9 @@ class DisaggClient:
         s.update({k: sum(x.get(k, 0) for x in pre) for k in ("held", "transfer_queue", "kv_bytes_sent")})
         s["prefill_pages_used"] = sum(x.get("pages_total", 0) - x.get("pages_free", 0) for x in pre)
         s["prefill_slots_used"] = sum(x.get("slots_total", 0) - x.get("slots_free", 0) for x in pre)
+        s.update({k: sum(x.get(k, 0) for x in pre) for k in ENCODER_CACHE_STATS})
+        s.update({k: sum(x.get(k, 0) for x in enc) for k in ENCODE_STATS})
+        s["encoders_up"] = sum(lk.dead is None for lk in self.links if lk.role == "encode")
         s["transfer_latencies"] = latencies
         self.stats = s
         self.on_stats(s)
@@ -262,6 +336,9 @@ class DisaggClient:
         """Every request through a dead worker fails now; rooms it would have filled are released;
         nothing queued for it reaches the worker that next starts on its address."""
         link.reset_push(self.ctx)
+        if link.role == "encode":       # its jobs go to another encode worker, or fail
+            await self.images.lost(link, self._encoder)
+            return
         for rid, (p, d) in list(self.routes.items()):
             if link in (p, d):
                 await self._error(link, rid, link.dead, 503)

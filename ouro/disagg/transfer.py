@@ -117,6 +117,13 @@ class Sender:
     def notify(self, header: dict) -> None:
         write_frame(self.sock, header)
 
+    def send_inline(self, header: dict, blocks: list[torch.Tensor]) -> int:
+        """A frame whose blocks travel over the connection whatever the backend (image rows, which
+        live outside the shared cache); returns the bytes sent."""
+        n = write_frame(self.sock, header, blocks)
+        self.bytes_sent += n
+        return n
+
     def listen(self, callback) -> None:
         def loop():
             try:

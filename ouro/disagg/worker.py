@@ -3,9 +3,11 @@
 The worker binds two ZeroMQ sockets on `--host`: PULL on `--port` (messages in) and PUSH on
 `--port + 1` (messages out); a router connects to both. Messages are `serve/messages.py`'s, plus:
 
-router -> decode:  {"type": "reserve", "rid", "prompt_token_ids", "params"}
+router -> decode:  {"type": "reserve", "rid", "prompt_token_ids", "params", "image_hashes" (optional)}
 decode -> router:  {"type": "reserved", "rid", "room"}  (or an "error" with status 400 / 503)
-router -> prefill: {"type": "add", "rid", "prompt_token_ids", "params", "room"}
+router -> prefill: {"type": "add", "rid", "prompt_token_ids", "params", "room", "images" (optional:
+                   {"hashes", "coming"} rows from encode workers, or {"hashes", "data"} encoded here)}
+prefill -> router: {"type": "need_images", "rid", "hashes"}  (an encoder-cache miss: encode these again)
 either:            {"type": "hello"} -> {"type": "ready", ...}  (a router (re)connecting asks)
 
 The decode worker streams "outputs" as `ouro serve`'s engine does; a room that closes without a
@@ -31,13 +33,14 @@ POLL_MS = 20          # the longest sleep: rooms' deadlines and heartbeats are c
 
 
 def run_worker(role: str, model_dir: str, engine_kwargs: dict, host: str, port: int, backend: str = "tcp",
-               bootstrap_port: int = 0, timeout_s: float = 30.0, exit_with_parent: bool = False) -> None:
+               bootstrap_port: int = 0, timeout_s: float = 30.0, exit_with_parent: bool = False,
+               encoder_cache_bytes: int = 256 << 20) -> None:
     import torch
     import zmq
 
     from ..config import EngineConfig
     from ..engine.llm_engine import LLMEngine
-    from ..models.loader import load_model
+    from ..models.loader import has_vision, load_model
     from ..serve.messages import decode, encode, output_to_wire
     from .decode_engine import DecodeEngine
     from .prefill_engine import PrefillEngine
@@ -56,12 +59,14 @@ def run_worker(role: str, model_dir: str, engine_kwargs: dict, host: str, port: 
     engine = LLMEngine(model, None, cfg, enable_prefix_caching=prefix, checkpoint_interval=interval,
                        model_dir=model_dir, verbose=True, tp_follower_module="ouro.disagg.tp_ranks")
     if role == "prefill":
-        worker = PrefillEngine(engine, timeout_s)
+        worker = PrefillEngine(engine, timeout_s, images=has_vision(model_dir), encoder_cache_bytes=encoder_cache_bytes,
+                               host=host)
     else:
         worker = DecodeEngine(engine, backend, f"{host}:{bootstrap_port}", timeout_s)
     info = {"type": "ready", "role": role, "pid": os.getpid(), "plan": engine.plan.describe(min(engine.max_model_len, 4096)),
             "max_model_len": engine.max_model_len, "max_tokens": engine.plan.max_tokens,
-            "max_num_seqs": cfg.max_num_seqs, "bootstrap": getattr(worker, "address", None)}
+            "max_num_seqs": cfg.max_num_seqs, "bootstrap": getattr(worker, "address", None),
+            "embeds": worker.embeds.address if getattr(worker, "embeds", None) is not None else None}
     print(f"ouro: {role} worker on tcp://{host}:{port} (+1 out)"
           + (f", KV receiver {worker.address} ({backend})" if role == "decode" else ""), flush=True)
     sender = OutputSender(outbox, encode, output_to_wire)
@@ -84,7 +89,7 @@ def _handle(role, worker, msg, sender, info) -> bool:
         sender.send(info)
     elif kind == "reserve" and role == "decode":
         try:
-            room = worker.reserve(rid, msg["prompt_token_ids"], params_from_wire(msg["params"]))
+            room = worker.reserve(rid, msg["prompt_token_ids"], params_from_wire(msg["params"]), msg.get("image_hashes"))
             sender.send({"type": "reserved", "rid": rid, "room": room})
         except NoRoom as e:
             sender.send({"type": "error", "rid": rid, "status": 503, "message": str(e)})
@@ -92,7 +97,7 @@ def _handle(role, worker, msg, sender, info) -> bool:
             sender.send({"type": "error", "rid": rid, "status": 400, "message": str(e)})
     elif kind == "add" and role == "prefill":
         try:
-            worker.add(rid, msg["prompt_token_ids"], params_from_wire(msg["params"]), msg["room"])
+            worker.add(rid, msg["prompt_token_ids"], params_from_wire(msg["params"]), msg["room"], msg.get("images"))
         except ValueError as e:
             sender.send({"type": "error", "rid": rid, "status": 400, "message": str(e)})
     elif kind == "abort":
@@ -127,7 +132,7 @@ def _stats(role, worker) -> dict:
         worker.latencies.clear()
     else:
         s.update(held=len(worker.engine.scheduler.held), transfer_queue=worker.kv.jobs.qsize(),
-                 kv_bytes_sent=worker.kv.bytes_sent)
+                 kv_bytes_sent=worker.kv.bytes_sent, image_waits=len(worker.waits), **worker.waits.cache.stats())
     return s
 
 
@@ -170,6 +175,13 @@ def _loop(role, worker, inbox, sender, decode, info, exit_with_parent) -> None:
             while worker.failures:
                 rid, why = worker.failures.pop(0)
                 sender.send({"type": "error", "rid": rid, "status": 500, "message": why})
+        else:                            # image rows to ask for again, requests whose images never came
+            while worker.asks:
+                rid, hashes = worker.asks.pop(0)
+                sender.send({"type": "need_images", "rid": rid, "hashes": hashes})
+            while worker.failures:
+                rid, why, status = worker.failures.pop(0)
+                sender.send({"type": "error", "rid": rid, "status": status, "message": why})
         now = time.monotonic()
         if now - last_beat >= HEARTBEAT_S:
             if exit_with_parent and os.getppid() != parent:

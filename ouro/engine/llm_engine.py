@@ -116,11 +116,16 @@ class LLMEngine:
     check_options = staticmethod(check_engine_options)    # `engine/options.py`
 
     # ---- requests ----
-    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                    mm=None) -> str:
         """Queue one sequence. Everything is checked before the engine changes, so a rejected
-        request leaves no trace. Fan-out (n > 1) is the caller's: see `SamplingParams.child`."""
+        request leaves no trace. Fan-out (n > 1) is the caller's: see `SamplingParams.child`.
+        `mm`: the prompt's image rows encoded elsewhere (`ImageInputs`, an encode worker's)."""
         ids, params, images = self._checked(prompt, params, request_id)
-        mm = self.image_encoder().encode(ids, images) if images else None    # the encode step
+        if mm is not None:
+            mm.check(ids, self.model.config)
+        elif images:
+            mm = self.image_encoder().encode(ids, images)    # the encode step
         n = next(self._ids)
         if request_id is None:
             request_id = f"req-{n}"

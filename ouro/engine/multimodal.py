@@ -42,6 +42,31 @@ class ImageInputs:
         lo, hi = bisect.bisect_left(self.positions, start), bisect.bisect_left(self.positions, start + n)
         return [p - start for p in self.positions[lo:hi]], list(range(lo, hi))
 
+    def check(self, ids: list[int], config) -> None:
+        """These rows fit the prompt `ids`: one row per image token, the images' spans in order."""
+        if image_positions(ids, config) != self.positions or [n for _, n in image_spans(ids, config)] != self.counts:
+            raise ValueError(f"the prompt's image tokens do not match the {len(self.counts)} encoded images")
+        if self.embeds.shape != (len(self.positions), config.hidden_size):
+            raise ValueError(f"image rows of shape {tuple(self.embeds.shape)}, expected "
+                             f"({len(self.positions)}, {config.hidden_size})")
+
+    @classmethod
+    def from_rows(cls, ids: list[int], config, rows: list[torch.Tensor], hashes: list[str]) -> ImageInputs:
+        """Inputs from each image's rows computed elsewhere (an encode worker); the prompt's image
+        spans must hold exactly those rows, image by image."""
+        spans = image_spans(ids, config)
+        counts = [int(r.shape[0]) for r in rows]
+        if [n for _, n in spans] != counts or len(hashes) != len(rows):
+            raise ValueError(f"the prompt's image spans {[n for _, n in spans]} do not match the images' rows {counts}")
+        embeds = torch.cat([r.float() for r in rows]) if rows else torch.empty(0, config.hidden_size)
+        return cls(image_positions(ids, config), embeds, list(hashes), counts)
+
+
+def bytes_hash(raw: bytes) -> str:
+    """The key of an encoded image as a client sent it (a router hashes what it forwards, before
+    any decoding): equal keys, equal bytes, equal pixels; the same picture re-encoded is a miss."""
+    return hashlib.sha256(raw).hexdigest()
+
 
 def image_hash(pixel_values: torch.Tensor, grid: torch.Tensor) -> str:
     h = hashlib.sha256()
@@ -73,14 +98,17 @@ class ImagePrompt:
         self.config = config
         self.processor = ImageProcessor.from_dir(model_dir)
 
+    def counts(self, sizes: list[tuple[int, int]]) -> list[int]:
+        """Image tokens of each image of (height, width)."""
+        return self.processor.tokens_per_image(torch.tensor([self.processor.grid(h, w) for h, w in sizes]))
+
     def expand(self, ids: list[int], images: list) -> list[int]:
         """The prompt with each image placeholder expanded to that image's token count (sizes
         only: a request is checked before anything expensive runs). A prompt already expanded
         to these counts (a frontend did it) is returned as it is."""
         from ..models.image_processor import expand_placeholders
         c = self.config
-        counts = [self.processor.tokens_per_image(torch.tensor([self.processor.grid(im.height, im.width)]))[0]
-                  for im in images]
+        counts = self.counts([(im.height, im.width) for im in images])
         spans = image_spans(ids, c)
         if [n for _, n in spans] == counts:
             return list(ids)
@@ -99,20 +127,25 @@ class ImageEncoder(ImagePrompt):
         self.tower = self.tower.to(device).eval()
 
     @torch.inference_mode()
-    def encode(self, ids: list[int], images: list) -> ImageInputs:
-        """The image rows of an expanded prompt (`expand`): processor, then the vision tower."""
+    def encode_images(self, images: list) -> tuple[list[torch.Tensor], list[str]]:
+        """Each image's rows (float32) and its pixel hash: processor, then the vision tower."""
         pixels, grid = self.processor(images)
         counts = [int(n) for n in self.processor.tokens_per_image(grid)]
-        embeds = self.tower(pixels.to(next(self.tower.parameters()).dtype), grid)
-        positions = image_positions(ids, self.config)
-        if len(positions) != embeds.shape[0] or sum(counts) != embeds.shape[0]:
-            raise ValueError(f"{len(positions)} image tokens in the prompt for {embeds.shape[0]} image rows")
+        embeds = self.tower(pixels.to(next(self.tower.parameters()).dtype), grid).float()
+        if sum(counts) != embeds.shape[0]:
+            raise ValueError(f"the tower gave {embeds.shape[0]} rows for {sum(counts)} image tokens")
         patches = [int(t * h * w) for t, h, w in grid.tolist()]
         hashes, start = [], 0
         for g, p in zip(grid, patches):
             hashes.append(image_hash(pixels[start:start + p], g))
             start += p
-        return ImageInputs(positions, embeds.float(), hashes, counts)
+        return list(embeds.split(counts)), hashes
+
+    def encode(self, ids: list[int], images: list, hashes: list[str] | None = None) -> ImageInputs:
+        """The image rows of an expanded prompt (`expand`); `hashes`: the images' keys when the
+        caller has them (a router's `bytes_hash`), else their pixel hashes."""
+        rows, pixel_hashes = self.encode_images(images)
+        return ImageInputs.from_rows(ids, self.config, rows, hashes or pixel_hashes)
 
 
 def split_images(prompt):

@@ -8,6 +8,14 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0
                    20.0, 40.0, 80.0, 160.0)
 
 
+EPD_GAUGES = {"encoders_up": "Encode workers up", "images_encoded": "Images encoded (cumulative)",
+              "encode_seconds": "Seconds the encode workers spent encoding (cumulative)",
+              "image_waits": "Requests on the prefill workers waiting for their image rows",
+              "encoder_cache_hits": "Image rows found in a prefill worker's encoder cache (cumulative)",
+              "encoder_cache_misses": "Image rows missing from a prefill worker's encoder cache (cumulative)",
+              "encoder_cache_bytes": "Bytes of image rows in the prefill workers' encoder caches"}
+
+
 class Metrics:
     def __init__(self, model_name: str):
         self.registry = r = CollectorRegistry()
@@ -54,6 +62,8 @@ class Metrics:
         self.pd_failed = g("ouro:pd_transfers_failed", "Rooms freed without a complete state (cumulative)")
         self.pd_prefill_pages = g("ouro:pd_prefill_pages_used", "Cache pages in use on the prefill workers")
         self.pd_prefill_slots = g("ouro:pd_prefill_slots_used", "KDA state slots in use on the prefill workers")
+        # encode workers (--disagg XE...): the encoders' and the prefill workers' encoder caches
+        self.epd = {k: g(f"ouro:epd_{k}", doc) for k, doc in EPD_GAUGES.items()}
         self.pd_latency = h("ouro:pd_transfer_latency_seconds",
                             "From the prefill worker's last computed layer to the decode worker's complete room")
 
@@ -75,6 +85,9 @@ class Metrics:
                 gauge.set(s.get(key, 0))
             for v in s.get("transfer_latencies", ()):
                 self.pd_latency.observe(v)
+        if "encoders_up" in s:
+            for k, gauge in self.epd.items():
+                gauge.set(s.get(k, 0))
         if "spec_verify_steps" in s:
             self.spec_accept_length.set(s["spec_accept_length"])
             self.spec_accept_rate.set(s["spec_accept_rate"])
