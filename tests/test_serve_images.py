@@ -4,32 +4,13 @@ OpenAI error body before any work, and nothing is left behind."""
 
 from __future__ import annotations
 
-import base64
-import io
 
-import numpy as np
 import openai
 import pytest
 
-from ouro.config import EngineConfig
-from ouro.engine.llm_engine import LLMEngine
-from ouro.engine.sampling import SamplingParams
-from ouro.models.loader import load_model
-from ouro.models.resolve import load_tokenizer, resolve_model
-from ouro.serve.chat_template import ChatTemplate
+from ouro.models.resolve import resolve_model
+from image_helpers import data_uri, offline_tokens, png
 from serve_helpers import Server, idle, post
-
-
-def png(h: int, w: int, seed: int) -> bytes:
-    from PIL import Image
-    rng = np.random.default_rng(seed)
-    buf = io.BytesIO()
-    Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def data_uri(raw: bytes) -> str:
-    return "data:image/png;base64," + base64.b64encode(raw).decode()
 
 
 @pytest.fixture(scope="module")
@@ -45,20 +26,6 @@ def server(media, tmp_path_factory):
                '{"image": 2}', "--max-image-pixels", "200000", tmp_path=tmp_path_factory.mktemp("logs"))
     yield s
     s.stop()
-
-
-def offline_tokens(messages, images: list[bytes], n: int) -> list[int]:
-    d = resolve_model("tiny-vl")
-    text = ChatTemplate.from_checkpoint(d).render(messages)
-    tok = load_tokenizer(d)
-    eng = LLMEngine(load_model(d), tok, EngineConfig(max_memory=64 << 20, page_size=16), verbose=False, model_dir=d)
-    eng.add_request({"prompt_token_ids": tok.encode(text, add_special_tokens=False).ids,
-                     "multi_modal_data": {"image": images}}, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
-    out = None
-    while eng.has_unfinished():
-        for o in eng.step():
-            out = o if o.finished else out
-    return out.token_ids
 
 
 def test_image_chat_equals_offline_generation(server, media):

@@ -95,7 +95,7 @@ class Waiting:
     request: tuple                 # what to add once every image is here (the caller's)
     hashes: list[str]
     got: dict = field(default_factory=dict)
-    asked_at: float = field(default_factory=time.monotonic)
+    asked_at: float = 0.0
     asks: int = 0
 
     def missing(self) -> list[str]:
@@ -110,7 +110,7 @@ class ImageWaits:
     def add(self, rid: str, request: tuple, hashes: list[str], coming=()) -> tuple[Waiting, list[str]]:
         """Look the request's images up; returns (its wait, the misses to ask for now: neither
         cached nor in `coming`, the hashes the router says are being encoded for it)."""
-        w = Waiting(rid, request, list(hashes))
+        w = Waiting(rid, request, list(hashes), asked_at=self.clock())
         for h in w.missing():
             rows = self.cache.get(h)
             if rows is not None:
