@@ -84,6 +84,7 @@ class PrefillEngine:
             return self._admit(rid, prompt, params, room, mm)
         if self.embeds is None:
             raise ValueError("this checkpoint takes no images")
+        self.drain_released()        # rows that came in since the last step are filed before the lookup
         ids, _ = self.engine.check_request(prompt, params, rid)      # a bad request is refused before it waits
         if len(image_spans(ids, self.engine.model.config)) != len(hashes):
             raise ValueError(f"the prompt has {len(image_spans(ids, self.engine.model.config))} images, "
