@@ -76,3 +76,17 @@ def test_1e1p1d_answers_text_and_image_chats_as_offline_generation(server):
     assert metric(server, "ouro:epd_encoders_up") == 1
     assert idle(server) and metric(server, "ouro:epd_image_waits", 0) == 0
     assert metric(server, "ouro:pd_prefill_pages_used", 0) == 0 and metric(server, "ouro:pd_decode_rooms", 0) == 0
+
+
+def test_bench_serve_sends_image_chats(server):
+    """`ouro bench serve --image-size`'s load: chat requests with new images, streamed, all served."""
+    import asyncio
+
+    from ouro.bench.load_gen import make_image_prompts, run_load
+    prompts = make_image_prompts(3, 8, (300, 400), seed=0, size=(56, 84), per_request=2)
+    records, _ = asyncio.run(run_load(server.base, "/v1/chat/completions", None, prompts, 4, float("inf"), 2, 0,
+                                      progress=False))
+    assert all(r.success and r.ttft > 0 and r.output_tokens == 4 for r in records), [r.error for r in records]
+    assert all(r.prompt_tokens > 2 * 16 for r in records)      # the images' tokens are in the prompt
+    # 2 new images per request; the untimed warm-up request is prompt 0, whose images the timed one finds cached
+    assert metric(server, "ouro:epd_images_encoded", 3 + 6) == 3 + 6

@@ -7,6 +7,9 @@ def add_bench_serve_options(bench) -> None:
     g = bench.add_argument_group("serve", "`ouro bench serve`: load an OpenAI-compatible server")
     g.add_argument("--base-url", default="http://127.0.0.1:8000")
     g.add_argument("--endpoint", default="/v1/completions")
+    g.add_argument("--image-size", default=None, metavar="HxW",
+                   help="chat requests (/v1/chat/completions) each with new random images of this size, e.g. 224x224")
+    g.add_argument("--images-per-request", type=int, default=1, help="with --image-size")
     g.add_argument("--api-key", default=None)
     g.add_argument("--request-rate", type=float, default=float("inf"),
                    help="requests/s, Poisson (default inf: all at once)")

@@ -61,13 +61,59 @@ def arrival_offsets(n: int, rate: float, seed: int) -> list[float]:
 def carries_tokens(choice: dict) -> bool:
     """A completion chunk carries tokens when it has text, or is not the closing chunk: ouro
     (like vLLM) sends a chunk per engine output even when the detokenizer holds the text back,
-    and closes with an empty chunk that only names the finish reason."""
+    and closes with an empty chunk that only names the finish reason. A chat chunk that only
+    names the role carries none."""
+    if "delta" in choice:
+        delta = choice["delta"] or {}
+        return bool(delta.get("content")) or (choice.get("finish_reason") is None and "role" not in delta)
     return bool(choice.get("text")) or choice.get("finish_reason") is None
 
 
-def payload(model: str | None, prompt: list[int], max_tokens: int) -> dict:
-    body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.0, "stream": True,
-            "stream_options": {"include_usage": True}}
+def make_image_prompts(n: int, input_len: int, vocab_range: tuple[int, int], seed: int, size: tuple[int, int],
+                       per_request: int = 1) -> list[dict]:
+    """Chat prompts for `/v1/chat/completions`: about `input_len` words of text and `per_request`
+    random PNG images of `size` (height, width), every image new (no encoder cache holds it)."""
+    import base64
+    import io
+
+    from PIL import Image
+    rng = np.random.default_rng([seed, 2])
+    out = []
+    for ids in make_prompts(n, input_len, vocab_range, seed):
+        parts = [{"type": "text", "text": " ".join(f"w{t}" for t in ids)}]
+        for _ in range(per_request):
+            buf = io.BytesIO()
+            Image.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8)).save(buf, format="PNG")
+            parts.append({"type": "image_url", "image_url": {"url": "data:image/png;base64,"
+                                                             + base64.b64encode(buf.getvalue()).decode()}})
+        out.append({"messages": [{"role": "user", "content": parts}], "prompt_len": len(ids)})
+    return out
+
+
+def workload_prompts(args, vocab_range: tuple[int, int]) -> tuple[list, str]:
+    """(`ouro bench serve`'s prompts, the endpoint they go to): token ids, or chat with images
+    when --image-size is set."""
+    if not getattr(args, "image_size", None):
+        return make_prompts(args.num_prompts, args.input_len, vocab_range, args.seed), args.endpoint
+    try:
+        h, w = (int(x) for x in args.image_size.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"--image-size takes HxW, e.g. 224x224, got {args.image_size!r}") from None
+    prompts = make_image_prompts(args.num_prompts, args.input_len, vocab_range, args.seed, (h, w),
+                                 args.images_per_request)
+    endpoint = args.endpoint if args.endpoint != "/v1/completions" else "/v1/chat/completions"
+    return prompts, endpoint
+
+
+def prompt_len(prompt) -> int:
+    return prompt["prompt_len"] if isinstance(prompt, dict) else len(prompt)
+
+
+def payload(model: str | None, prompt, max_tokens: int) -> dict:
+    """A streamed request: completions for token ids, chat for a `make_image_prompts` prompt."""
+    body = {"messages": prompt["messages"]} if isinstance(prompt, dict) else {"prompt": prompt}
+    body.update({"max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.0, "stream": True,
+                 "stream_options": {"include_usage": True}})
     if model:
         body["model"] = model
     return body
@@ -118,7 +164,7 @@ async def send(client, url: str, headers: dict, body: dict, rec: RequestRecord, 
     return rec
 
 
-async def run_load(base_url: str, endpoint: str, model: str | None, prompts: list[list[int]], max_tokens: int,
+async def run_load(base_url: str, endpoint: str, model: str | None, prompts: list, max_tokens: int,
                    rate: float, max_concurrency: int | None, seed: int, api_key: str | None = None,
                    progress: bool = True) -> tuple[list[RequestRecord], float]:
     """(records in prompt order, duration of the timed run in seconds). One untimed request
@@ -131,7 +177,7 @@ async def run_load(base_url: str, endpoint: str, model: str | None, prompts: lis
     limits = httpx.Limits(max_connections=width + 1, max_keepalive_connections=width + 1)
     async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=30.0), limits=limits) as client:
         test = await send(client, url, headers, payload(model, prompts[0], max_tokens),
-                          RequestRecord(-1, len(prompts[0]), max_tokens), time.perf_counter())
+                          RequestRecord(-1, prompt_len(prompts[0]), max_tokens), time.perf_counter())
         if not test.success:
             raise ValueError(f"the test request to {url} failed: {test.error}")
         offsets = arrival_offsets(len(prompts), rate, seed)
@@ -143,7 +189,7 @@ async def run_load(base_url: str, endpoint: str, model: str | None, prompts: lis
             delay = t0 + offsets[i] - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            rec = RequestRecord(i, len(prompts[i]), max_tokens)
+            rec = RequestRecord(i, prompt_len(prompts[i]), max_tokens)
             body = payload(model, prompts[i], max_tokens)
             if limit is None:
                 await send(client, url, headers, body, rec, t0)

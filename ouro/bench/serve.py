@@ -12,7 +12,7 @@ import statistics
 import time
 
 from ..measure.spans import span
-from .load_gen import FALLBACK_VOCAB_RANGE, make_prompts, run_load, served_model
+from .load_gen import FALLBACK_VOCAB_RANGE, run_load, served_model, workload_prompts
 
 LATENCIES = (("ttft", "Time to First Token", "TTFT"), ("tpot", "Time per Output Token (excl. 1st token)", "TPOT"),
              ("itl", "Inter-token Latency", "ITL"), ("e2el", "End-to-end Latency", "E2EL"))
@@ -184,14 +184,14 @@ def bench_serve(args) -> dict:
     info = served_model(args.base_url, args.api_key)
     model = args.model or info.get("id")
     rng, rng_from = vocab_range(args.vocab_range, model_dir)
-    prompts = make_prompts(args.num_prompts, args.input_len, rng, args.seed)
+    prompts, endpoint = workload_prompts(args, rng)
     load_start = os.getloadavg()[0]
     with span("load", cat="bench"):
-        records, duration = asyncio.run(run_load(args.base_url, args.endpoint, model, prompts, args.output_len,
+        records, duration = asyncio.run(run_load(args.base_url, endpoint, model, prompts, args.output_len,
                                                  args.request_rate, args.max_concurrency, args.seed, args.api_key,
                                                  progress=not args.disable_tqdm))
     recs = [r.to_dict() for r in records]
-    r = {"backend": "openai", "base_url": args.base_url, "endpoint": args.endpoint, "model": model,
+    r = {"backend": "openai", "base_url": args.base_url, "endpoint": endpoint, "model": model,
          "num_prompts": args.num_prompts, "random_input_len": args.input_len, "random_output_len": args.output_len,
          "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
          "max_concurrency": args.max_concurrency, "seed": args.seed, "vocab_range": list(rng),

@@ -8,7 +8,7 @@ import asyncio
 import math
 import statistics
 
-from .load_gen import make_prompts, run_load, served_model
+from .load_gen import run_load, served_model, workload_prompts
 from .serve import calculate_metrics, vocab_range
 
 FIGURES = (("output_throughput", "Output token throughput (tok/s)"), ("request_throughput", "Request throughput (req/s)"),
@@ -28,11 +28,11 @@ def compare_serve(args) -> dict:
     urls = {"A": args.base_url, "B": args.compare_base_url}
     models = {side: args.model or served_model(url, args.api_key).get("id") for side, url in urls.items()}
     rng, rng_from = vocab_range(args.vocab_range, None)
-    prompts = make_prompts(args.num_prompts, args.input_len, rng, args.seed)
+    prompts, endpoint = workload_prompts(args, rng)
     rounds = {"A": [], "B": []}
     for _ in range(max(1, args.repeats)):
         for side, url in urls.items():
-            records, duration = asyncio.run(run_load(url, args.endpoint, models[side], prompts, args.output_len,
+            records, duration = asyncio.run(run_load(url, endpoint, models[side], prompts, args.output_len,
                                                      args.request_rate, args.max_concurrency, args.seed, args.api_key,
                                                      progress=not args.disable_tqdm))
             rounds[side].append(_figures(calculate_metrics([r.to_dict() for r in records], duration)))

@@ -28,7 +28,8 @@ from ..serve.generation import GenerationError
 from ..serve.engine_client import EngineUnavailable
 from ..engine.multimodal import bytes_hash
 from ..serve.messages import decode, encode, images_to_wire, params_to_wire
-from .image_routes import ENCODE_STATS, ENCODER_CACHE_STATS, ImageRoutes
+from .image_routes import ImageRoutes
+from .router_stats import merge_stats
 
 HEARTBEAT_TIMEOUT_S = 10.0     # a worker beats between steps: a long prefill step must not look like death
 RESERVE_TIMEOUT_S = 30.0
@@ -298,24 +299,8 @@ class DisaggClient:
             await self._error(p, rid, answer["error"], answer["status"])
 
     def _merge_stats(self, latencies: list[float]) -> None:
-        """Engine metrics from the decode workers (where requests run); transfer counters from both;
-        `latencies`: the transfer latencies this heartbeat brought (each observed once)."""
-        dec = [lk.stats for lk in self.links if lk.role == "decode" and lk.stats]
-        pre = [lk.stats for lk in self.links if lk.role == "prefill" and lk.stats]
-        enc = [lk.stats for lk in self.links if lk.role == "encode" and lk.stats]
-        s = {k: sum(x.get(k, 0) for x in dec) for k in ("running", "pages_free", "pages_total", "slots_free",
-                                                         "slots_total", "preemptions", "rooms", "transfers_completed",
-                                                         "transfers_failed", "kv_bytes_received")}
-        s["waiting"] = sum(x.get("waiting", 0) for x in dec + pre)
-        s.update({k: sum(x.get(k, 0) for x in pre) for k in ("held", "transfer_queue", "kv_bytes_sent")})
-        s["prefill_pages_used"] = sum(x.get("pages_total", 0) - x.get("pages_free", 0) for x in pre)
-        s["prefill_slots_used"] = sum(x.get("slots_total", 0) - x.get("slots_free", 0) for x in pre)
-        s.update({k: sum(x.get(k, 0) for x in pre) for k in ENCODER_CACHE_STATS})
-        s.update({k: sum(x.get(k, 0) for x in enc) for k in ENCODE_STATS})
-        s["encoders_up"] = sum(lk.dead is None for lk in self.links if lk.role == "encode")
-        s["transfer_latencies"] = latencies
-        self.stats = s
-        self.on_stats(s)
+        self.stats = merge_stats(self.links, latencies)
+        self.on_stats(self.stats)
 
     async def _watchdog(self) -> None:
         while True:
