@@ -211,6 +211,21 @@ def test_a_wait_keeps_what_it_found_and_asks_only_for_what_is_not_coming():
     assert w.arrived("C", torch.zeros(1, 4)) == [wait] and set(wait.got) == {"B", "C"}
 
 
+def test_rows_that_come_before_their_request_are_held_for_it_even_by_an_empty_cache():
+    now = [0.0]
+    w = ImageWaits(EncoderCache(0), wait_s=1.0, clock=lambda: now[0])
+    rows = torch.ones(2, 4)
+    assert w.arrived("A", rows) == [] and w.cache.get("A") is None      # the cache keeps nothing
+    wait, ask = w.add("r", ("req",), ["A"], coming=["A"])
+    assert not ask and not wait.missing() and wait.got["A"] is rows and not w.fresh
+    wait, ask = w.add("s", ("req",), ["A"])           # claimed once: the next request misses
+    assert ask == ["A"]
+    w.arrived("B", rows)                              # never claimed: dropped after wait_s
+    now[0] = 2.0
+    w.overdue()
+    assert not w.fresh
+
+
 def test_rows_of_the_wrong_shape_break_only_their_connection():
     got = []
     r = EmbedsReceiver(8, lambda h, rows: got.append((h, rows)))

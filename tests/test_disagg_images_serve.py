@@ -90,3 +90,20 @@ def test_bench_serve_sends_image_chats(server):
     assert all(r.prompt_tokens > 2 * 16 for r in records)      # the images' tokens are in the prompt
     # 2 new images per request; the untimed warm-up request is prompt 0, whose images the timed one finds cached
     assert metric(server, "ouro:epd_images_encoded", 3 + 6) == 3 + 6
+
+
+def test_a_prefill_worker_that_cached_nothing_asks_again_and_answers(tmp_path):
+    """--encoder-cache-mb 0: the router believes the prefill worker holds a repeated image's rows,
+    it does not; it asks (need_images), the image is encoded again, and the reply is right."""
+    s = Server(resolve_model("tiny-vl"), "--disagg", "1E1P1D", "--dtype", "float32", "--encoder-cache-mb", "0",
+               tmp_path=tmp_path)
+    try:
+        name, msgs, images = requests()[1]
+        want = offline_tokens(rendered(msgs), images, N_TOKENS)
+        assert chat(s, msgs) == want and chat(s, msgs) == want
+        assert metric(s, "ouro:epd_images_encoded", 2) == 2          # the second time, encoded again on the ask
+        # the first time the rows came with the request (held apart from the cache); the second a miss
+        assert metric(s, "ouro:epd_encoder_cache_misses", 1) == 1 and metric(s, "ouro:epd_encoder_cache_hits") == 1
+        assert idle(s) and metric(s, "ouro:epd_image_waits", 0) == 0
+    finally:
+        s.stop()

@@ -7,7 +7,9 @@ the `EncoderCache` (least recently used out first, bounded in bytes) and given t
 waiting for it.
 
 A request with images waits (`ImageWaits`) until it holds each image's rows. It keeps what it
-found, so an eviction while it waits loses nothing. An image neither cached nor on its way is a
+found, so an eviction while it waits loses nothing; rows that arrive before their request are held
+for it apart from the cache (claimed once, dropped after `wait_s`), so a small cache loses
+nothing in transit either. An image neither cached nor on its way is a
 miss: the worker asks the router for it again (`need_images`), and asks again after `wait_s`
 without it; after `max_asks` asks the request fails (503). A miss never takes the worker down.
 """
@@ -106,13 +108,26 @@ class ImageWaits:
     def __init__(self, cache: EncoderCache, wait_s: float = 10.0, max_asks: int = 3, clock=time.monotonic):
         self.cache, self.wait_s, self.max_asks, self.clock = cache, wait_s, max_asks, clock
         self.waiting: dict[str, Waiting] = {}
+        # rows that came before their request: held for it whatever the cache keeps (a small or
+        # full cache must not lose rows in transit), claimed once, dropped after `wait_s`
+        self.fresh: dict[str, list[tuple[torch.Tensor, float]]] = {}
+
+    def _lookup(self, key: str) -> torch.Tensor | None:
+        held = self.fresh.get(key)
+        if held:
+            rows, _ = held.pop(0)
+            if not held:
+                del self.fresh[key]
+            self.cache.hits += 1
+            return rows
+        return self.cache.get(key)
 
     def add(self, rid: str, request: tuple, hashes: list[str], coming=()) -> tuple[Waiting, list[str]]:
         """Look the request's images up; returns (its wait, the misses to ask for now: neither
         cached nor in `coming`, the hashes the router says are being encoded for it)."""
         w = Waiting(rid, request, list(hashes), asked_at=self.clock())
         for h in w.missing():
-            rows = self.cache.get(h)
+            rows = self._lookup(h)
             if rows is not None:
                 w.got[h] = rows
         ask = [h for h in w.missing() if h not in set(coming)]
@@ -125,17 +140,23 @@ class ImageWaits:
     def arrived(self, key: str, rows: torch.Tensor) -> list[Waiting]:
         """File the rows; returns the waits they completed (they leave the table)."""
         self.cache.put(key, rows)
-        done = []
+        done, claimed = [], False
         for w in list(self.waiting.values()):
             if key in w.hashes and key not in w.got:
-                w.got[key] = rows
+                w.got[key], claimed = rows, True
                 if not w.missing():
                     done.append(self.waiting.pop(w.rid))
+        if not claimed:
+            self.fresh.setdefault(key, []).append((rows, self.clock()))
         return done
 
     def overdue(self) -> tuple[list[Waiting], list[Waiting]]:
         """(waits to ask for their misses again, waits that asked `max_asks` times: they leave)."""
         now, again, failed = self.clock(), [], []
+        for key in list(self.fresh):
+            self.fresh[key] = [(r, t) for r, t in self.fresh[key] if now - t < self.wait_s]
+            if not self.fresh[key]:
+                del self.fresh[key]
         for w in list(self.waiting.values()):
             if now - w.asked_at < self.wait_s:
                 continue

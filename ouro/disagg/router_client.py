@@ -84,6 +84,7 @@ class DisaggClient:
         self._reserving: dict[str, asyncio.Future] = {}
         self._traces: dict[WorkerLink, asyncio.Future] = {}
         self._tasks: list[asyncio.Task] = []
+        self._side_tasks: set[asyncio.Task] = set()
         self.links: list[WorkerLink] = []
 
     # ---- life cycle ----
@@ -254,8 +255,10 @@ class DisaggClient:
                     fut.set_result(msg)
             elif kind == "encoded":
                 self.images.encoded(link, msg)
-            elif kind == "need_images":           # an encoder-cache miss on a prefill worker: encode again
-                await self._reencode(link, rid, msg.get("hashes", []))
+            elif kind == "need_images":           # an encoder-cache miss: encode again, off this reader
+                task = asyncio.create_task(self._reencode(link, rid, msg.get("hashes", [])))
+                self._side_tasks.add(task)
+                task.add_done_callback(self._side_tasks.discard)
             elif kind == "error":
                 if link.role == "encode" and self.images.encode_failed(link, rid, msg):
                     continue
