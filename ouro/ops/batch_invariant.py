@@ -3,7 +3,7 @@ how many other rows share the forward, nor where in the batch it sits.
 
 Without this, a float32 row computed alone (a decode step) and the same row computed inside a
 4-row block (a speculative verification, a bigger batch) differ in the last bits. Measured on an
-AVX2 EPYC with MKL 2024 and torch 2.13 (`tests/test_batch_invariant.py` measures it again):
+AVX2 EPYC and an Intel Xeon with torch 2.13 (`tests/test_batch_invariant.py` measures it again):
 - BLAS picks another kernel for 1-3 rows and for the remainder of a row count that is not a
   multiple of 4 (a GEMV, an edge micro-kernel), which rounds differently; padding the rows with
   zeros to a multiple of a block (`ROW_BLOCK`, measured when enabled) makes every row go
@@ -60,11 +60,15 @@ def _products(block: int):
         return torch.mm(a2, b, out=out)[:m]
 
     def addmm(bias, a, b, *, beta=1, alpha=1):
-        a2, m = _pad_rows(a, 0, block)
-        if bias.dim() == 2 and bias.shape[0] == m and m > 1:
-            bias = _pad_rows(bias, 0, block)[0]
-        out = a.new_empty((a2.shape[0], b.shape[1]), dtype=torch.promote_types(a.dtype, b.dtype))
-        return torch.addmm(bias, a2, b, beta=beta, alpha=alpha, out=out)[:m]
+        # the padded product, then the scaled bias added element-wise: BLAS's fused beta * C + AB
+        # takes another kernel for a few rows on some CPUs (an Intel Xeon with MKL: rows 1-4 of a
+        # 4-row block differed from the same rows of 48), and element-wise adds are exact per element
+        prod = mm(a, b)
+        if alpha != 1:
+            prod = prod * alpha
+        if beta == 0:
+            return prod
+        return prod + (bias if beta == 1 else bias * beta)
 
     def bmm(a, b):
         a2, m = _pad_rows(a, 1, block)
@@ -114,10 +118,13 @@ def rows_invariant(mm, block: int | None = None) -> bool:
     g = torch.Generator().manual_seed(1)
     top = 3 * (block or 16) + 3
     for k, n in PROBE_SHAPES:
-        x, w = torch.randn(top + 8, k, generator=g), torch.randn(k, n, generator=g)
-        whole = mm(x, w)
-        if any(not torch.equal(mm(x[:m], w), whole[:m]) for m in range(1, top)):
-            return False
+        x = torch.randn(top + 8, k, generator=g)
+        # the weight as stored and as `F.linear` passes it (a transpose): BLAS may take another
+        # small-row kernel for each (an Intel Xeon with MKL needed 8 rows for the transpose, 4 for the other)
+        for w in (torch.randn(k, n, generator=g), torch.randn(n, k, generator=g).T):
+            whole = mm(x, w)
+            if any(not torch.equal(mm(x[:m], w), whole[:m]) for m in range(1, top)):
+                return False
     return True
 
 
