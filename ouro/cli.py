@@ -203,6 +203,10 @@ def add_serve_parser(sub) -> None:
     sv.add_argument("--cp-threshold", type=int, default=4096, help="with --cp N: the shortest prompt prefilled across ranks")
     sv.add_argument("--cp-precision", default="auto", choices=["auto", "fp32", "tf32", "tf32x3"],
                     help="with --cp N: precision of the KDA state chain (auto: fp32 on a CPU, tf32x3 on CUDA)")
+    sv.add_argument("--cp-chunk-size", type=int, default=0, help="with --cp N: tokens per CP forward (0: whole prompt)")
+    sv.add_argument("--cp-layer-split", "--enable-cp-cache-layer-split", dest="cp_layer_split", action="store_true",
+                    help="with --cp N: LayerSplit, each helper rank keeps its own block of DSA layers' rows; a layer's "
+                         "earlier rows come by broadcast from its owner before use (see --cp-chunk-size)")
     sv.add_argument("--prefix-checkpoint-interval", type=int, default=1, help="pages between KDA checkpoints")
     sv.add_argument("--shutdown-timeout", type=float, default=30.0,
                     help="seconds in-flight requests get to finish after SIGTERM")

@@ -4,6 +4,7 @@ plain engine's greedy text, and /metrics reports the acceptance (SGLang's spec_a
 from __future__ import annotations
 
 import re
+import time
 
 import httpx
 import openai
@@ -29,8 +30,13 @@ def test_speculative_server_gives_the_plain_engines_text_and_reports_acceptance(
     got = client.completions.create(model=None, prompt=prompt, max_tokens=20, temperature=0,
                                     extra_body={"ignore_eos": True})
     assert got.choices[0].text == want and got.usage.completion_tokens == 20
-    text = httpx.get(server.base + "/metrics").text
-    length = float(re.search(r'^ouro:spec_accept_length\{[^}]*\} (\S+)', text, re.M).group(1))
+    deadline = time.monotonic() + 10
+    while True:           # the engine's heartbeat, which carries the figures, trails the reply a little
+        text = httpx.get(server.base + "/metrics").text
+        length = float(re.search(r'^ouro:spec_accept_length\{[^}]*\} (\S+)', text, re.M).group(1))
+        if length > 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     assert 1.0 < length <= 3.0
     assert re.search(r'^ouro:spec_accept_rate_per_position\{[^}]*position="2"[^}]*\} \S+', text, re.M)
     from ouro.bench.serve import speculative_metrics

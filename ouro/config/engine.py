@@ -74,6 +74,8 @@ class EngineConfig:
     context_parallel_size: int = 1     # ranks of a context-parallel prefill (ouro.parallel.cp_prefill)
     cp_threshold: int = 4096           # prompts of at least this many tokens take the CP prefill
     cp_precision: str = "auto"         # the KDA state chain's precision; auto: fp32 on a CPU, tf32x3 on CUDA
+    cp_chunk_size: int = 0             # tokens per CP forward of a long prompt (0: the whole prompt in one)
+    cp_layer_split: bool = False       # LayerSplit: each CP helper rank keeps its own DSA layers' rows only
     quantization: str | None = None    # w8a8 (int8) or fp8 (e4m3) projections and experts (ouro.quant), on the built model
     quantization_ignore: tuple | None = None   # module name patterns kept unquantised; None: ouro.quant's default
     kv_cache_dtype: str = "auto"       # DSA latent + indexer-key cache: auto (the engine dtype), fp8_e4m3, int8
@@ -120,7 +122,8 @@ class EngineConfig:
             raise ValueError(f"cp_precision must be one of auto, fp32, tf32, tf32x3, got {self.cp_precision!r}")
         count("max_model_len", optional=True)
         count("max_memory", optional=True)
-        for name in ("compile", "deterministic_inference", "expert_parallel"):
+        count("cp_chunk_size", minimum=0)
+        for name in ("compile", "deterministic_inference", "expert_parallel", "cp_layer_split"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.speculative_algorithm is not None and str(self.speculative_algorithm).upper() not in self.SPECULATIVE:

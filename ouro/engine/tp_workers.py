@@ -288,15 +288,16 @@ class Follower:
     def op_cp(self, op):
         """This rank's slice of a context-parallel prefill (`GridCPPrefill`): a follower of rank 0
         into its own cache (the request's pages and slot there), a CP helper into a scratch one."""
-        from ..parallel.cp_forward import cp_forward
-        from ..parallel.cp_prefill import scratch_cache
+        from ..parallel.cp_prefill import helper_cache, run_prefill
         ids, cache = op["ids"], self.cache
         slot, table = op["slot"], torch.tensor([op["pages"]], dtype=torch.long)
+        split = op.get("layer_split", False)
         if not self.mirrors:
-            cache, table = scratch_cache(self.model, len(ids), {int(k): v for k, v in op["kv_kinds"].items()},
-                                         self.device)
+            cache, table = helper_cache(self.model, len(ids), {int(k): v for k, v in op["kv_kinds"].items()},
+                                        self.device, self.cp_group, split)
             slot = 0
-        cp_forward(self.model, cache, self.cp_group, [ids], [0], [slot], table, op["precision"])
+        run_prefill(self.model, cache, self.cp_group, ids, slot, table, op["precision"], op.get("chunk", 0), split,
+                    full=self.mirrors)
 
     def op_save(self, op):
         self.checkpoints.save_at(op["a"], op["b"])

@@ -28,9 +28,11 @@ class ModelCache:
     """
 
     def __init__(self, config: ModelConfig, n_slots: int, n_pages: int, page_size: int,
-                 dtype=torch.float32, device="cpu", kv_kinds: dict | None = None):
+                 dtype=torch.float32, device="cpu", kv_kinds: dict | None = None, keep_dsa=None):
         """kv_kinds {DSA layer id: "fp8_e4m3" | "int8"}: those layers keep their latent rows and
-        indexer keys as quantised rows (`ops.quant.kv_rows`: bytes with their scales inside)."""
+        indexer keys as quantised rows (`ops.quant.kv_rows`: bytes with their scales inside).
+        keep_dsa: DSA cache indices whose rows this cache stores (LayerSplit, `parallel.layer_split`);
+        every other DSA layer's storage is one shared scratch layer. None: all of them."""
         if page_size % config.index_kpool:
             raise ValueError(f"page_size {page_size} must be a multiple of index_kpool {config.index_kpool}")
         c = config
@@ -54,6 +56,35 @@ class ModelCache:
         # compressed key of every complete pool, written once when the pool's last token arrives
         self.index_pooled = torch.zeros(len(c.indexer_layers), n_pages, page_size // c.index_kpool,
                                         c.index_head_dim, dtype=torch.float32, **kw)
+        self.kept_dsa = None
+        if keep_dsa is not None:
+            self._keep_only(set(keep_dsa))
+
+    def _keep_only(self, keep: set) -> None:
+        """Per-layer storage: the kept layers' own, one scratch layer (NaN) standing for all others."""
+        c = self.config
+        if any(k is not None for k in self.latent_kinds + self.key_kinds):
+            raise ValueError("a layer-split cache keeps DSA rows in the model dtype: drop --kv-cache-dtype")
+        kept_idx = {ci for ci, layer in enumerate(c.indexer_layers) if c.dsa_layers.index(layer) in keep}
+
+        def split(store, kept):
+            scratch = torch.full_like(store[0], float("nan"))
+            return [store[i].clone() if i in kept else scratch for i in range(store.shape[0])]
+        self.latent = split(self.latent, keep)
+        self.index_keys = split(self.index_keys, kept_idx)
+        self.index_gates = split(self.index_gates, kept_idx)
+        self.index_pooled = split(self.index_pooled, kept_idx)
+        self.kept_dsa = keep
+
+    def dsa_bytes(self) -> int:
+        """Bytes the DSA rows occupy, each storage counted once (a split cache's scratch once)."""
+        seen, total = set(), 0
+        for store in (self.latent, self.index_keys, self.index_gates, self.index_pooled):
+            for t in (store if isinstance(store, list) else [store]):
+                if t.data_ptr() not in seen:
+                    seen.add(t.data_ptr())
+                    total += t.numel() * t.element_size()
+        return total
 
     @staticmethod
     def bytes_per_token(config: ModelConfig, dtype=torch.float32, kv_kinds: dict | None = None) -> int:
@@ -76,9 +107,9 @@ class ModelCache:
     def poison(self):
         """Fill everything with NaN so a read of never-written memory shows up in outputs (quantised
         rows: bytes 0xFF, a NaN scale)."""
-        for t in (self.conv, self.recurrent, self.index_gates, self.index_pooled):
+        for t in (self.conv, self.recurrent):
             t.fill_(float("nan"))
-        for store in (self.latent, self.index_keys):
+        for store in (self.latent, self.index_keys, self.index_gates, self.index_pooled):
             for t in (store if isinstance(store, list) else [store]):
                 t.fill_(255) if t.dtype == torch.uint8 else t.fill_(float("nan"))
 
@@ -248,6 +279,13 @@ class ForwardContext:
         """The short conv's window entering the new tokens x [B, C, T]: the cached one."""
         return window
 
+    def dsa_begin(self, layer) -> None:
+        """A DSA layer (`layers.dsa.DSAttention`) starts: its cached rows must be readable by the
+        time its indexer and then its attention read them. Here they are."""
+
+    def dsa_attend(self, layer) -> None:
+        """The layer's attention is about to read its latent rows (the indexer has run)."""
+
     def delta_rule(self, q, k, v, g, beta, state, chunk_size: int):
         """The chunked gated delta rule over the new tokens from `state`: (o, final state)."""
         return kda_chunk(q, k, v, g, beta, state, chunk_size)
@@ -309,6 +347,7 @@ class GraphContext:
         return self.seq_index, self.positions, (self.positions + 1) % kpool == 0
 
     write_rows, conv_window = ForwardContext.write_rows, ForwardContext.conv_window
+    dsa_begin, dsa_attend = ForwardContext.dsa_begin, ForwardContext.dsa_attend
 
     def scratch_pool_row(self, kpool: int) -> int:
         return self.scratch_page * (self.cache.page_size // kpool)

@@ -120,6 +120,7 @@ class DSAttention(nn.Module):
 
     def _forward(self, x, ctx, prev_selection=None):
         cache, li = ctx.cache, self.cache_index
+        ctx.dsa_begin(self)
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_b_proj(q_resid).view(-1, self.H, self.qk)
         latent = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x))
@@ -132,6 +133,7 @@ class DSAttention(nn.Module):
         else:
             selection = prev_selection
         w_uk, w_uv = absorb_weights(self.kv_b_proj.weight, self.H, self.qk, self.v)
+        ctx.dsa_attend(self)
         if ctx.rows_as_queries:
             out = sparse_mla(q, flat, cache_rows(ctx, ctx.seq_index, selection), w_uk, w_uv, self.scale)
         else:

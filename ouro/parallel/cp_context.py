@@ -10,7 +10,9 @@ layers' exchange hooks by talking to the other ranks:
 - `completed_pools`: every pool the whole batch completes (a pool may straddle a cut), so each
   rank's pooled-key cache equals a single rank's;
 - `conv_window`: the short conv's halo from the previous ranks (`cp_kda.conv_halo`);
-- `delta_rule`: KCP (`cp_kda.kda_context_parallel`) in the configured precision.
+- `delta_rule`: KCP (`cp_kda.kda_context_parallel`) in the configured precision;
+- `dsa_begin` / `dsa_attend`: with LayerSplit (`layer_split`), a layer's rows cached before this
+  forward come from the rank that owns the layer.
 
 After the forward, the last rank's state slot holds the request's KDA state; every rank's pages
 hold the whole prompt's DSA cache.
@@ -43,10 +45,11 @@ class CPForwardContext(ForwardContext):
     cp_rank: int = 0
     precision: str = "fp32"
     peers: list = field(default_factory=list)   # every rank's ForwardContext, in rank order
+    split: object = None                         # a `layer_split.LayerSplit`: each layer's cached rows from its owner
 
     @classmethod
     def for_rank(cls, cache, bounds, start_pos, state_slots, page_table, group, cp_rank: int,
-                 precision: str = "fp32", logits="last"):
+                 precision: str = "fp32", logits="last", split=None):
         """bounds[b]: `slice_bounds` of sequence b; start_pos[b]: its tokens already cached (the
         same on every rank, as is its state slot's content)."""
         def build(kind, r, lg):
@@ -54,7 +57,7 @@ class CPForwardContext(ForwardContext):
                               state_slots, page_table, logits=lg)
         world = len(bounds[0]) - 1
         ctx = build(cls, cp_rank, logits)
-        ctx.group, ctx.cp_rank, ctx.precision = group, cp_rank, precision
+        ctx.group, ctx.cp_rank, ctx.precision, ctx.split = group, cp_rank, precision, split
         ctx.peers = [ctx if r == cp_rank else build(ForwardContext, r, "last") for r in range(world)]
         # a sequence is fresh when the request starts here, not where this rank's slice starts
         ctx.fresh = torch.tensor([s == 0 for s in start_pos], device=ctx.positions.device)
@@ -88,6 +91,14 @@ class CPForwardContext(ForwardContext):
 
     def conv_window(self, x, window, lengths):
         return conv_halo(x, window, lengths, self.group)
+
+    def dsa_begin(self, layer) -> None:
+        if self.split is not None:
+            self.split.begin(layer, self)
+
+    def dsa_attend(self, layer) -> None:
+        if self.split is not None:
+            self.split.attend(layer, self)
 
     def delta_rule(self, q, k, v, g, beta, state, chunk_size: int):
         return kda_context_parallel(q, k, v, g, beta, state, self.group, chunk_size, self.precision)

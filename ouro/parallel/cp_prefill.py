@@ -28,6 +28,7 @@ from ..measure import spans
 from ..measure.spans import span
 from .cp_forward import cp_forward
 from .groups import free_port, init
+from .layer_split import LayerSplit, chunk_bounds, owned, share_state
 
 JOIN_TIMEOUT_S = 300.0      # helpers load the checkpoint before they join the group
 
@@ -39,10 +40,13 @@ class CPPrefillError(RuntimeError):
 class CPPrefill:
     def __init__(self, model_dir: str, model, world: int, precision: str, dtype: str, device: str = "cpu",
                  kda_chunk_size: int = 16, timeout_s: float = 120.0, quantization: str | None = None,
-                 quantization_ignore=None, kv_kinds: dict | None = None):
+                 quantization_ignore=None, kv_kinds: dict | None = None, chunk: int = 0, layer_split: bool = False):
         """`quantization`, `quantization_ignore`, `kv_kinds`: what the engine's own model and cache
-        run with; every helper rank builds the same, so all ranks compute one model."""
+        run with; every helper rank builds the same, so all ranks compute one model. `chunk`:
+        tokens per CP forward (0: the whole prompt in one); `layer_split`: LayerSplit."""
         self.model, self.world, self.precision = model, world, precision
+        self.chunk, self.layer_split = chunk, layer_split
+        self.split_stats: dict = {}
         self.broken: str | None = None       # why CP is off after a failure
         self.num_prefills = 0
         port = free_port()
@@ -69,8 +73,11 @@ class CPPrefill:
         try:
             self._send_job(ids, slot, pages)
             with span("cp prefill", cat="compute"):
-                logits, _ = cp_forward(self.model, cache, self.groups.cp, [ids], [0], [slot],
-                                       torch.tensor([pages], dtype=torch.long), self.precision)
+                logits, split = run_prefill(self.model, cache, self.groups.cp, ids, slot,
+                                            torch.tensor([pages], dtype=torch.long), self.precision, self.chunk,
+                                            self.layer_split, full=True)
+            if split is not None:
+                self.split_stats = split.stats
             if spans.enabled():
                 self._collect_spans()
             self.num_prefills += 1
@@ -86,7 +93,8 @@ class CPPrefill:
         dead = [r for r, p in enumerate(self.helpers) if p.poll() is not None]
         if dead:
             raise CPPrefillError(f"CP rank {dead[0]} of {self.world} exited (code {self.helpers[dead[0]].returncode})")
-        job = json.dumps({"ids": ids, "trace": spans.enabled(), "precision": self.precision})
+        job = json.dumps({"ids": ids, "trace": spans.enabled(), "precision": self.precision, "chunk": self.chunk,
+                          "layer_split": self.layer_split})
         for p in self.helpers:
             p.stdin.write(job + "\n")
             p.stdin.flush()
@@ -128,8 +136,10 @@ class GridCPPrefill(CPPrefill):
     their own caches, as the engine does. A failure turns CP off (TP goes on: its groups do not
     include the CP helpers). The helpers' spans are not collected."""
 
-    def __init__(self, ranks, model, precision: str, kv_kinds: dict | None = None):
+    def __init__(self, ranks, model, precision: str, kv_kinds: dict | None = None, chunk: int = 0,
+                 layer_split: bool = False):
         self.ranks, self.model, self.precision = ranks, model, precision
+        self.chunk, self.layer_split, self.split_stats = chunk, layer_split, {}
         self.groups, self.world = ranks.groups, ranks.groups.cp_size
         self.kv_kinds = {str(k): v for k, v in (kv_kinds or {}).items()}
         self.broken: str | None = None
@@ -142,7 +152,7 @@ class GridCPPrefill(CPPrefill):
 
     def _send_job(self, ids, slot, pages) -> None:
         self.ranks.send({"op": "cp", "ids": ids, "slot": slot, "pages": list(pages), "precision": self.precision,
-                         "kv_kinds": self.kv_kinds}, helpers=True)
+                         "kv_kinds": self.kv_kinds, "chunk": self.chunk, "layer_split": self.layer_split}, helpers=True)
         self.ranks.mirroring = False        # rank 0's forward inside the CP prefill is not a TP step
 
     def prefill(self, cache, ids: list[int], slot: int, pages: list[int]) -> torch.Tensor:
@@ -163,25 +173,53 @@ def start(model, config, model_dir, ranks=None, kv_kinds: dict | None = None):
     else N - 1 helper processes of its own."""
     if config.context_parallel_size == 1:
         return None
+    if config.cp_layer_split and any(v is not None for v in (kv_kinds or {}).values()):
+        raise ValueError("--cp-layer-split keeps DSA rows in the model dtype: drop --kv-cache-dtype")
     if ranks is not None:
-        return GridCPPrefill(ranks, model, config.chain_precision(), kv_kinds)
+        return GridCPPrefill(ranks, model, config.chain_precision(), kv_kinds, config.cp_chunk_size,
+                             config.cp_layer_split)
     if model_dir is None:
         raise ValueError("context_parallel_size > 1 needs the model's checkpoint directory (model_dir): "
                          "every rank loads it")
     return CPPrefill(model_dir, model, config.context_parallel_size, config.chain_precision(), config.dtype,
                      config.device, config.kda_chunk_size, quantization=config.quantization,
-                     quantization_ignore=config.quantization_ignore, kv_kinds=kv_kinds)
+                     quantization_ignore=config.quantization_ignore, kv_kinds=kv_kinds, chunk=config.cp_chunk_size,
+                     layer_split=config.cp_layer_split)
 
 
-def scratch_cache(model, n_tokens: int, kv_kinds: dict, device):
+def scratch_cache(model, n_tokens: int, kv_kinds: dict, device, keep_dsa=None):
     """A helper rank's cache for one prompt's slice exchange: one state slot, pages for `n_tokens`
-    (whole pools per page). Returns (cache, its page table [1, pages])."""
+    (whole pools per page); `keep_dsa`: LayerSplit's owned DSA layers (the rest share a scratch
+    layer). Returns (cache, its page table [1, pages])."""
     from ..layers.context import ModelCache
     page = 16 * model.config.index_kpool
     pages = -(-n_tokens // page)
     cache = ModelCache(model.config, 1, pages, page, dtype=model.embed_tokens.weight.dtype, device=device,
-                       kv_kinds=kv_kinds)
+                       kv_kinds=kv_kinds, keep_dsa=keep_dsa)
     return cache, torch.arange(pages).view(1, -1)
+
+
+def helper_cache(model, n_tokens: int, kv_kinds: dict, device, group, layer_split: bool):
+    """`scratch_cache` for this CP rank: with LayerSplit, its own DSA layers only."""
+    keep = None
+    if layer_split:
+        keep = owned(len(model.config.dsa_layers), dist.get_world_size(group), dist.get_rank(group))
+    return scratch_cache(model, n_tokens, kv_kinds, device, keep)
+
+
+def run_prefill(model, cache, group, ids: list[int], slot: int, table, precision: str, chunk: int = 0,
+                layer_split: bool = False, full: bool = False):
+    """One prompt's CP prefill on this rank, in forwards of `chunk` tokens (0: one forward); after
+    each but the last, the last rank's KDA state goes to every rank. Returns (this rank's logits
+    of the last forward, its `LayerSplit` or None); `full`: this rank keeps every layer (the engine)."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    split = LayerSplit(model.config, group, rank, world, full) if layer_split else None
+    logits = None
+    for s, e in chunk_bounds(len(ids), chunk, world):
+        logits, _ = cp_forward(model, cache, group, [ids[s:e]], [s], [slot], table, precision, split=split)
+        if e < len(ids):
+            share_state(cache, slot, group, world - 1)
+    return logits, split
 
 
 def _helper_main(model_dir, rank, world, port, dtype, device, kda_chunk_size, timeout_s, options="{}") -> None:
@@ -201,12 +239,13 @@ def _helper_main(model_dir, rank, world, port, dtype, device, kda_chunk_size, ti
     for line in sys.stdin:                     # one job per line; EOF: the engine is done with us
         job = json.loads(line)
         ids = job["ids"]
-        cache, table = scratch_cache(model, len(ids), kv_kinds, device)
+        cache, table = helper_cache(model, len(ids), kv_kinds, device, groups.cp, job.get("layer_split", False))
         if job["trace"]:
             spans.clear()
             spans.enable()
         with torch.inference_mode(), span("cp prefill", cat="compute"):
-            cp_forward(model, cache, groups.cp, [ids], [0], [0], table, job["precision"])
+            run_prefill(model, cache, groups.cp, ids, 0, table, job["precision"], job.get("chunk", 0),
+                        job.get("layer_split", False))
         if job["trace"]:
             spans.disable()
             events = [(e["name"], e["cat"], int(e["start_ms"] * 1e6), int((e["start_ms"] + e["dur_ms"]) * 1e6))

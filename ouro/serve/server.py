@@ -21,6 +21,7 @@ def engine_kwargs(args) -> dict:
             "torch_compile_max_bs": getattr(args, "torch_compile_max_bs", 32),
             "context_parallel_size": getattr(args, "cp", 1), "cp_threshold": getattr(args, "cp_threshold", 4096),
             "cp_precision": getattr(args, "cp_precision", "auto"),
+            "cp_chunk_size": getattr(args, "cp_chunk_size", 0), "cp_layer_split": bool(getattr(args, "cp_layer_split", False)),
             "quantization": getattr(args, "quantization", None),
             "quantization_ignore": split_patterns(getattr(args, "quantization_ignore", None)),
             "kv_cache_dtype": getattr(args, "kv_cache_dtype", "auto"),
