@@ -49,7 +49,8 @@ def _cmd_plan(args) -> int:
     for c in contexts:
         print(format_device_plan(args.model, device_plan(config, c, args.tp, args.cp, getattr(torch, args.kv_cache_dtype),
                                                          device_bytes=memory, prefill_chunk=args.prefill_chunk,
-                                                         ep=tp_args(args)["expert_parallel"])))
+                                                         ep=tp_args(args)["expert_parallel"],
+                                                         layer_split=args.layer_split)))
     from .engine.vision_plan import format_vision_plan, vision_config_of
     vision = vision_config_of(args.model)
     if vision is not None:
@@ -301,6 +302,7 @@ def build_parser(argv=None) -> argparse.ArgumentParser:
     plan.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (weights and KDA state split)")
     plan.add_argument("--ep", type=int, default=1, help="with --tp N: routed experts whole per rank (N = --tp)")
     plan.add_argument("--cp", type=int, default=1, help="context-parallel ranks of one prefill")
+    plan.add_argument("--layer-split", action="store_true", help="with --cp N: LayerSplit's DSA rows per helper rank")
     plan.add_argument("--device-memory", default=None, help="memory of one device, e.g. 141GB or 80GiB: how many requests fit")
     plan.add_argument("--prefill-chunk", type=int, default=8192, help="most prompt tokens one rank prefills at once")
     plan.add_argument("--image-size", default="448x448,1024x768,3584x2800", metavar="WxH,...",

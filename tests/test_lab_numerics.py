@@ -34,11 +34,14 @@ def test_config_parsing_names_the_bad_key():
     c = parse_config("dtype=float64,chunk=17,mode=decode,decode=4,prefix=hit,batch=3,kda_chunk=8")
     assert (c.dtype, c.chunk, c.mode, c.decode, c.prefix, c.batch, c.kda_chunk) == ("float64", 17, "decode", 4, "hit", 3, 8)
     assert pieces(parse_config("chunk=17"), 40) == [17, 17, 6]
+    c = parse_config("cp=2,chunk=24,split=on")            # chunk: tokens per CP forward under cp
+    assert (c.cp, c.chunk, c.split) == (2, 24, "on")
     assert pieces(parse_config("mode=decode,decode=3"), 10) == [7, 1, 1, 1]
     for bad, word in [("dtyp=float32", "dtyp"), ("dtype=float16", "dtype"), ("chunk=0", "chunk"),
                       ("impl=transformers,prefix=hit", "prefix"), ("mode", "mode"),
                       ("precision=tf32", "precision"), ("cp=2,precision=tf16", "precision"),
-                      ("cp=2,chunk=17", "chunk"), ("cp=2,impl=transformers", "impl"), ("cp=2,prefix=hit", "prefix")]:
+                      ("cp=2,mode=decode", "mode"), ("cp=2,impl=transformers", "impl"), ("cp=2,prefix=hit", "prefix"),
+                      ("split=on", "split"), ("cp=2,split=yes", "split")]:
         with pytest.raises(ValueError, match=word):
             parse_config(bad)
 

@@ -141,3 +141,23 @@ def test_chunk_bounds(n, chunk, world, want):
 
 def test_owners_are_contiguous_blocks():
     assert layer_split.owners(5, 2) == [0, 0, 0, 1, 1] and layer_split.owners(4, 3) == [0, 0, 1, 2]
+
+
+def test_the_lab_finds_a_stale_scratch_read_at_the_remote_layer(tmp_path):
+    """The planted fault (a helper attends before its scratch holds the layer's rows) in a patched
+    copy, through `ouro lab faults`: detected, and the top finding is a DSA layer the helper does not own."""
+    import json
+    import subprocess
+    import sys
+
+    from ouro.config import ModelConfig
+    from ouro.models.resolve import resolve_model
+    out = tmp_path / "faults.json"
+    p = subprocess.run([sys.executable, "-m", "ouro.cli", "lab", "faults", "--only", "layer_split_stale_scratch",
+                        "--no-clean", "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert out.exists(), p.stdout + p.stderr
+    (r,) = json.loads(out.read_text())["faults"]
+    assert not r["errors"] and r["detected"] and r["localised"], r
+    c = ModelConfig.from_hf(resolve_model("small"))
+    remote = [layer for li, layer in enumerate(c.dsa_layers) if layer_split.owners(len(c.dsa_layers), 2)[li] != 0]
+    assert any(f"layers.{layer}." in str(r["top"]["where"]) for layer in remote), r["top"]

@@ -57,6 +57,8 @@ class DevicePlan:
     chunk_tokens: int            # tokens of that chunk on one rank
     device_bytes: int | None
     all_mla_latent_bytes: int    # per request if every layer were MLA attention
+    split_share: float | None = None   # --cp-layer-split: a helper rank's share of the DSA rows (its block + a scratch layer)
+    dsa_bytes_per_token: int = 0
 
     @property
     def request_bytes(self) -> int:
@@ -68,6 +70,14 @@ class DevicePlan:
             return None
         free = self.device_bytes - self.weight_bytes - self.activation_bytes
         return max(0, free // self.request_bytes)
+
+    def longest_prompt(self, share: float = 1.0) -> int | None:
+        """The longest prompt whose DSA rows (times `share`) and KDA state fit one device beside
+        the weights and one chunk's activations."""
+        if self.device_bytes is None:
+            return None
+        free = self.device_bytes - self.weight_bytes - self.activation_bytes - self.kda_state_bytes
+        return max(0, int(free // max(1.0, self.dsa_bytes_per_token * share)))
 
     @property
     def kv_saving(self) -> float:
@@ -85,9 +95,25 @@ def activation_bytes(config: ModelConfig, tokens: int, tp: int, context: int, dt
     return int(streams + max(experts, kda, indexer if c.indexer_layers else 0))
 
 
+def layer_split_share(config: ModelConfig, cp: int, dtype=torch.bfloat16) -> float:
+    """A LayerSplit helper rank's share of the DSA rows: its largest owned block plus one scratch
+    layer as large as the largest layer (layers with an indexer cost more), over all layers."""
+    from ..parallel.layer_split import owners
+    per = [_layer_bytes(config, layer, dtype) for layer in config.dsa_layers]
+    own = owners(len(per), cp)
+    block = max(sum(b for b, r in zip(per, own) if r == rank) for rank in range(cp))
+    return min(1.0, (block + max(per)) / sum(per))
+
+
+def _layer_bytes(config: ModelConfig, layer: int, dtype) -> int:
+    e, d = dtype.itemsize, config.index_head_dim
+    own = e * d * 2 + 4 * d // config.index_kpool if layer in config.indexer_layers else 0
+    return e * config.kv_lora_rank + own
+
+
 def device_plan(config: ModelConfig, context: int, tp: int = 1, cp: int = 1, kv_dtype=torch.bfloat16,
                 weight_dtype=torch.bfloat16, device_bytes: int | None = None, prefill_chunk: int = 8192,
-                page_size: int = 64, ep: bool = False) -> DevicePlan:
+                page_size: int = 64, ep: bool = False, layer_split: bool = False) -> DevicePlan:
     from ..parallel.tp_shard import rank_weight_bytes
     for name, v in (("tp", tp), ("cp", cp), ("context", context), ("prefill_chunk", prefill_chunk)):
         if not isinstance(v, int) or v < 1:
@@ -99,9 +125,12 @@ def device_plan(config: ModelConfig, context: int, tp: int = 1, cp: int = 1, kv_
     ke = torch.empty(0, dtype=kv_dtype).element_size()
     all_mla = -(-context // page_size) * page_size * config.num_hidden_layers * config.kv_lora_rank * ke
     chunk = min(prefill_chunk, -(-context // cp))
+    if layer_split and cp < 2:
+        raise ValueError("--layer-split splits the DSA layers among CP ranks: give --cp 2 or more")
     return DevicePlan(context, tp, cp, weights, seq["paged_bytes"],
                       seq["state_bytes"] // tp, activation_bytes(config, chunk, tp, context, weight_dtype),
-                      chunk, device_bytes, all_mla)
+                      chunk, device_bytes, all_mla, layer_split_share(config, cp, kv_dtype) if layer_split else None,
+                      config.cache_bytes_per_token(kv_dtype))
 
 
 def format_device_plan(name: str, p: DevicePlan) -> str:
@@ -115,4 +144,11 @@ def format_device_plan(name: str, p: DevicePlan) -> str:
              f"the hybrid keeps {p.kv_saving:.1f}x less"]
     if p.fits is not None:
         lines.append(f"  fits                {p.fits} such requests on a {g(p.device_bytes)} device")
+    if p.split_share is not None:
+        lines.append(f"  layer split         a CP helper rank keeps {g(p.latent_bytes * p.split_share)} of DSA rows per "
+                     f"request ({p.split_share:.0%}: its block of layers and one scratch layer); the engine rank, "
+                     "which decodes, keeps them all")
+        if p.device_bytes is not None:
+            lines.append(f"  longest prompt      on a helper rank: {p.longest_prompt(p.split_share):,} tokens with the split, "
+                         f"{p.longest_prompt():,} without")
     return "\n".join(lines)

@@ -22,6 +22,7 @@ KEYS = {
     "chunk": int, "mode": ("prefill", "decode"), "decode": int, "prefix": ("cold", "hit"),
     "batch": int, "kda_chunk": int,
     "cp": int, "precision": PRECISIONS,
+    "split": ("off", "on"),                  # with cp=N: LayerSplit (helpers keep their own DSA layers; chunk= per CP forward)
     "quant": ("none", "w8a8", "w8a8_ref", "fp8", "fp8_ref"),   # *_ref: the naive modules (ouro.quant.reference)
     "kv": ("none", "fp8_e4m3", "int8"),      # the DSA latent / indexer-key cache rows (--kv-cache-dtype)
     # MTP speculation over the decode tokens: drafts are the forced tokens with every step's last
@@ -45,6 +46,7 @@ class Config:
     kda_chunk: int = 16
     cp: int = 1                   # ranks of a context-parallel prefill (real processes, gloo)
     precision: str = "fp32"       # the KCP state chain's products when cp > 1
+    split: str = "off"            # LayerSplit across the cp ranks
     quant: str = "none"
     kv: str = "none"
     spec: str = "off"
@@ -95,12 +97,14 @@ def parse_config(text: str) -> Config:
                              "one sequence without ouro's prefix cache or kernels)")
     if "precision" in values and cfg.cp == 1:
         raise ValueError("configuration key 'precision' is the KCP state chain's: it needs cp=N with N >= 2")
+    if "split" in values and cfg.cp == 1:
+        raise ValueError("configuration key 'split' is LayerSplit across context-parallel ranks: it needs cp=N, N >= 2")
     if cfg.cp > 1:
-        bad = [k for k in ("impl", "chunk", "mode", "decode", "prefix", "batch", "quant", "kv", "spec") if k in values
+        bad = [k for k in ("impl", "mode", "decode", "prefix", "batch", "quant", "kv", "spec") if k in values
                and values[k] != getattr(Config(), k)]
         if bad:
             raise ValueError(f"configuration key {bad[0]!r} does not combine with cp={cfg.cp}: a context-parallel "
-                             "run is one whole-prompt ouro prefill, cold, of one sequence")
+                             "run is an ouro prefill (chunk=N tokens per CP forward), cold, of one sequence")
     if cfg.tp > 1:
         bad = [k for k in ("impl", "prefix", "batch", "spec", "cp", "kv") if k in values and values[k] != getattr(Config(), k)]
         bad += ["quant"] if cfg.ep == "on" and cfg.quant != "none" else []
@@ -218,15 +222,20 @@ def _run_ouro(model_dir, cfg, prompt, rec, seed, device):
 
 
 def _cp_rank(groups, model_dir, cfg, prompt, device, n_experts, width) -> Recording:
-    """One rank of a cp=N run: its slice of the prompt, tapped at global positions."""
+    """One rank of a cp=N run: its slices of the prompt (chunk= tokens per CP forward), tapped at
+    global positions; with split=on the helper ranks keep only their own DSA layers (LayerSplit)."""
     from ..layers.context import ModelCache
-    from ..parallel.cp_forward import cp_forward
+    from ..parallel.cp_prefill import run_prefill
+    from ..parallel.layer_split import owned
     model = load_ouro(model_dir, cfg, device)
     pages = -(-len(prompt) // PAGE_SIZE)
-    cache = ModelCache(model.config, 1, pages, PAGE_SIZE, dtype=getattr(torch, cfg.dtype), device=device)
+    split, last = cfg.split == "on", groups.cp.rank() == groups.cp.size() - 1
+    keep = owned(len(model.config.dsa_layers), groups.cp.size(), groups.cp.rank()) if split and not last else None
+    cache = ModelCache(model.config, 1, pages, PAGE_SIZE, dtype=getattr(torch, cfg.dtype), device=device, keep_dsa=keep)
     rec = Recording(n_experts=n_experts, width=width)
     with OuroTaps(model, rec, lambda: [0]), torch.inference_mode():
-        cp_forward(model, cache, groups.cp, [prompt], [0], [0], torch.arange(pages).view(1, -1), cfg.precision)
+        run_prefill(model, cache, groups.cp, prompt, 0, torch.arange(pages).view(1, -1), cfg.precision, cfg.chunk or 0,
+                    split, full=last)
     return rec
 
 

@@ -12,8 +12,9 @@ The indexer's parts go first and are waited for (the indexer reads them at once)
 go as an async broadcast (gloo runs it on its own thread) that overlaps the layer's projections and
 indexer, and are waited for just before attention (`attend`). They arrive in a NaN-filled buffer:
 a broadcast that delivered nothing (a disabled communicator) raises `LayerSplitError` naming the
-layer and its owner instead of attending over stale rows. The scratch records the layer it holds
-(`holds`), written only after that check.
+layer and its owner instead of attending over stale rows. When the scratch is taken for a layer,
+its rows are invalidated (NaN) first, so a rank that reads it before the layer's rows landed reads
+NaN, never the previous layer's rows; it records the layer it holds (`holds`) once they have.
 
 The engine rank (the last) decodes from its own pool afterwards, so it keeps every layer
 (`full`): it owns and broadcasts its block like any rank, and drops what it receives for the
@@ -118,6 +119,9 @@ class LayerSplit:
                                     ("pooled keys", cache.index_pooled[ci].view(-1, d), pools)):
                 buf, _ = self._broadcast(flat, idx, li, what)
                 self._land(flat, idx, buf, li, what)
+        if not self._mine(li) and not self.full:   # the scratch now stands for this layer: what it held is invalid
+            cache.latent_rows(li)[rows] = float("nan")
+            self.holds = None
         buf, work = self._broadcast(cache.latent_rows(li), rows, li, "latent", async_op=True)
         self.pending = (li, buf, work, time.perf_counter())
 
