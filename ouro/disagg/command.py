@@ -116,6 +116,10 @@ def worker_argv(args, role: str, port: int) -> list[str]:
         argv += ["--kv-cache-layer-dtype", args.kv_cache_layer_dtype]
     if args.max_model_len:
         argv += ["--max-model-len", str(args.max_model_len)]
+    if role == "prefill" and getattr(args, "cp", 1) > 1:     # long prompts across CP ranks, on the prefill side
+        argv += ["--cp", str(args.cp), "--cp-threshold", str(args.cp_threshold), "--cp-chunk-size",
+                 str(args.cp_chunk_size), "--cp-precision", args.cp_precision]
+        argv += ["--cp-layer-split"] if args.cp_layer_split else []
     if getattr(args, "tp", 1) > 1:          # each worker runs its own ranks
         argv += ["--tp", str(args.tp), "--ep", str(getattr(args, "ep", 1))]
     if getattr(args, "enable_deterministic_inference", False):   # both sides: a prefill row equals a decode row
@@ -172,8 +176,8 @@ def run_role(args) -> int:
     from ..models.resolve import resolve_model
     from ..serve.server import engine_kwargs
     from .worker import run_worker
-    if args.cp > 1:
-        raise ValueError("--role does not combine with --cp yet")
+    if args.cp > 1 and args.role != "prefill":
+        raise ValueError(f"--role {args.role} does not combine with --cp: only a prefill worker prefills long prompts")
     directory = resolve_model(args.model, progress=True)
     if args.role == "encode":
         from ..models.loader import has_vision

@@ -1,6 +1,8 @@
 """`ouro serve --role prefill`: an `LLMEngine` that prefills requests and sends their state away.
 
-A request arrives with its decode room (`KVReceiver.room_info`). It runs as a one-token request
+A request arrives with its decode room (`KVReceiver.room_info`). Under `--cp N` a long prompt is
+prefilled across CP ranks; this worker is the last of them and keeps every layer's rows (with
+`--cp-layer-split` too), so each CP forward's rows go from here as they would without CP. It runs as a one-token request
 (the prompt, then the first sampled token), and while it computes, hooks on the built model queue
 each decoder layer's new rows to the transfer thread (`KVSender`) as soon as that layer has run, so
 sending overlaps the next layers' compute. Its last frame, `done`, carries the first token, its
@@ -40,8 +42,6 @@ class PrefillEngine:
         """overlap=False: a request's layers are queued only once its prefill is done (the A/B
         that shows what overlapping the transfer with compute buys). images: the checkpoint takes
         images: listen for encode workers' rows (`encoder_cache`)."""
-        if engine.cp is not None:
-            raise ValueError("a prefill worker does not combine with --cp yet")
         self.engine, self.overlap = engine, overlap
         self._deferred: dict[str, list] = {}    # overlap off: each request's layer jobs until its prefill ends
         self.rooms: dict[str, dict] = {}       # rid -> its decode room, while this side has it
@@ -209,7 +209,7 @@ class PrefillEngine:
             req: Request | None = by_slot.get(slot)
             if req is None:
                 continue
-            t0, n = ctx.start_pos[b], ctx.query_lens[b]
+            t0, n = _new_rows(ctx, b)
             pages = list(req.pages)
             room = self.rooms[req.request_id]
             if req.request_id not in self._opened:
@@ -231,3 +231,13 @@ class PrefillEngine:
                 else:
                     self._deferred.setdefault(rid, []).append((rid, i, t0, t1, final, pages))
         return hook
+
+
+def _new_rows(ctx, b: int) -> tuple[int, int]:
+    """(first position, count) of sequence b's rows this forward leaves in this rank's cache: its
+    own new tokens, or under a context-parallel prefill (`--cp`) the whole CP forward's, which
+    the all-gathers wrote here (this rank is the engine, the last CP rank, and keeps every layer)."""
+    peers = getattr(ctx, "peers", None)
+    if not peers:
+        return ctx.start_pos[b], ctx.query_lens[b]
+    return peers[0].start_pos[b], peers[-1].start_pos[b] + peers[-1].query_lens[b] - peers[0].start_pos[b]
