@@ -16,6 +16,8 @@ from .detokenizer import IncrementalDetokenizer
 from .memory import available_bytes, plan_memory
 from .model_runner import ModelRunner
 from .page_pool import PagePool, SlotPool
+from .prefix_checkpoints import checkpoint_batch, drop_checkpoints
+from .grammar_queue import GrammarQueue
 from .multimodal import split_images
 from .options import check_engine_options
 from .request import Request, RequestFailed, RequestOutput, prompt_token_ids
@@ -105,6 +107,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._pending_ckpt: dict[str, dict[int, int]] = {}
+        self.grammars = GrammarQueue(tokenizer, model.config)    # structured outputs compiling
         self.num_failed_steps = 0
 
     def close(self) -> None:
@@ -136,8 +139,12 @@ class LLMEngine:
             req.prompt_logprobs = [None] * len(ids)
         if self.tokenizer is not None:
             req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.stop_list, params.skip_special_tokens)
+        if params.structured is not None:      # waits for its grammar (compiled off the step); no speculation
+            req.spec_off = True
+            self.grammars.add(req)
+        else:
+            self.scheduler.add(req)
         self.requests[request_id] = req
-        self.scheduler.add(req)
         return request_id
 
     def check_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None):
@@ -190,12 +197,14 @@ class LLMEngine:
         req = self.requests.pop(request_id, None)
         if req is None:
             return False
+        if self.grammars.abort(request_id):     # never reached the scheduler
+            return True
         self._drop_checkpoints(req)
         self.scheduler.finish(req, "abort")
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self.grammars)
 
     def stats(self) -> dict:
         """Counters for logs and /metrics: queue sizes, pool use, preemptions, what limits admission."""
@@ -214,6 +223,13 @@ class LLMEngine:
     # ---- one step ----
     @span("step", cat="step")
     def step(self) -> list[RequestOutput]:
+        if self.grammars:
+            ready, failed = self.grammars.ready()
+            for r in ready:
+                self.scheduler.add(r)
+            for r, why in failed:
+                self.requests.pop(r.request_id, None)
+                raise RequestFailed(r.request_id, why)
         batch = self.scheduler.schedule()
         if not batch:
             return []
@@ -259,15 +275,7 @@ class LLMEngine:
         for proc in self.logits_processors:
             for k, r in enumerate(reqs):
                 logits[k] = proc(r.prompt_ids, r.output_ids, logits[k])
-        for k, r in enumerate(reqs):   # a forced prefix: only its next id may be drawn
-            forced = r.params.forced_prefix_ids
-            if forced and len(r.output_ids) < len(forced):
-                tok = forced[len(r.output_ids)]
-                if tok >= logits.shape[1]:
-                    raise ValueError(f"forced prefix id {tok} is outside the vocabulary")
-                keep = logits[k, tok].clone()
-                logits[k].fill_(float("-inf"))
-                logits[k, tok] = keep
+        self.grammars.constrain(logits, reqs)     # forced prefixes, structured outputs' bitmasks
         with span("sample", cat="sample"):
             sampled = self.sampler.sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
         outputs = []
@@ -287,6 +295,8 @@ class LLMEngine:
         r.logprobs.append(logprob)
         r.top_logprobs.append(top)
         new_text = r.detokenizer.add(tok) if r.detokenizer else ""
+        if r.constraint is not None:
+            r.constraint.accept(tok)
         self._check_stop(r, tok)
         if r.is_finished and r.detokenizer is not None:
             # text held back as a possible stop-string start is released unless a stop string matched
@@ -308,6 +318,8 @@ class LLMEngine:
             reason, r.stop_reason = "stop", tok
         elif r.detokenizer is not None and r.detokenizer.stopped:
             reason, r.stop_reason = "stop", r.detokenizer.stop_reason
+        elif r.constraint is not None and r.constraint.done:    # the grammar is complete: nothing more may follow
+            reason = "stop"
         elif len(r.output_ids) >= p.max_tokens or r.num_tokens >= self.max_model_len:
             reason = "length"
         if reason:
@@ -323,27 +335,9 @@ class LLMEngine:
                              None if r.first_scheduled is None else r.first_scheduled - r.arrival,
                              r.prompt_logprobs)
 
-    # ---- prefix caching: KDA checkpoints at page boundaries, inserted once the prompt is computed ----
+    # ---- prefix caching: KDA checkpoints at page boundaries (`prefix_checkpoints`) ----
     def _checkpoint(self, batch) -> None:
-        if self.prefix_cache is None:
-            return
-        ps = self.config.page_size
-        for r, count in zip(batch.requests, batch.num_new_tokens):
-            if r.num_computed - count >= len(r.prompt_ids):
-                continue                      # a decode step: the prompt is already in the tree
-            pending = self._pending_ckpt.setdefault(r.request_id, {})
-            n = r.num_computed
-            if n % ps == 0 and n <= len(r.prompt_ids) and n not in pending and self.prefix_cache.should_checkpoint(n):
-                ckpt = self.runner.checkpoints.save(r.slot)
-                if ckpt is not None:
-                    pending[n] = ckpt
-            if n >= len(r.prompt_ids) and r.request_id in self._pending_ckpt:
-                full = len(r.prompt_ids) // ps
-                pending = self._pending_ckpt.pop(r.request_id)
-                rejected = self.prefix_cache.insert(r.key_ids[: full * ps], r.pages[:full], pending)
-                for c in rejected:
-                    self.runner.checkpoints.release(c)
+        checkpoint_batch(self, batch)
 
     def _drop_checkpoints(self, r: Request) -> None:
-        for c in self._pending_ckpt.pop(r.request_id, {}).values():
-            self.runner.checkpoints.release(c)
+        drop_checkpoints(self, r)

@@ -50,6 +50,7 @@ class Request:
     spec_counts: list = field(default_factory=lambda: [0, 0, 0])   # verifications, tokens emitted, drafts verified
     spec_off: bool = False               # the online canary stopped this request's speculation
     mm: object | None = None             # an `engine.multimodal.ImageInputs`: the prompt's image rows
+    constraint: object | None = None     # an `engine.structured.Constraint`: the output's grammar matcher
 
     @property
     def all_ids(self) -> list[int]:

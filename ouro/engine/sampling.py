@@ -34,6 +34,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     forced_prefix_ids: list[int] | None = None  # the output must start with these ids (e.g. a tool-call tag)
+    structured: dict | None = None  # the output held to a grammar (`engine.structured`: JSON schema, regex, ...)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -75,6 +76,9 @@ class SamplingParams:
         if self.forced_prefix_ids is not None and (not isinstance(self.forced_prefix_ids, (list, tuple))
                                                    or not all(is_int(t) and t >= 0 for t in self.forced_prefix_ids)):
             raise ValueError(f"forced_prefix_ids must be a list of non-negative integers, got {self.forced_prefix_ids!r}")
+        if self.structured is not None:
+            from .structured import check_spec
+            check_spec(self.structured)
         for flag in ("ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be a bool, got {getattr(self, flag)!r}")

@@ -31,7 +31,7 @@ from ..engine.sampling import SamplingParams
 # what the engine needs of a request's sampling parameters; stop strings stay in the frontend,
 # which detokenises and aborts the request when one matches
 ENGINE_PARAM_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stop_token_ids",
-                       "ignore_eos", "logprobs", "forced_prefix_ids")
+                       "ignore_eos", "logprobs", "forced_prefix_ids", "structured")
 
 
 def encode(msg: dict) -> bytes:
