@@ -10,12 +10,17 @@ from .structured import Constraint, GrammarBook
 
 
 class GrammarQueue:
-    def __init__(self, tokenizer, config):
-        self.tokenizer, self.config = tokenizer, config
+    def __init__(self, tokenizer, config, model_dir=None):
+        """tokenizer: the engine's, else read from `model_dir` at the first structured request
+        (a server's engine process detokenizes nothing and has none of its own)."""
+        self.tokenizer, self.config, self.model_dir = tokenizer, config, model_dir
         self.book: GrammarBook | None = None
         self.waiting: dict = {}            # request id -> (request, future)
 
     def add(self, req) -> None:
+        if self.tokenizer is None and self.model_dir is not None:
+            from ..models.resolve import load_tokenizer
+            self.tokenizer = load_tokenizer(self.model_dir)
         if self.tokenizer is None:
             raise ValueError("structured outputs need the checkpoint's tokenizer; this engine has none")
         if self.book is None:

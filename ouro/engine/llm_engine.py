@@ -107,7 +107,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._pending_ckpt: dict[str, dict[int, int]] = {}
-        self.grammars = GrammarQueue(tokenizer, model.config)    # structured outputs compiling
+        self.grammars = GrammarQueue(tokenizer, model.config, model_dir)    # structured outputs compiling
         self.num_failed_steps = 0
 
     def close(self) -> None:

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..measure import spans
-from . import formats
+from . import formats, structured_request
 from .generation import Generation, GenerationError
 from .methods import Methods
 from .metrics import Metrics
@@ -47,6 +47,8 @@ class ServerState:
     tracing: dict | None = None      # an on-demand trace being recorded (trace_routes.py)
     images: object | None = None     # engine.multimodal.ImagePrompt (None: the model takes text only)
     media: object | None = None      # media.MediaLimits
+    eos_token_ids: tuple = ()
+    grammars: object | None = None   # engine.structured.GrammarBook: structured outputs checked here first
     metrics: Metrics = field(default=None)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -197,6 +199,7 @@ def build_app(state: ServerState) -> FastAPI:
             jobs = formats.chat_jobs(state, body) if chat else formats.completion_jobs(state, body)
         for j in jobs:
             _check_length(state, j.prompt_ids, body)
+        await structured_request.check(state, jobs[0].child_params[0].structured)     # a 400 if it does not compile
         gens = [Generation(state.client, m, state.tokenizer, j.prompt_ids, j.child_params, j.stop,
                            j.skip_special_tokens, images=j.images) for j in jobs]
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex

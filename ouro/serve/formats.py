@@ -12,6 +12,7 @@ from pydantic import ValidationError
 
 from ..engine.sampling import SamplingParams
 from .protocol import ServeError as ApiError
+from .structured_request import spec_for
 
 
 @dataclass
@@ -41,13 +42,13 @@ def _json(logprob: float) -> float:
     return max(logprob, -9999.0)
 
 
-def sampling_for(body, max_tokens: int, logprobs: int | None, stop_token_ids=None) -> SamplingParams:
+def sampling_for(body, max_tokens: int, logprobs: int | None, stop_token_ids=None, structured=None) -> SamplingParams:
     """The engine params of one request (stop strings stay in the frontend)."""
     try:
         return SamplingParams(n=body.n, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                               min_p=body.min_p, seed=body.seed, max_tokens=max_tokens,
                               stop_token_ids=list(stop_token_ids or []) or None, ignore_eos=body.ignore_eos,
-                              logprobs=logprobs)
+                              logprobs=logprobs, structured=structured)
     except (ValueError, ValidationError) as e:
         raise ApiError(400, str(e)) from None
 
@@ -71,7 +72,8 @@ def completion_jobs(state, body) -> list[Job]:
     jobs = []
     for i, pr in enumerate(prompts):
         ids = state.tokenizer.encode(pr).ids if isinstance(pr, str) else pr
-        params = sampling_for(body, _max_tokens(state, body, len(ids)), body.logprobs, body.stop_token_ids)
+        params = sampling_for(body, _max_tokens(state, body, len(ids)), body.logprobs, body.stop_token_ids,
+                              spec_for(state, body))
         jobs.append(Job(ids, _children(body, params), _stops(body), True, choice_base=i * body.n))
     return jobs
 
@@ -94,9 +96,10 @@ def chat_jobs(state, body) -> list[Job]:
     top = body.top_logprobs if body.logprobs else None
     if body.top_logprobs and not body.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true")
+    spec = spec_for(state, body, rendered)
     params = sampling_for(body, _max_tokens(state, body, len(ids)), (top or 0) if body.logprobs else None,
-                          body.stop_token_ids)
-    if rendered.forced_prefix:
+                          body.stop_token_ids, spec)
+    if rendered.forced_prefix and not (spec and spec["type"] == "structural_tag"):   # a strict call's tag forces it
         forced = state.tokenizer.encode(rendered.forced_prefix, add_special_tokens=False).ids
         if len(forced) >= params.max_tokens:
             raise ApiError(400, f"tool_choice needs max_tokens > {len(forced)} to open the tool call")
@@ -177,9 +180,9 @@ class ResponseView:
     def _finish(self, v: _ChoiceView, reason: str | None) -> str | None:
         if reason is None:
             return None
-        if self.chat and v.parser is not None and v.parser.has_tool_calls():
+        if reason == "stop" and self.chat and v.parser is not None and v.parser.has_tool_calls():
             return "tool_calls"
-        return reason
+        return reason              # a reply cut by max_tokens says length, a tool call in it or not
 
     # ---- non-streamed ----
     def final(self) -> dict:

@@ -112,12 +112,32 @@ Text = Annotated[str, Field(min_length=1)]
 NoPenalty = only(float, {"const": 0}, lambda v: v == 0, "presence_penalty and frequency_penalty are not supported "
                                                            "(use 0)")
 NoLogitBias = only(dict[str, float] | None, {"maxProperties": 0}, lambda v: not v, "logit_bias is not supported")
-TextFormat = only(dict[str, Any] | None, {"properties": {"type": {"const": "text"}}},
-                  lambda v: not v or v.get("type", "text") == "text",
-                  "response_format other than 'text' (structured output) is not supported")
 NoEcho = only(bool, {"const": False}, lambda v: not v, "echo is not supported")
 MAX_TOKENS = ("at most the context length less the prompt's tokens (the schema's maximum is for a one-token "
               "prompt); unset: up to the context length")
+
+
+class JsonSchemaFormat(Body):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(Body):
+    """OpenAI's response_format: free text, any JSON object, or JSON that validates against a schema."""
+    model_config = ConfigDict(json_schema_extra=rule({"type": {"const": "json_schema"}}, {"required": ["json_schema"]}))
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(Body):
+    """vLLM's `structured_outputs`: one of these constrains the output."""
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class StreamOptions(Body):
@@ -145,7 +165,16 @@ class _Sampling(Body):
     frequency_penalty: NoPenalty = 0.0
     user: str | None = None
     logit_bias: NoLogitBias = None
-    response_format: TextFormat = None
+    # structured outputs (`serve/structured_request.py`): at most one of these
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None       # vLLM's older names
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    regex: str | None = None                               # SGLang's
+    ebnf: str | None = None
+    json_schema: str | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -161,6 +190,7 @@ class FunctionDef(Body):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
+    strict: bool | None = None      # true: a forced call's arguments held to `parameters` (structured outputs)
 
 
 class Tool(Body):

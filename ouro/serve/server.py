@@ -95,7 +95,7 @@ def serve(args, make_client=None) -> int:
     client = make_client(directory, metrics.update_engine)
     state = ServerState(client=client, tokenizer=tokenizer, chat=ChatFormat.from_checkpoint(directory, tokenizer),
                         model_name=name, max_model_len=0, capacity_tokens=0,
-                        vocab_size=mc.vocab_size, api_key=args.api_key, max_queued_requests=args.max_queued_requests,
+                        vocab_size=mc.vocab_size, eos_token_ids=tuple(mc.eos_token_ids), api_key=args.api_key, max_queued_requests=args.max_queued_requests,
                         max_num_seqs=args.max_num_seqs, max_body_bytes=args.max_request_body_bytes, metrics=metrics)
     state.images, state.media = media_for(args, directory, mc)
     app = build_app(state)

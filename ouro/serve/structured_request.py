@@ -1,0 +1,105 @@
+"""A request's structured-output fields -> the engine's `SamplingParams.structured`.
+
+Accepted, at most one per request (two are a 400): OpenAI's `response_format` (`json_object`,
+`json_schema` with its `schema`; `strict` or not, the output is held to it, as vLLM does),
+vLLM's `structured_outputs` {json, regex, choice, grammar, json_object} and its older
+`guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`, SGLang's `json_schema` /
+`regex` / `ebnf`; and chat tools with `strict: true` under a `tool_choice` that forces a call
+(required, or a named function): the call's tags, name and arguments held to GLM's tool-call
+format and the tools' `parameters` (xgrammar's `glm_4_7` structural tag). In a chat whose reply
+opens with reasoning the grammar starts after `</think>`, so the reasoning stays free.
+
+`check` compiles the spec off the event loop before any engine work (a shared `GrammarBook`,
+its cache bounded), so one that does not compile is a 400 naming the problem.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from .protocol import ServeError as ApiError
+
+END_THINK = "</think>"
+
+
+def _fields(body) -> list[tuple[str, dict]]:
+    out = []
+    rf = body.response_format
+    if rf is not None and rf.type == "json_object":
+        out.append(("response_format", {"type": "json_object"}))
+    elif rf is not None and rf.type == "json_schema":
+        if rf.json_schema is None or rf.json_schema.schema_ is None:
+            raise ApiError(400, "response_format json_schema needs json_schema.schema")
+        out.append(("response_format", {"type": "json_schema", "schema": rf.json_schema.schema_}))
+    so = body.structured_outputs
+    if so is not None:
+        for key, spec in (("json_", lambda v: {"type": "json_schema", "schema": v}),
+                          ("regex", lambda v: {"type": "regex", "regex": v}),
+                          ("choice", lambda v: {"type": "choice", "choice": v}),
+                          ("grammar", lambda v: {"type": "grammar", "grammar": v}),
+                          ("json_object", lambda v: {"type": "json_object"} if v else None)):
+            v = getattr(so, key)
+            if v is not None and spec(v) is not None:
+                out.append((f"structured_outputs.{key.rstrip('_')}", spec(v)))
+    for name, spec in (("guided_json", lambda v: {"type": "json_schema", "schema": v}),
+                       ("guided_regex", lambda v: {"type": "regex", "regex": v}),
+                       ("guided_choice", lambda v: {"type": "choice", "choice": v}),
+                       ("guided_grammar", lambda v: {"type": "grammar", "grammar": v}),
+                       ("json_schema", lambda v: {"type": "json_schema", "schema": v}),
+                       ("regex", lambda v: {"type": "regex", "regex": v}),
+                       ("ebnf", lambda v: {"type": "grammar", "grammar": v})):
+        v = getattr(body, name, None)
+        if v is not None:
+            out.append((name, spec(v)))
+    return out
+
+
+def spec_for(state, body, rendered=None) -> dict | None:
+    """The request's `structured` spec, or None; `rendered` (chat): the rendered prompt, for
+    strict tools and for where the grammar starts."""
+    found = _fields(body)
+    tools = getattr(body, "tools", None) or []
+    choice = getattr(body, "tool_choice", None)
+    forced = choice == "required" or (choice is not None and not isinstance(choice, str))
+    if forced and any(t.function.strict for t in tools):
+        found.append(("tools (strict)", _tool_tag(body, tools, choice, rendered)))
+    if len(found) > 1:
+        raise ApiError(400, f"one structured-output constraint per request, got {', '.join(n for n, _ in found)}")
+    if not found:
+        return None
+    spec = found[0][1]
+    if spec["type"] == "choice" and not spec["choice"]:
+        raise ApiError(400, f"{found[0][0]} needs at least one choice")
+    reasoning = rendered is not None and rendered.fmt.reasoning_first
+    if reasoning and spec["type"] != "structural_tag":
+        after = state.tokenizer.token_to_id(END_THINK)
+        if after is not None:
+            spec["after"] = after
+    return spec
+
+
+def _tool_tag(body, tools, choice, rendered) -> dict:
+    import xgrammar as xg
+    defs = [{"type": "function", "function": t.function.model_dump(exclude_none=True, by_alias=True)} for t in tools]
+    tc = choice if isinstance(choice, str) else {"type": "function", "function": {"name": choice.function.name}}
+    reasoning = "enabled" if rendered is not None and rendered.fmt.reasoning_first else "disabled"
+    tag = xg.get_model_structural_tag("glm_4_7", tools=defs, tool_choice=tc, reasoning=reasoning, max_whitespace_cnt=1)
+    return {"type": "structural_tag", "tag": json.loads(tag.model_dump_json())}
+
+
+def book(state):
+    """The server's `GrammarBook` (built at the first structured request)."""
+    if getattr(state, "grammars", None) is None:
+        from ..engine.structured import GrammarBook
+        state.grammars = GrammarBook(state.tokenizer, state.vocab_size, state.eos_token_ids)
+    return state.grammars
+
+
+async def check(state, spec: dict | None) -> None:
+    if spec is None:
+        return
+    try:
+        await asyncio.to_thread(book(state).compile, spec)
+    except ValueError as e:
+        raise ApiError(400, str(e)) from None
