@@ -70,12 +70,10 @@ class GrammarBook:
         check_spec(spec)
         c, kind = self.compiler, spec["type"]
         try:
-            if kind == "json_schema":
-                schema = spec["schema"]
+            if kind in ("json_schema", "json_object"):     # json_object: OpenAI's "any JSON object"
+                schema = spec["schema"] if kind == "json_schema" else {"type": "object"}
                 return c.compile_json_schema(schema if isinstance(schema, str) else json.dumps(schema),
                                              any_whitespace=False, separators=(",", ":"), strict_mode=True)
-            if kind == "json_object":
-                return c.compile_builtin_json_grammar()
             if kind == "regex":
                 return c.compile_regex(spec["regex"])
             if kind == "choice":
@@ -117,7 +115,7 @@ class Constraint:
 
     def __init__(self, compiled, after: int | None = None):
         import xgrammar as xg
-        self.matcher = xg.GrammarMatcher(compiled, max_rollback_tokens=16)
+        self.matcher = xg.GrammarMatcher(compiled)
         self.after, self.active, self.violated = after, after is None, False
 
     def accept(self, tok: int) -> None:

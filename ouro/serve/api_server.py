@@ -24,6 +24,7 @@ from .metrics import Metrics
 from .openapi import STREAMED, openapi
 from .protocol import ChatCompletionRequest, CompletionRequest, error_body
 from .protocol import ServeError as ApiError
+from .tokenize_routes import add_tokenize_routes
 from .trace_routes import add_trace_routes
 
 GENERATE_ROUTES = ("/v1/chat/completions", "/v1/completions")
@@ -181,6 +182,7 @@ def build_app(state: ServerState) -> FastAPI:
                                             "owned_by": "ouro", "max_model_len": state.max_model_len}]}
 
     add_trace_routes(app, state)
+    add_tokenize_routes(app, state)
 
     @app.post("/v1/completions", response_model=None, responses=STREAMED)
     async def completions(request: Request, body: CompletionRequest):

@@ -1,0 +1,121 @@
+"""Structured outputs through a real `ouro serve` (tiny-py) and the official `openai` client:
+`response_format` json_schema with n > 1, whole and streamed, validates (the `jsonschema`
+package); vLLM's and SGLang's extra fields hold on /v1/completions; a strict tool call's arguments
+validate against its parameters; with reasoning on, the reasoning is free and the grammar waits
+for `</think>`; every malformed constraint is a 400 with the OpenAI error body naming it;
+/tokenize and /detokenize round-trip."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import openai
+import pytest
+
+from serve_helpers import Server, idle, post
+
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                           "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                                           "units": {"enum": ["c", "f"]}},
+          "required": ["city", "days"], "additionalProperties": False}
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = Server("tiny-py", tmp_path=tmp_path_factory.mktemp("structured"))
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base + "/v1", api_key="x", max_retries=0)
+
+
+def test_json_schema_chat_validates_whole_and_streamed_with_n(client, server):
+    fmt = {"type": "json_schema", "json_schema": {"name": "weather", "schema": SCHEMA, "strict": True}}
+    msgs = [{"role": "user", "content": "the weather as JSON"}]
+    r = client.chat.completions.create(model=None, messages=msgs, n=3, temperature=1.0, seed=4, max_tokens=120,
+                                       response_format=fmt, extra_body=NO_THINKING)
+    for ch in r.choices:
+        assert ch.finish_reason == "stop", ch
+        jsonschema.validate(json.loads(ch.message.content), SCHEMA)
+    texts = {}
+    for chunk in client.chat.completions.create(model=None, messages=msgs, n=2, temperature=1.0, seed=5,
+                                                max_tokens=120, response_format=fmt, stream=True, extra_body=NO_THINKING):
+        for ch in chunk.choices:
+            texts[ch.index] = texts.get(ch.index, "") + (ch.delta.content or "")
+    assert len(texts) == 2
+    for t in texts.values():
+        jsonschema.validate(json.loads(t), SCHEMA)
+    assert idle(server)
+
+
+@pytest.mark.parametrize("extra, ok", [
+    ({"guided_json": SCHEMA}, lambda t: jsonschema.validate(json.loads(t), SCHEMA) is None),
+    ({"structured_outputs": {"regex": "[0-9]{2}:[0-9]{2}"}}, lambda t: re.fullmatch("[0-9]{2}:[0-9]{2}", t)),
+    ({"structured_outputs": {"choice": ["left", "right"]}}, lambda t: t in ("left", "right")),
+    ({"guided_choice": ["up", "down"]}, lambda t: t in ("up", "down")),
+    ({"regex": "(yes|no)!"}, lambda t: t in ("yes!", "no!")),                       # SGLang's names
+    ({"ebnf": 'root ::= "[" [a-z] ("," [a-z])* "]"'}, lambda t: re.fullmatch(r"\[[a-z](,[a-z])*\]", t)),
+    ({"json_schema": json.dumps(SCHEMA)}, lambda t: jsonschema.validate(json.loads(t), SCHEMA) is None),
+])
+def test_extra_fields_hold_on_completions(client, extra, ok):
+    r = client.completions.create(model=None, prompt=["def f():\n", "x = "], max_tokens=100, temperature=1.0, seed=2,
+                                  extra_body=extra)
+    for ch in r.choices:
+        assert ch.finish_reason == "stop" and ok(ch.text), ch.text
+
+
+def test_a_strict_tool_call_has_arguments_of_its_schema(client):
+    tools = [{"type": "function", "function": {"name": "get_weather", "strict": True, "parameters": SCHEMA}}]
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        r = client.chat.completions.create(model=None, messages=[{"role": "user", "content": "weather in Oslo?"}],
+                                           tools=tools, tool_choice=choice, max_tokens=200, temperature=0.8, seed=1,
+                                           extra_body=NO_THINKING)
+        ch = r.choices[0]
+        assert ch.finish_reason == "tool_calls", ch
+        (call,) = ch.message.tool_calls
+        assert call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMA)
+
+
+def test_reasoning_stays_free_and_a_cut_reply_says_length(client):
+    r = client.chat.completions.create(model=None, messages=[{"role": "user", "content": "think, then answer"}],
+                                       max_tokens=24, temperature=0, extra_body={"guided_choice": ["yes", "no"]})
+    ch = r.choices[0]
+    assert ch.finish_reason == "length"
+    reasoning = ch.message.model_extra.get("reasoning_content") or ""
+    assert reasoning and reasoning not in ("yes", "no")       # the reasoning was not held to the choice
+
+
+@pytest.mark.parametrize("body, says", [
+    ({"guided_regex": "(("}, "does not compile"),
+    ({"guided_regex": "a", "guided_choice": ["b"]}, "one structured-output constraint"),
+    ({"response_format": {"type": "json_schema"}}, "json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "objekt"}}}}, "does not compile"),
+    ({"guided_json": {"description": "x" * 70000}}, "over the limit"),
+    ({"guided_choice": []}, "choice"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+])
+def test_bad_constraints_are_400s_naming_the_problem(server, body, says):
+    r = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 4, **body})
+    assert r.status_code == 400 and r.json()["object"] == "error" and says in r.json()["message"], r.json()
+    assert idle(server)
+
+
+def test_tokenize_and_detokenize(server):
+    r = post(server, "/tokenize", {"prompt": "hello world", "return_token_strs": True}).json()
+    assert r["count"] == len(r["tokens"]) == len(r["token_strs"]) and r["max_model_len"] > 0
+    back = post(server, "/detokenize", {"tokens": r["tokens"]}).json()
+    assert back["prompt"] == back["text"] == "hello world"
+    msgs = [{"role": "user", "content": "hi"}]
+    chat = post(server, "/tokenize", {"messages": msgs}).json()
+    used = post(server, "/v1/chat/completions", {"messages": msgs, "max_tokens": 1}).json()["usage"]["prompt_tokens"]
+    assert chat["count"] == used
+    bad = post(server, "/detokenize", {"tokens": [10 ** 9]})
+    assert bad.status_code == 400 and "out of range" in bad.json()["message"]
+    assert post(server, "/tokenize", {"prompt": "a", "messages": msgs}).status_code == 400

@@ -1,0 +1,146 @@
+"""Structured outputs in the engine (`SamplingParams.structured`, xgrammar) on `tiny-py`: every
+constrained output parses and validates against its schema (nested objects, arrays, enums,
+required and optional fields, bounded numbers, patterned strings) over several seeds and with
+n > 1; regex, choice and EBNF hold; an unconstrained request batched beside constrained ones gets
+the tokens it gets alone; the grammar starts after its `after` token; a grammar that does not
+compile fails its request only; the bitmask touches only the constrained rows."""
+
+import json
+import re
+
+import jsonschema
+import pytest
+import torch
+
+from ouro import LLM, SamplingParams
+from ouro.config import EngineConfig
+from ouro.engine.llm_engine import LLMEngine
+from ouro.engine.request import RequestFailed
+from ouro.engine.structured import Constraint, GrammarBook, check_spec
+from ouro.models.loader import load_model
+from ouro.models.resolve import load_tokenizer, resolve_model
+
+SCHEMAS = {
+    "nested": {"type": "object", "properties": {
+        "user": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                                  "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+                 "required": ["name", "age"], "additionalProperties": False}},
+        "required": ["user"], "additionalProperties": False},
+    "array_enum": {"type": "object", "properties": {
+        "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 1, "maxItems": 3},
+        "ok": {"type": "boolean"}}, "required": ["tags", "ok"], "additionalProperties": False},
+    "optional_bounds": {"type": "object", "properties": {
+        "score": {"type": "integer", "minimum": -5, "maximum": 5},
+        "ratio": {"type": "number", "minimum": 0, "maximum": 1},
+        "note": {"type": "string", "maxLength": 6}}, "required": ["score"], "additionalProperties": False},
+    "pattern": {"type": "object", "properties": {
+        "code": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{3}$"},
+        "kind": {"enum": ["a", "b", 3, None]}}, "required": ["code", "kind"], "additionalProperties": False},
+    "list_of_objects": {"type": "array", "maxItems": 2, "items": {
+        "type": "object", "properties": {"id": {"type": "integer", "minimum": 1, "maximum": 9}}, "required": ["id"],
+        "additionalProperties": False}},
+}
+PROMPTS = ["def parse(data):\n", "hello world", "import json\n"]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("tiny-py", max_memory=64 << 20, page_size=16)
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
+def test_every_output_validates_against_its_schema(llm, name):
+    schema = SCHEMAS[name]
+    spec = {"type": "json_schema", "schema": schema}
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=160, n=2, structured=spec) for s in range(3)]
+    for out in llm.generate(PROMPTS, params):
+        assert len(out.outputs) == 2
+        for o in out.outputs:
+            assert o.finish_reason == "stop", (o.text, o.finish_reason)
+            assert " " not in o.text.replace('" "', "").split('"')[0]      # compact: no free whitespace up front
+            jsonschema.validate(json.loads(o.text), schema)
+
+
+def test_regex_choice_and_ebnf_hold(llm):
+    specs = [({"type": "regex", "regex": "[a-c]{2}-[0-9]{1,3}"}, lambda t: re.fullmatch("[a-c]{2}-[0-9]{1,3}", t)),
+             ({"type": "choice", "choice": ["yes", "no", "maybe (?)"]}, lambda t: t in ("yes", "no", "maybe (?)")),
+             ({"type": "grammar", "grammar": 'root ::= "(" num ("+" num)* ")"\nnum ::= [1-9]'},
+              lambda t: re.fullmatch(r"\([1-9](\+[1-9])*\)", t)),
+]
+    for spec, ok in specs:
+        for o in llm.generate(PROMPTS, SamplingParams(temperature=1.0, seed=3, max_tokens=80, structured=spec)):
+            assert o.outputs[0].finish_reason == "stop" and ok(o.outputs[0].text), (spec, o.outputs[0].text)
+    # any JSON object: its keys and strings are unbounded, so a weak model may run out of tokens (length)
+    outs = [o.outputs[0] for o in llm.generate(PROMPTS * 3, [SamplingParams(temperature=1.0, seed=s, max_tokens=120,
+                                                          structured={"type": "json_object"}) for s in range(9)])]
+    assert all(o.finish_reason == "length" or isinstance(json.loads(o.text), dict) for o in outs)
+    assert any(o.finish_reason == "stop" for o in outs), [o.text for o in outs]
+
+
+def test_an_unconstrained_request_beside_constrained_ones_gets_its_tokens_alone(llm):
+    free = [SamplingParams(temperature=0, max_tokens=24), SamplingParams(temperature=0.9, seed=7, max_tokens=24)]
+    alone = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], free)]
+    spec = {"type": "json_schema", "schema": SCHEMAS["nested"]}
+    mixed = llm.generate(PROMPTS[:2] + PROMPTS, free + [SamplingParams(temperature=1.0, seed=s, max_tokens=60,
+                                                                       structured=spec) for s in range(3)])
+    assert [o.outputs[0].token_ids for o in mixed[:2]] == alone
+
+
+def test_the_grammar_starts_after_its_token():
+    d = resolve_model("tiny-py")
+    tok = load_tokenizer(d)
+    end = tok.token_to_id("</think>")
+    free = tok.encode("so:").ids
+    e = LLMEngine(load_model(d), tok, EngineConfig(max_memory=64 << 20, page_size=16), verbose=False)
+    e.add_request("x", SamplingParams(temperature=0, max_tokens=40, forced_prefix_ids=free + [end],
+                                      structured={"type": "choice", "choice": ["alpha", "beta"], "after": end}))
+    out = None
+    while e.has_unfinished():
+        for o in e.step():
+            out = o
+    assert out.token_ids[:len(free) + 1] == free + [end]           # before `after`: what the prefix forced, unchecked
+    assert tok.decode(out.token_ids[len(free) + 1:]) in ("alpha", "beta") and out.finish_reason == "stop"
+
+
+def test_a_grammar_that_does_not_compile_fails_its_request_only():
+    d = resolve_model("tiny-py")
+    e = LLMEngine(load_model(d), load_tokenizer(d), EngineConfig(max_memory=64 << 20, page_size=16), verbose=False)
+    e.add_request("a", SamplingParams(temperature=0, max_tokens=4), "ok")
+    e.add_request("b", SamplingParams(max_tokens=4, structured={"type": "regex", "regex": "(("}), "bad")
+    done, failed = {}, []
+    while e.has_unfinished():
+        try:
+            for o in e.step():
+                done[o.request_id] = o
+        except RequestFailed as err:
+            failed.append((err.request_id, str(err)))
+    assert [f[0] for f in failed] == ["bad"] and "does not compile" in failed[0][1]
+    assert done["ok"].finished and "bad" not in e.requests
+    assert e.pages.num_free == e.pages.num_total
+
+
+def test_the_bitmask_touches_only_active_constrained_rows():
+    d = resolve_model("tiny-py")
+    from ouro.config import ModelConfig
+    c = ModelConfig.from_hf(d)
+    book = GrammarBook(load_tokenizer(d), c.vocab_size, c.eos_token_ids)
+    g = book.compile({"type": "choice", "choice": ["yes", "no"]})
+    logits = torch.randn(4, c.vocab_size, generator=torch.Generator().manual_seed(0))
+    before = logits.clone()
+    waiting = Constraint(g, after=5)                    # not active yet: left alone
+    book.mask(logits, [None, Constraint(g), waiting, None])
+    assert torch.equal(logits[[0, 2, 3]], before[[0, 2, 3]])
+    kept = (logits[1] > float("-inf")).nonzero().flatten()
+    assert 0 < len(kept) < 10 and torch.equal(logits[1, kept], before[1, kept])
+
+
+@pytest.mark.parametrize("spec, says", [({"type": "regex"}, "does not compile"), ({"type": "nope"}, "type one of"),
+                                        ({"type": "choice", "choice": []}, "non-empty"),
+                                        ({"type": "json_schema", "schema": {"description": "x" * 70000}}, "over the limit")])
+def test_bad_specs_are_named(spec, says):
+    d = resolve_model("tiny-py")
+    from ouro.config import ModelConfig
+    c = ModelConfig.from_hf(d)
+    with pytest.raises(ValueError, match=says):
+        check_spec(spec)
+        GrammarBook(load_tokenizer(d), c.vocab_size, c.eos_token_ids).compile(spec)
