@@ -260,6 +260,7 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = Field(
         None, description="'required' or a named function needs tools; a forced tool call needs max_tokens "
                           "above the tokens of its opening tag and name")
+    parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, json_schema_extra={"propertyNames": {"not": {"enum": list(TEMPLATE_VARIABLES)}}})
     reasoning_effort: str | None = None

@@ -6,7 +6,8 @@ vLLM's `structured_outputs` {json, regex, choice, grammar, json_object} and its 
 `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`, SGLang's `json_schema` /
 `regex` / `ebnf`; and chat tools with `strict: true` under a `tool_choice` that forces a call
 (required, or a named function): the call's tags, name and arguments held to GLM's tool-call
-format and the tools' `parameters` (xgrammar's `glm_4_7` structural tag). In a chat whose reply
+format and the tools' `parameters` (xgrammar's `glm_4_7` structural tag); one call, then the reply
+ends, unless `parallel_tool_calls` is true. In a chat whose reply
 opens with reasoning the grammar starts after `</think>`, so the reasoning stays free.
 
 `check` compiles the spec off the event loop before any engine work (a shared `GrammarBook`,
@@ -84,7 +85,9 @@ def _tool_tag(body, tools, choice, rendered) -> dict:
     defs = [{"type": "function", "function": t.function.model_dump(exclude_none=True, by_alias=True)} for t in tools]
     tc = choice if isinstance(choice, str) else {"type": "function", "function": {"name": choice.function.name}}
     reasoning = "enabled" if rendered is not None and rendered.fmt.reasoning_first else "disabled"
-    tag = xg.get_model_structural_tag("glm_4_7", tools=defs, tool_choice=tc, reasoning=reasoning, max_whitespace_cnt=1)
+    parallel = bool(getattr(body, "parallel_tool_calls", None))     # a forced call is one call unless asked
+    tag = xg.get_model_structural_tag("glm_4_7", tools=defs, tool_choice=tc, reasoning=reasoning, max_whitespace_cnt=1,
+                                      parallel_tool_calls=parallel)
     return {"type": "structural_tag", "tag": json.loads(tag.model_dump_json())}
 
 
