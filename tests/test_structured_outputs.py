@@ -144,3 +144,20 @@ def test_bad_specs_are_named(spec, says):
     with pytest.raises(ValueError, match=says):
         check_spec(spec)
         GrammarBook(load_tokenizer(d), c.vocab_size, c.eos_token_ids).compile(spec)
+
+
+def test_the_timeline_shows_mask_time_in_its_own_category(llm):
+    from ouro.lab.timeline_analysis import exclusive_times
+    from ouro.measure import spans
+    spans.clear()
+    spans.enable()
+    try:
+        llm.generate(PROMPTS, [SamplingParams(temperature=0, max_tokens=12),
+                               SamplingParams(temperature=0, max_tokens=40, structured={"type": "json_object"}),
+                               SamplingParams(temperature=0, max_tokens=12)])
+    finally:
+        spans.disable()
+    events = [dict(e, pid=0, end_ms=e["start_ms"] + e["dur_ms"]) for e in spans.events()]
+    masks = [e for e in events if e["cat"] == "mask"]
+    assert masks and all(e["name"] == "grammar mask" for e in masks)
+    assert exclusive_times(events).get("mask", 0) > 0
