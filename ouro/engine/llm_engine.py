@@ -139,8 +139,7 @@ class LLMEngine:
             req.prompt_logprobs = [None] * len(ids)
         if self.tokenizer is not None:
             req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.stop_list, params.skip_special_tokens)
-        if params.structured is not None:      # waits for its grammar (compiled off the step); no speculation
-            req.spec_off = True
+        if params.structured is not None:      # waits for its grammar (compiled off the step)
             self.grammars.add(req)
         else:
             self.scheduler.add(req)

@@ -167,7 +167,8 @@ class Speculator:
         return out
 
     def eligible(self, r) -> bool:
-        return not self.engine.logits_processors and not r.spec_off
+        """A grammar that waits for its opening token (reasoning first) is checked token by token."""
+        return not self.engine.logits_processors and not r.spec_off and (r.constraint is None or r.constraint.active)
 
     @staticmethod
     def forced_left(r) -> list[int]:
@@ -212,7 +213,10 @@ class Speculator:
         """Accept the row's drafts against the target's logits [n, V]; returns the emitted tokens
         (the KDA commit waits until the engine knows the request goes on)."""
         drafts = r.draft_ids[: logits.shape[0] - 1]
-        p = self.engine.sampler.probabilities(logits, [r.params] * logits.shape[0])
+        if r.constraint is not None and r.constraint.active:    # structured output: the grammar checks the drafts
+            with span("grammar mask", cat="mask"):
+                drafts = self.engine.grammars.book.mask_drafts(r.constraint, drafts, logits)
+        p = self.engine.sampler.probabilities(logits[: len(drafts) + 1], [r.params] * (len(drafts) + 1))
         for i, tok in enumerate(self.forced_left(r)[: p.shape[0]]):      # forced positions emit their id
             p[i] = 0.0
             p[i, tok] = 1.0

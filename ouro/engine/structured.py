@@ -102,6 +102,26 @@ class GrammarBook:
         self.xg.apply_token_bitmask_inplace(logits, self.bitmask[:n].to(logits.device), vocab_size=self.vocab_size,
                                             indices=rows)
 
+    def mask_drafts(self, c, drafts: list[int], logits: torch.Tensor) -> list[int]:
+        """Speculative verification of a constrained row: the drafts up to the first one its grammar
+        rejects, and the target's logits [1 + drafts, V] masked position by position with the
+        grammar's state after the drafts before it; the matcher is rolled back where it was (the
+        emitted tokens are accepted one by one afterwards)."""
+        m, ok = c.matcher, 0
+        for d in drafts:
+            if m.is_terminated() or not m.accept_token(d):
+                break
+            ok += 1
+        m.rollback(ok)
+        bitmask = self.xg.allocate_token_bitmask(ok + 1, self.vocab_size)
+        for i in range(ok + 1):
+            m.fill_next_token_bitmask(bitmask, i)
+            if i < ok:
+                m.accept_token(drafts[i])
+        m.rollback(ok)
+        self.xg.apply_token_bitmask_inplace(logits[: ok + 1], bitmask.to(logits.device), vocab_size=self.vocab_size)
+        return drafts[:ok]
+
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
