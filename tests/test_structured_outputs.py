@@ -180,3 +180,23 @@ def test_with_speculation_the_grammar_checks_the_drafts():
         jsonschema.validate(json.loads(o.outputs[0].text), SCHEMAS["nested"])
     stats = fast.engine.speculator.stats
     assert stats.steps > 0 and stats.proposed > 0
+
+
+def test_a_slow_compile_holds_its_request_not_the_batch(monkeypatch):
+    import threading
+    gate, real = threading.Event(), GrammarBook.compile
+    monkeypatch.setattr(GrammarBook, "compile", lambda self, spec: (gate.wait(30), real(self, spec))[1])
+    d = resolve_model("tiny-py")
+    e = LLMEngine(load_model(d), load_tokenizer(d), EngineConfig(max_memory=64 << 20, page_size=16), verbose=False)
+    e.add_request("x", SamplingParams(max_tokens=40, structured={"type": "choice", "choice": ["a", "b"]}), "held")
+    e.add_request("y", SamplingParams(temperature=0, max_tokens=6), "free")
+    seen = {}
+    while "free" not in seen or not seen["free"].finished:
+        for o in e.step():
+            seen[o.request_id] = o
+    assert "held" not in seen and len(e.grammars) == 1        # the batch ran on while the grammar compiled
+    gate.set()
+    while e.has_unfinished():
+        for o in e.step():
+            seen[o.request_id] = o
+    assert seen["held"].finished and seen["held"].text in ("a", "b")
