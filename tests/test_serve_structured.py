@@ -125,3 +125,43 @@ def test_tokenize_and_detokenize(server):
     bad = post(server, "/detokenize", {"tokens": [10 ** 9]})
     assert bad.status_code == 400 and "out of range" in bad.json()["message"]
     assert post(server, "/tokenize", {"prompt": "a", "messages": msgs}).status_code == 400
+
+
+def test_responses_api_whole_streamed_with_tools_and_format(client, server):
+    """/v1/responses over the chat path: the same greedy text whole and streamed (events in order),
+    a strict function call as a function_call item, tool results fed back as items, text.format."""
+    kw = dict(model=None, input="hello", max_output_tokens=16, temperature=0, reasoning={"effort": "none"})
+    whole = client.responses.create(**kw)
+    assert whole.object == "response" and whole.output[-1].type == "message"
+    assert whole.usage.output_tokens == 16 and whole.status == "incomplete"
+    assert whole.incomplete_details.reason == "max_output_tokens"
+    events = list(client.responses.create(**kw, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.incomplete"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == events[-1].response.output_text == whole.output_text
+    tools = [{"type": "function", "name": "get_weather", "strict": True, "parameters": SCHEMA}]
+    r = client.responses.create(model=None, input="weather?", tools=tools, tool_choice="required",
+                                max_output_tokens=200, temperature=0.8, reasoning={"effort": "none"})
+    (call,) = [o for o in r.output if o.type == "function_call"]
+    assert r.status == "completed" and call.name == "get_weather"
+    args = json.loads(call.arguments)
+    jsonschema.validate(dict(args, city=args["city"].strip()), SCHEMA)
+    follow = client.responses.create(model=None, max_output_tokens=8, temperature=0, reasoning={"effort": "none"},
+                                     input=[{"role": "user", "content": "weather?"},
+                                            {"type": "function_call", "call_id": call.call_id, "name": call.name,
+                                             "arguments": call.arguments},
+                                            {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}])
+    alone = client.responses.create(model=None, max_output_tokens=1, temperature=0, reasoning={"effort": "none"},
+                                    input=[{"role": "user", "content": "weather?"}])
+    assert follow.output and follow.usage.input_tokens > alone.usage.input_tokens + 5     # the call and its result
+    fmt = client.responses.create(model=None, input="json", max_output_tokens=120, temperature=1.0,
+                                  reasoning={"effort": "none"},
+                                  text={"format": {"type": "json_schema", "name": "w", "schema": SCHEMA}})
+    jsonschema.validate(json.loads(fmt.output_text), SCHEMA)
+    for bad, says in [({"previous_response_id": "resp_1"}, "stores no responses"),
+                      ({"input": [{"type": "web_search_call"}]}, "not supported")]:
+        got = post(server, "/v1/responses", {"input": "x", **bad})
+        assert got.status_code == 400 and says in got.json()["message"], got.json()
+    assert idle(server)

@@ -23,11 +23,12 @@ from .methods import Methods
 from .metrics import Metrics
 from .openapi import STREAMED, openapi
 from .protocol import ChatCompletionRequest, CompletionRequest, error_body
+from .responses import ResponsesRequest, sse_events, to_chat, to_response
 from .protocol import ServeError as ApiError
 from .tokenize_routes import add_tokenize_routes
 from .trace_routes import add_trace_routes
 
-GENERATE_ROUTES = ("/v1/chat/completions", "/v1/completions")
+GENERATE_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 
 
 @dataclass
@@ -191,6 +192,13 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/v1/chat/completions", response_model=None, responses=STREAMED)
     async def chat_completions(request: Request, body: ChatCompletionRequest):
         return await _serve(request, body, chat=True)
+
+    @app.post("/v1/responses", response_model=None, responses=STREAMED)
+    async def responses(request: Request, body: ResponsesRequest):
+        out = await _serve(request, to_chat(body), chat=True)
+        if not body.stream:
+            return JSONResponse(to_response(body, json.loads(out.body)))
+        return StreamingResponse(sse_events(body, out.body_iterator, state.model_name), media_type="text/event-stream")
 
     async def _serve(request: Request, body, chat: bool):
         place = request.state.place

@@ -1,0 +1,291 @@
+"""`POST /v1/responses`: OpenAI's Responses API over the chat path, whole and streamed, with tools.
+
+A Responses request becomes a chat completion request (`to_chat`): `instructions` a system
+message; `input` text, or items: messages (`input_text`, `input_image`, `output_text` parts),
+`function_call` items (an assistant's tool calls) and `function_call_output` items (tool
+results); function tools (flat in this API) and `tool_choice`; `text.format` the response format
+(structured outputs); `reasoning.effort`; `max_output_tokens`. The chat reply becomes the response
+(`to_response`): a reasoning item when there is reasoning, a message item with its `output_text`,
+a `function_call` item per tool call; `status` "incomplete" with `max_output_tokens` when cut.
+Streamed, the chat chunks become the API's events (`response.created`, `...output_item.added`,
+`...output_text.delta`, `...function_call_arguments.delta`, `...done`, `response.completed`), each
+with its sequence number. Nothing is stored: `previous_response_id` is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, Literal, Union
+
+from pydantic import Field
+
+from .protocol import Body, ChatCompletionRequest, ServeError
+
+
+class ResponseTool(Body):
+    type: Literal["function"] = "function"
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class NamedResponseTool(Body):
+    type: Literal["function"] = "function"
+    name: str
+
+
+class ResponsesRequest(Body):
+    model: str | None = None
+    input: Union[str, list[dict[str, Any]]]
+    instructions: str | None = None
+    tools: list[ResponseTool] | None = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedResponseTool, None] = None
+    parallel_tool_calls: bool | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    stream: bool = False
+    text: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    previous_response_id: str | None = None
+    user: str | None = None
+
+
+def _parts(content, where: str) -> Union[str, list[dict]]:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ServeError(400, f"{where}.content must be text or a list of parts")
+    out = []
+    for j, p in enumerate(content):
+        kind = p.get("type") if isinstance(p, dict) else None
+        if kind in ("input_text", "output_text", "text"):
+            out.append({"type": "text", "text": p.get("text", "")})
+        elif kind == "input_image":
+            url = p.get("image_url") or p.get("file_id")
+            out.append({"type": "image_url", "image_url": {"url": url}})
+        else:
+            raise ServeError(400, f"{where}.content[{j}]: part type {kind!r} is not supported "
+                                  "(input_text, input_image, output_text)")
+    return out
+
+
+def to_chat(body: ResponsesRequest) -> ChatCompletionRequest:
+    if body.previous_response_id is not None:
+        raise ServeError(400, "previous_response_id is not supported: ouro stores no responses; send the input items")
+    messages: list[dict] = []
+    if body.instructions:
+        messages.append({"role": "system", "content": body.instructions})
+    items = [{"role": "user", "content": body.input}] if isinstance(body.input, str) else body.input
+    for i, item in enumerate(items):
+        kind, where = item.get("type", "message"), f"input[{i}]"
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise ServeError(400, f"{where}.role must be user, system, developer or assistant, got {role!r}")
+            messages.append({"role": role, "content": _parts(item.get("content", ""), where)})
+        elif kind == "function_call":
+            call = {"id": item.get("call_id") or item.get("id"), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments") or "{}"}}
+            if messages and messages[-1]["role"] == "assistant" and messages[-1].get("tool_calls"):
+                messages[-1]["tool_calls"].append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
+                             "content": output if isinstance(output, str) else json.dumps(output)})
+        else:
+            raise ServeError(400, f"{where}: item type {kind!r} is not supported (message, function_call, "
+                                  "function_call_output)")
+    chat: dict[str, Any] = {"model": body.model, "messages": messages, "temperature": body.temperature,
+                            "top_p": body.top_p, "stream": body.stream}
+    if body.stream:
+        chat["stream_options"] = {"include_usage": True}
+    if body.max_output_tokens is not None:
+        chat["max_tokens"] = body.max_output_tokens
+    if body.tools:
+        chat["tools"] = [{"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})}
+                         for t in body.tools]
+    if body.tool_choice is not None:
+        chat["tool_choice"] = body.tool_choice if isinstance(body.tool_choice, str) else \
+            {"type": "function", "function": {"name": body.tool_choice.name}}
+    if body.parallel_tool_calls is not None:
+        chat["parallel_tool_calls"] = body.parallel_tool_calls
+    fmt = (body.text or {}).get("format")
+    if fmt and fmt.get("type") == "json_schema":
+        chat["response_format"] = {"type": "json_schema", "json_schema": {
+            k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}}
+    elif fmt and fmt.get("type") in ("json_object", "text"):
+        chat["response_format"] = {"type": fmt["type"]}
+    if (body.reasoning or {}).get("effort") is not None:
+        chat["reasoning_effort"] = body.reasoning["effort"]
+    try:
+        return ChatCompletionRequest.model_validate(chat)
+    except Exception as e:          # a pydantic ValidationError: what the chat path would say
+        raise ServeError(400, f"the request does not make a chat request: {e}"[:600]) from None
+
+
+def _envelope(body: ResponsesRequest, rid: str, created: int, model: str) -> dict:
+    return {"id": rid, "object": "response", "created_at": created, "model": model, "status": "in_progress",
+            "output": [], "error": None, "incomplete_details": None, "instructions": body.instructions,
+            "max_output_tokens": body.max_output_tokens, "temperature": body.temperature, "top_p": body.top_p,
+            "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
+            "tool_choice": body.tool_choice if isinstance(body.tool_choice, str) or body.tool_choice is None
+            else body.tool_choice.model_dump(), "parallel_tool_calls": body.parallel_tool_calls is not False,
+            "text": body.text or {"format": {"type": "text"}}, "metadata": body.metadata or {}, "store": False,
+            "usage": None}
+
+
+def _items(message: dict, rid: str) -> list[dict]:
+    out = []
+    if message.get("reasoning_content"):
+        out.append({"type": "reasoning", "id": f"rs_{rid}", "summary": [],
+                    "content": [{"type": "reasoning_text", "text": message["reasoning_content"]}]})
+    if message.get("content") or not message.get("tool_calls"):
+        out.append({"type": "message", "id": f"msg_{rid}", "status": "completed", "role": "assistant",
+                    "content": [{"type": "output_text", "text": message.get("content") or "", "annotations": []}]})
+    for c in message.get("tool_calls") or []:
+        out.append({"type": "function_call", "id": f"fc_{c['id']}", "call_id": c["id"], "name": c["function"]["name"],
+                    "arguments": c["function"]["arguments"], "status": "completed"})
+    return out
+
+
+def _usage(u: dict | None) -> dict | None:
+    if not u:
+        return None
+    cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return {"input_tokens": u["prompt_tokens"], "output_tokens": u["completion_tokens"],
+            "total_tokens": u["total_tokens"], "input_tokens_details": {"cached_tokens": cached},
+            "output_tokens_details": {"reasoning_tokens": 0}}
+
+
+def _finish(resp: dict, finish_reason: str | None) -> dict:
+    cut = finish_reason == "length"
+    resp["status"] = "incomplete" if cut else "completed"
+    resp["incomplete_details"] = {"reason": "max_output_tokens"} if cut else None
+    return resp
+
+
+def to_response(body: ResponsesRequest, chat: dict) -> dict:
+    rid = "resp_" + uuid.uuid4().hex
+    choice = chat["choices"][0]
+    resp = _envelope(body, rid, chat.get("created", int(time.time())), chat["model"])
+    resp["output"] = _items(choice["message"], rid[5:])
+    resp["usage"] = _usage(chat.get("usage"))
+    return _finish(resp, choice.get("finish_reason"))
+
+
+class EventStream:
+    """Chat chunks in, Responses events out (`feed` per chunk, `close` at the end)."""
+
+    def __init__(self, body: ResponsesRequest, model: str):
+        self.body, self.seq = body, 0
+        self.rid = "resp_" + uuid.uuid4().hex
+        self.resp = _envelope(body, self.rid, int(time.time()), model)
+        self.text, self.reasoning, self.calls = "", "", {}      # calls: index -> {id, name, arguments}
+        self.msg_open, self.finish, self.usage = False, None, None
+
+    def _event(self, kind: str, **fields) -> dict:
+        self.seq += 1
+        return {"type": kind, "sequence_number": self.seq - 1, **fields}
+
+    def start(self) -> list[dict]:
+        return [self._event("response.created", response=dict(self.resp)),
+                self._event("response.in_progress", response=dict(self.resp))]
+
+    def feed(self, chunk: dict) -> list[dict]:
+        out = []
+        if chunk.get("usage"):
+            self.usage = chunk["usage"]
+        for ch in chunk.get("choices") or []:
+            d = ch.get("delta") or {}
+            if d.get("reasoning_content"):
+                self.reasoning += d["reasoning_content"]
+            if d.get("content"):
+                if not self.msg_open:
+                    self.msg_open = True
+                    out.append(self._event("response.output_item.added", output_index=0, item={
+                        "type": "message", "id": f"msg_{self.rid[5:]}", "status": "in_progress", "role": "assistant",
+                        "content": []}))
+                    out.append(self._event("response.content_part.added", item_id=f"msg_{self.rid[5:]}",
+                                           output_index=0, content_index=0,
+                                           part={"type": "output_text", "text": "", "annotations": []}))
+                self.text += d["content"]
+                out.append(self._event("response.output_text.delta", item_id=f"msg_{self.rid[5:]}", output_index=0,
+                                       content_index=0, delta=d["content"]))
+            for tc in d.get("tool_calls") or []:
+                k = tc.get("index", 0)
+                call = self.calls.setdefault(k, {"id": None, "name": None, "arguments": ""})
+                fn = tc.get("function") or {}
+                if tc.get("id"):
+                    call["id"] = tc["id"]
+                if fn.get("name"):
+                    call["name"] = fn["name"]
+                    out.append(self._event("response.output_item.added", output_index=1 + k, item={
+                        "type": "function_call", "id": f"fc_{call['id']}", "call_id": call["id"], "name": call["name"],
+                        "arguments": "", "status": "in_progress"}))
+                if fn.get("arguments"):
+                    call["arguments"] += fn["arguments"]
+                    out.append(self._event("response.function_call_arguments.delta", item_id=f"fc_{call['id']}",
+                                           output_index=1 + k, delta=fn["arguments"]))
+            if ch.get("finish_reason"):
+                self.finish = ch["finish_reason"]
+        return out
+
+    def close(self) -> list[dict]:
+        out, mid = [], f"msg_{self.rid[5:]}"
+        if self.msg_open:
+            part = {"type": "output_text", "text": self.text, "annotations": []}
+            out.append(self._event("response.output_text.done", item_id=mid, output_index=0, content_index=0,
+                                   text=self.text))
+            out.append(self._event("response.content_part.done", item_id=mid, output_index=0, content_index=0, part=part))
+            out.append(self._event("response.output_item.done", output_index=0, item={
+                "type": "message", "id": mid, "status": "completed", "role": "assistant", "content": [part]}))
+        for k, call in sorted(self.calls.items()):
+            item = {"type": "function_call", "id": f"fc_{call['id']}", "call_id": call["id"], "name": call["name"],
+                    "arguments": call["arguments"], "status": "completed"}
+            out.append(self._event("response.function_call_arguments.done", item_id=item["id"], output_index=1 + k,
+                                   arguments=call["arguments"]))
+            out.append(self._event("response.output_item.done", output_index=1 + k, item=item))
+        message = {"content": self.text, "reasoning_content": self.reasoning or None,
+                   "tool_calls": [{"id": c["id"], "function": {"name": c["name"], "arguments": c["arguments"]}}
+                                  for _, c in sorted(self.calls.items())]}
+        resp = dict(self.resp, output=_items(message, self.rid[5:]), usage=_usage(self.usage))
+        _finish(resp, self.finish)
+        kind = "response.completed" if resp["status"] == "completed" else "response.incomplete"
+        out.append(self._event(kind, response=resp))
+        return out
+
+
+async def sse_events(body: ResponsesRequest, chat_stream, model: str):
+    """The chat path's SSE stream (`chat_stream`, an async iterator of `data: ...` strings) as
+    Responses events; closing this closes it (the request's engine work is aborted there)."""
+    events = EventStream(body, model)
+    try:
+        for e in events.start():
+            yield _sse(e)
+        async for raw in chat_stream:
+            for line in raw.splitlines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("object") == "error":
+                    yield _sse(events._event("error", code=str(chunk.get("code")), message=chunk.get("message"),
+                                             param=None))
+                    return
+                for e in events.feed(chunk):
+                    yield _sse(e)
+        for e in events.close():
+            yield _sse(e)
+    finally:
+        await chat_stream.aclose()
+
+
+def _sse(event: dict) -> str:
+    return f"event: {event['type']}\ndata: {json.dumps(event, separators=(',', ':'))}\n\n"
