@@ -31,10 +31,54 @@ def _object_text(v) -> bool:
         return False
 
 
+# structured outputs: a schema-valid grammar string need not compile, and only one constraint may
+# be given (the schema can say neither): the first one present is kept, as something that compiles
+COMPILABLE = {"guided_json": {"type": "object"}, "json_schema": '{"type": "object"}', "guided_regex": "[a-z]{1,3}",
+              "regex": "[a-z]{1,3}", "guided_grammar": 'root ::= "a"', "ebnf": 'root ::= "a"',
+              "guided_choice": ["a", "b"]}
+OUTPUTS = {"json": {"type": "object"}, "regex": "[a-z]{1,3}", "grammar": 'root ::= "a"', "choice": ["a", "b"]}
+
+
+def _one_constraint(body) -> None:
+    kept = False
+    rf = body.get("response_format")
+    if isinstance(rf, dict) and rf.get("type") in ("json_object", "json_schema"):
+        kept = True
+        if isinstance(rf.get("json_schema"), dict):
+            rf["json_schema"]["schema"] = {"type": "object"}
+    so = body.get("structured_outputs")
+    if isinstance(so, dict):
+        for key in list(so):
+            if key in OUTPUTS and so[key] is not None:
+                so[key] = None if kept else OUTPUTS[key]
+                kept = True
+            elif key == "json_object" and so[key]:
+                so[key] = None if kept else True
+                kept = True
+    for key, value in COMPILABLE.items():
+        if body.get(key) is not None:
+            body[key] = None if kept else value
+            kept = True
+    fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
+    if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+        fmt["schema"] = {"type": "object"}
+    for tool in body.get("tools") or []:       # a strict tool's parameters are compiled: keep them simple
+        fn = tool.get("function", tool)
+        if fn.get("strict"):
+            if kept:
+                fn["strict"] = False
+            else:
+                fn["parameters"] = {"type": "object"}
+
+
 @schemathesis.hook
 def map_case(context, case):
     body = case.body
     if case.meta is None or not case.meta.generation.mode.is_positive or not isinstance(body, dict):
+        return case
+    _one_constraint(body)
+    if case.path == "/v1/responses":
+        _responses(body)
         return case
     choice, tools, prompt = body.get("tool_choice"), body.get("tools"), body.get("prompt")
     forced = choice == "required" or isinstance(choice, dict)
@@ -60,3 +104,25 @@ def map_case(context, case):
             if isinstance(args, str) and not _object_text(args):
                 call["function"]["arguments"] = "{}"
     return case
+
+
+def _responses(case_body):
+    """/v1/responses: the same rules in its own shapes (flat tools, input items, max_output_tokens)."""
+    body = case_body
+    choice, tools = body.get("tool_choice"), body.get("tools")
+    forced = choice == "required" or isinstance(choice, dict)
+    tokens = MAX_TOKENS
+    if isinstance(choice, dict) and tools:
+        choice["name"] = tools[0]["name"]
+        tokens += len(choice["name"].encode())
+    if isinstance(body.get("max_output_tokens"), int) and not forced:
+        body["max_output_tokens"] = min(body["max_output_tokens"], tokens)
+    else:
+        body["max_output_tokens"] = tokens
+    for item in body.get("input") if isinstance(body.get("input"), list) else []:
+        if item.get("type") == "function_call" and not _object_text(item.get("arguments", "{}")):
+            item["arguments"] = "{}"
+        if isinstance(item.get("content"), list):    # this model reads no images
+            item["content"] = [p if p.get("type") != "input_image" else {"type": "input_text", "text": "x"}
+                               for p in item["content"]]
+    return case_body

@@ -142,7 +142,7 @@ def test_token_id_prompt_and_stop_string(client):
     ({"prompt": "hi", "max_tokens": 5000}, 400, "maximum context length is 4096 tokens"),
     ({"prompt": "hi", "presence_penalty": 1.0}, 400, "presence_penalty"),
     ({"prompt": "hi", "logit_bias": {"5": 10}}, 400, "logit_bias"),
-    ({"prompt": "hi", "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ({"prompt": "hi", "response_format": {"type": "xml"}}, 400, "response_format"),
     ({"prompt": "hi", "echo": True}, 400, "echo"),
     ({"prompt": "hi", "stop": 5}, 400, "stop"),
     ({"prompt": ""}, 400, "prompt must be a non-empty string"),

@@ -115,8 +115,8 @@ def test_named_tool_choice_forces_that_call(client):
     r = client.chat.completions.create(model=None, messages=user("anything"), tools=TOOLS, max_tokens=12,
                                        tool_choice={"type": "function", "function": {"name": "get_time"}},
                                        extra_body={"ignore_eos": True})
-    calls = r.choices[0].message.tool_calls
-    assert calls and calls[0].function.name.startswith("get_time") and r.choices[0].finish_reason == "tool_calls"
+    calls = r.choices[0].message.tool_calls     # cut by max_tokens inside the call: it says length
+    assert calls and calls[0].function.name.startswith("get_time") and r.choices[0].finish_reason == "length"
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=None, messages=user("x"), tools=TOOLS, max_tokens=5,
                                        tool_choice={"type": "function", "function": {"name": "nope"}})

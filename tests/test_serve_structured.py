@@ -102,6 +102,7 @@ def test_reasoning_stays_free_and_a_cut_reply_says_length(client):
     ({"guided_regex": "(("}, "does not compile"),
     ({"guided_regex": "a", "guided_choice": ["b"]}, "one structured-output constraint"),
     ({"response_format": {"type": "json_schema"}}, "json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "schema"),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "objekt"}}}}, "does not compile"),
     ({"guided_json": {"description": "x" * 70000}}, "over the limit"),
     ({"guided_choice": []}, "choice"),
@@ -143,7 +144,7 @@ def test_responses_api_whole_streamed_with_tools_and_format(client, server):
     assert deltas == events[-1].response.output_text == whole.output_text
     tools = [{"type": "function", "name": "get_weather", "strict": True, "parameters": SCHEMA}]
     r = client.responses.create(model=None, input="weather?", tools=tools, tool_choice="required",
-                                max_output_tokens=200, temperature=0.8, reasoning={"effort": "none"})
+                                max_output_tokens=200, temperature=0, reasoning={"effort": "none"})
     (call,) = [o for o in r.output if o.type == "function_call"]
     assert r.status == "completed" and call.name == "get_weather"
     args = json.loads(call.arguments)
@@ -156,12 +157,12 @@ def test_responses_api_whole_streamed_with_tools_and_format(client, server):
     alone = client.responses.create(model=None, max_output_tokens=1, temperature=0, reasoning={"effort": "none"},
                                     input=[{"role": "user", "content": "weather?"}])
     assert follow.output and follow.usage.input_tokens > alone.usage.input_tokens + 5     # the call and its result
-    fmt = client.responses.create(model=None, input="json", max_output_tokens=120, temperature=1.0,
+    fmt = client.responses.create(model=None, input="json", max_output_tokens=120, temperature=0,
                                   reasoning={"effort": "none"},
                                   text={"format": {"type": "json_schema", "name": "w", "schema": SCHEMA}})
     jsonschema.validate(json.loads(fmt.output_text), SCHEMA)
     for bad, says in [({"previous_response_id": "resp_1"}, "stores no responses"),
-                      ({"input": [{"type": "web_search_call"}]}, "not supported")]:
+                      ({"input": [{"type": "web_search_call"}]}, "input"), ({"input": []}, "input")]:
         got = post(server, "/v1/responses", {"input": "x", **bad})
         assert got.status_code == 400 and says in got.json()["message"], got.json()
     assert idle(server)

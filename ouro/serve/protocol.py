@@ -120,13 +120,14 @@ MAX_TOKENS = ("at most the context length less the prompt's tokens (the schema's
 class JsonSchemaFormat(Body):
     name: str | None = None
     description: str | None = None
-    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    schema_: dict[str, Any] = Field(alias="schema")
     strict: bool | None = None
 
 
 class ResponseFormat(Body):
     """OpenAI's response_format: free text, any JSON object, or JSON that validates against a schema."""
-    model_config = ConfigDict(json_schema_extra=rule({"type": {"const": "json_schema"}}, {"required": ["json_schema"]}))
+    model_config = ConfigDict(json_schema_extra=rule({"type": {"const": "json_schema"}}, {
+        "properties": {"json_schema": {"type": "object"}}, "required": ["json_schema"]}))
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
@@ -135,7 +136,7 @@ class StructuredOutputs(Body):
     """vLLM's `structured_outputs`: one of these constrains the output."""
     json_: dict[str, Any] | str | None = Field(None, alias="json")
     regex: str | None = None
-    choice: list[str] | None = None
+    choice: Annotated[list[str], Field(min_length=1)] | None = None
     grammar: str | None = None
     json_object: bool | None = None
 
@@ -170,7 +171,7 @@ class _Sampling(Body):
     structured_outputs: StructuredOutputs | None = None
     guided_json: dict[str, Any] | str | None = None       # vLLM's older names
     guided_regex: str | None = None
-    guided_choice: list[str] | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
     guided_grammar: str | None = None
     regex: str | None = None                               # SGLang's
     ebnf: str | None = None

@@ -17,11 +17,11 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import Field
+from pydantic import ConfigDict, Field
 
-from .protocol import Body, ChatCompletionRequest, ServeError
+from .protocol import Body, ChatCompletionRequest, ServeError, Text, bound, only, rule
 
 
 class ResponseTool(Body):
@@ -37,9 +37,66 @@ class NamedResponseTool(Body):
     name: str
 
 
+class TextPart(Body):
+    type: Literal["input_text", "output_text", "text"]
+    text: str
+    annotations: list[Any] | None = None
+
+
+class ImagePart(Body):
+    type: Literal["input_image"]
+    image_url: str
+    detail: str | None = None
+
+
+class MessageItem(Body):
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: Union[str, list[Annotated[Union[TextPart, ImagePart], Field(discriminator="type")]]]
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallItem(Body):
+    type: Literal["function_call"]
+    call_id: str
+    name: Text
+    arguments: str = Field("{}", description="the JSON text of an object")
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallOutputItem(Body):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str
+    id: str | None = None
+    status: str | None = None
+
+
+class TextFormat(Body):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class TextConfig(Body):
+    format: TextFormat | None = None
+
+
+class ReasoningConfig(Body):
+    effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    summary: str | None = None
+
+
 class ResponsesRequest(Body):
-    model: str | None = None
-    input: Union[str, list[dict[str, Any]]]
+    model_config = ConfigDict(json_schema_extra=rule(     # a forced call needs tools, as the chat route's rule
+        {"tool_choice": {"anyOf": [{"const": "required"}, {"type": "object"}]}},
+        {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]}))
+    model: str | None = Field(None, json_schema_extra=bound("model"))
+    input: Union[str, Annotated[list[Union[MessageItem, FunctionCallItem, FunctionCallOutputItem]], Field(min_length=1)]]
     instructions: str | None = None
     tools: list[ResponseTool] | None = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedResponseTool, None] = None
@@ -48,61 +105,39 @@ class ResponsesRequest(Body):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     stream: bool = False
-    text: dict[str, Any] | None = None
-    reasoning: dict[str, Any] | None = None
+    text: TextConfig | None = None
+    reasoning: ReasoningConfig | None = None
     store: bool | None = None
     metadata: dict[str, str] | None = None
-    previous_response_id: str | None = None
+    previous_response_id: only(str | None, {"type": "null"}, lambda v: v is None,
+                               "previous_response_id is not supported: ouro stores no responses; send the input items") = None
     user: str | None = None
 
 
-def _parts(content, where: str) -> Union[str, list[dict]]:
+def _parts(content) -> Union[str, list[dict]]:
     if isinstance(content, str):
         return content
-    if not isinstance(content, list):
-        raise ServeError(400, f"{where}.content must be text or a list of parts")
-    out = []
-    for j, p in enumerate(content):
-        kind = p.get("type") if isinstance(p, dict) else None
-        if kind in ("input_text", "output_text", "text"):
-            out.append({"type": "text", "text": p.get("text", "")})
-        elif kind == "input_image":
-            url = p.get("image_url") or p.get("file_id")
-            out.append({"type": "image_url", "image_url": {"url": url}})
-        else:
-            raise ServeError(400, f"{where}.content[{j}]: part type {kind!r} is not supported "
-                                  "(input_text, input_image, output_text)")
-    return out
+    return [{"type": "text", "text": p.text} if isinstance(p, TextPart) else
+            {"type": "image_url", "image_url": {"url": p.image_url}} for p in content]
 
 
 def to_chat(body: ResponsesRequest) -> ChatCompletionRequest:
-    if body.previous_response_id is not None:
-        raise ServeError(400, "previous_response_id is not supported: ouro stores no responses; send the input items")
     messages: list[dict] = []
     if body.instructions:
         messages.append({"role": "system", "content": body.instructions})
-    items = [{"role": "user", "content": body.input}] if isinstance(body.input, str) else body.input
-    for i, item in enumerate(items):
-        kind, where = item.get("type", "message"), f"input[{i}]"
-        if kind == "message":
-            role = item.get("role")
-            if role not in ("user", "system", "developer", "assistant"):
-                raise ServeError(400, f"{where}.role must be user, system, developer or assistant, got {role!r}")
-            messages.append({"role": role, "content": _parts(item.get("content", ""), where)})
-        elif kind == "function_call":
-            call = {"id": item.get("call_id") or item.get("id"), "type": "function",
-                    "function": {"name": item.get("name"), "arguments": item.get("arguments") or "{}"}}
+    items = [MessageItem(role="user", content=body.input)] if isinstance(body.input, str) else body.input
+    for item in items:
+        if isinstance(item, MessageItem):
+            messages.append({"role": item.role, "content": _parts(item.content)})
+        elif isinstance(item, FunctionCallItem):
+            call = {"id": item.call_id, "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments or "{}"}}
             if messages and messages[-1]["role"] == "assistant" and messages[-1].get("tool_calls"):
                 messages[-1]["tool_calls"].append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif kind == "function_call_output":
-            output = item.get("output")
-            messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
-                             "content": output if isinstance(output, str) else json.dumps(output)})
         else:
-            raise ServeError(400, f"{where}: item type {kind!r} is not supported (message, function_call, "
-                                  "function_call_output)")
+            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
     chat: dict[str, Any] = {"model": body.model, "messages": messages, "temperature": body.temperature,
                             "top_p": body.top_p, "stream": body.stream}
     if body.stream:
@@ -117,14 +152,14 @@ def to_chat(body: ResponsesRequest) -> ChatCompletionRequest:
             {"type": "function", "function": {"name": body.tool_choice.name}}
     if body.parallel_tool_calls is not None:
         chat["parallel_tool_calls"] = body.parallel_tool_calls
-    fmt = (body.text or {}).get("format")
-    if fmt and fmt.get("type") == "json_schema":
-        chat["response_format"] = {"type": "json_schema", "json_schema": {
-            k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}}
-    elif fmt and fmt.get("type") in ("json_object", "text"):
-        chat["response_format"] = {"type": fmt["type"]}
-    if (body.reasoning or {}).get("effort") is not None:
-        chat["reasoning_effort"] = body.reasoning["effort"]
+    fmt = body.text.format if body.text is not None else None
+    if fmt is not None and fmt.type == "json_schema":
+        chat["response_format"] = {"type": "json_schema", "json_schema": fmt.model_dump(
+            exclude_none=True, by_alias=True, include={"name", "schema_", "strict", "description"})}
+    elif fmt is not None:
+        chat["response_format"] = {"type": fmt.type}
+    if body.reasoning is not None and body.reasoning.effort is not None:
+        chat["reasoning_effort"] = body.reasoning.effort
     try:
         return ChatCompletionRequest.model_validate(chat)
     except Exception as e:          # a pydantic ValidationError: what the chat path would say
@@ -138,7 +173,7 @@ def _envelope(body: ResponsesRequest, rid: str, created: int, model: str) -> dic
             "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
             "tool_choice": body.tool_choice if isinstance(body.tool_choice, str) or body.tool_choice is None
             else body.tool_choice.model_dump(), "parallel_tool_calls": body.parallel_tool_calls is not False,
-            "text": body.text or {"format": {"type": "text"}}, "metadata": body.metadata or {}, "store": False,
+            "text": body.text.model_dump(exclude_none=True, by_alias=True) if body.text else {"format": {"type": "text"}}, "metadata": body.metadata or {}, "store": False,
             "usage": None}
 
 

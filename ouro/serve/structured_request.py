@@ -30,7 +30,7 @@ def _fields(body) -> list[tuple[str, dict]]:
     if rf is not None and rf.type == "json_object":
         out.append(("response_format", {"type": "json_object"}))
     elif rf is not None and rf.type == "json_schema":
-        if rf.json_schema is None or rf.json_schema.schema_ is None:
+        if rf.json_schema is None:
             raise ApiError(400, "response_format json_schema needs json_schema.schema")
         out.append(("response_format", {"type": "json_schema", "schema": rf.json_schema.schema_}))
     so = body.structured_outputs

@@ -11,13 +11,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field
+from pydantic import ConfigDict, Field
 
-from .protocol import Body, ChatMessage, ServeError, TokenId
+from .protocol import Body, ChatMessage, ServeError, TokenId, bound
 
 
 class TokenizeRequest(Body):
-    model: str | None = None
+    model_config = ConfigDict(json_schema_extra={"oneOf": [     # a prompt or a chat, not both
+        {"properties": {"prompt": {"type": "string"}}, "required": ["prompt"]},
+        {"properties": {"messages": {"type": "array"}}, "required": ["messages"]}]})
+    model: str | None = Field(None, json_schema_extra=bound("model"))
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
@@ -27,7 +30,7 @@ class TokenizeRequest(Body):
 
 
 class DetokenizeRequest(Body):
-    model: str | None = None
+    model: str | None = Field(None, json_schema_extra=bound("model"))
     tokens: list[TokenId] = Field(max_length=1 << 20)
 
 
