@@ -49,29 +49,28 @@ class ImagePart(Body):
     detail: str | None = None
 
 
-class MessageItem(Body):
-    type: Literal["message"] = "message"
-    role: Literal["user", "system", "developer", "assistant"]
-    content: Union[str, list[Annotated[Union[TextPart, ImagePart], Field(discriminator="type")]]]
-    id: str | None = None
+class _Item(Body):
+    id: str | None = None             # what a client echoes back from an earlier response
     status: str | None = None
 
 
-class FunctionCallItem(Body):
+class MessageItem(_Item):
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: Union[str, list[Annotated[Union[TextPart, ImagePart], Field(discriminator="type")]]]
+
+
+class FunctionCallItem(_Item):
     type: Literal["function_call"]
     call_id: str
     name: Text
     arguments: str = Field("{}", description="the JSON text of an object")
-    id: str | None = None
-    status: str | None = None
 
 
-class FunctionCallOutputItem(Body):
+class FunctionCallOutputItem(_Item):
     type: Literal["function_call_output"]
     call_id: str
     output: str
-    id: str | None = None
-    status: str | None = None
 
 
 class TextFormat(Body):
