@@ -43,7 +43,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .glm_scanner import CALL, END_CALL, END_KEY, END_THINK, END_VALUE, KEY, THINK, VALUE, Scanner  # noqa: F401
-from .tool_args import tool_parameters
+from .tool_args import strict_tools, tool_parameters
 
 ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>", "<|observation|>")
 
@@ -63,11 +63,13 @@ class ReplyFormat:
     reasoning_first: bool
     tools: dict | None = None        # {tool: {param: schema}}; None: tool-call text is content
     id_prefix: str = "call_"
+    strict: frozenset = frozenset()  # tools held to their schema by a grammar (`strict: true`)
 
     @classmethod
     def for_request(cls, prompt: str, tools=None, tool_choice=None, id_prefix: str = "call_") -> "ReplyFormat":
         enabled = bool(tools) and tool_choice != "none"
-        return cls(starts_in_reasoning(prompt), tool_parameters(tools) if enabled else None, id_prefix)
+        return cls(starts_in_reasoning(prompt), tool_parameters(tools) if enabled else None, id_prefix,
+                   strict_tools(tools) if enabled else frozenset())
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .tool_args import STRING, dumps, encode_value, value_kind
+from .tool_args import STRING, dumps, encode_value, trim_formatting, value_kind
 
 THINK, END_THINK = "<think>", "</think>"
 CALL, END_CALL = "<tool_call>", "</tool_call>"
@@ -37,6 +37,7 @@ class _Call:
     value_json: str = ""             # JSON escape of `value` (string kind), kept as it grows
     kind: object = None
     skip: bool = False               # value of a duplicate key
+    trim: bool = False               # a strict call's string value (`tool_args.trim_formatting`)
     closed: bool = False
 
 
@@ -96,7 +97,9 @@ class Scanner:
             c.key_raw += s
         elif m == _VALUE:
             c.value += s
-            if c.kind == STRING:             # JSON escapes char by char: extend, don't redo
+            if c.trim:                       # a strict call: the grammar's formatting blanks are not value
+                c.value_json = dumps(trim_formatting(c.value))[1:-1]
+            elif c.kind == STRING:           # JSON escapes char by char: extend, don't redo
                 c.value_json += dumps(s)[1:-1]
         # between key and value, and between pairs: junk is ignored
 
@@ -125,6 +128,7 @@ class Scanner:
         elif tag == VALUE:
             c.value, c.value_json, c.skip, self.mode = "", "", c.key in c.keys or not c.name, _VALUE
             c.kind = value_kind(self.fmt.tools, c.name or "", c.key)
+            c.trim = c.kind == STRING and c.name in self.fmt.strict
         elif tag == END_VALUE:
             self._pair_done()
             self.mode = _AFTER_VALUE
@@ -139,7 +143,8 @@ class Scanner:
     def _pair_done(self) -> None:
         c = self.call
         if not c.skip:
-            c.pairs.append(f"{dumps(c.key)}: {encode_value(c.value, c.kind)}")
+            value = dumps(trim_formatting(c.value)) if c.trim else encode_value(c.value, c.kind)
+            c.pairs.append(f"{dumps(c.key)}: {value}")
             c.keys.add(c.key)
 
     def _close(self, text: str, end: int) -> None:

@@ -3,7 +3,8 @@
 GLM writes every argument value as text (`<arg_value>42</arg_value>`); OpenAI clients want
 `arguments` as a JSON object. The declared schema decides the JSON type:
 
-- a parameter whose schema allows `"string"` keeps its text exactly, whitespace and all (code);
+- a parameter whose schema allows `"string"` keeps its text exactly, whitespace and all (code),
+  except in a strict tool's call, where the one blank each side its grammar allows is formatting;
 - otherwise each declared type is tried in the fixed order null, boolean, integer, number,
   object, array on the stripped text (JSON syntax; booleans also as True/False); the first
   that parses wins; if none does, the value stays a string (the raw text);
@@ -41,6 +42,26 @@ def tool_parameters(tools) -> dict[str, dict]:
         props = params.get("properties") if isinstance(params, Mapping) else None
         out.setdefault(fn["name"], dict(props) if isinstance(props, Mapping) else {})
     return out
+
+
+def strict_tools(tools) -> frozenset:
+    """Names of the tools with `strict: true`: their calls are held to a grammar (structured
+    outputs) that allows one blank on each side of a value as formatting (`trim_formatting`)."""
+    out = set()
+    for tool in tools or ():
+        fn = _plain(_plain(tool).get("function", tool)) if isinstance(_plain(tool), Mapping) else None
+        if isinstance(fn, Mapping) and fn.get("strict") is True and isinstance(fn.get("name"), str):
+            out.add(fn["name"])
+    return frozenset(out)
+
+
+def trim_formatting(raw: str) -> str:
+    """A strict call's string value without the grammar's formatting blanks: the first character
+    if blank, and the last if blank (while the value is open this holds a last blank back until
+    more text follows it), so each open form is a prefix of the final one."""
+    start = 1 if raw[:1].isspace() else 0
+    end = len(raw) - (1 if len(raw) > start and raw[-1:].isspace() else 0)
+    return raw[start:end]
 
 
 def _schema_types(schema, depth: int = 0) -> set[str]:
