@@ -135,10 +135,12 @@ def test_tp2_image_prompt_equals_one_rank(vl):
               "multi_modal_data": {"image": [picture(60, 90, seed=21), picture(40, 40, seed=22)]}}
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
     one = LLM(str(d), max_memory=64 << 20, page_size=16, max_num_batched_tokens=16).generate(prompt, params)[0]
+    threads = torch.get_num_threads()
     two = LLM(str(d), max_memory=64 << 20, page_size=16, max_num_batched_tokens=16, tensor_parallel_size=2)
     try:
         got = two.generate(prompt, params)[0]
     finally:
         two.engine.close()
+    assert torch.get_num_threads() == threads        # a closed TP engine gives the process its threads back
     assert got.outputs[0].token_ids == one.outputs[0].token_ids and len(got.prompt_token_ids) > 20
     assert got.outputs[0].logprobs == pytest.approx(one.outputs[0].logprobs, abs=1e-4)

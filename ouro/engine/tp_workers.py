@@ -67,6 +67,7 @@ class TPWorkers:
                                             str(timeout_s), options], stdin=subprocess.PIPE, env=env, text=True)
         self.procs = [start(r) for r in range(mine + 1, mine + size)]
         self.helpers = [start(r) for r in range(mine)]
+        self.threads_before = torch.get_num_threads()     # the caller's, back at `close`
         torch.set_num_threads(threads)
         self.groups = init(mine, world, f"tcp://127.0.0.1:{port}", None, JOIN_TIMEOUT_S, tp=size)
         self.group = self.groups.tp
@@ -182,6 +183,9 @@ class TPWorkers:
                 dist.destroy_process_group()
             except Exception:       # a group broken by a lost rank
                 pass
+        # the process's thread count as it was: an engine closed must not leave a later one (or a
+        # test) computing with a rank's share of the cores, whose products round differently
+        torch.set_num_threads(self.threads_before)
 
 
 def check_options(config, mc) -> None:
