@@ -18,8 +18,8 @@ AVX2 EPYC and an Intel Xeon with torch 2.13 (`tests/test_batch_invariant.py` mea
 The overrides replace torch's CPU kernels for `aten::mm`, `addmm`, `bmm` and the divergent
 element-wise ops process-wide (`torch.library`), each calling the op's `out=` overload, which
 stays torch's own. They cost time (a 1-row product runs as a 4-row one, a Python hop per op):
-this is for exactness checks and reproducible serving, not the fast path. `disable()` restores
-torch's kernels."""
+this is for exactness checks and reproducible serving, not the fast path; it also runs on one
+thread (restored by `disable()`). `disable()` restores torch's kernels."""
 
 from __future__ import annotations
 
@@ -141,6 +141,11 @@ def enable() -> int:
     """Replace the kernels (idempotent); returns the row block in use."""
     if enabled():
         return _state["row_block"]
+    # one thread: with more, BLAS and oneDNN split a product's rows among threads by the row count,
+    # so a row's kernel (and its rounding) changes with the batch; on an Intel Xeon no row block
+    # made two threads invariant for the model's products (tests/test_speculative_deterministic.py)
+    _state["threads"] = torch.get_num_threads()
+    torch.set_num_threads(1)
     block = _measure_row_block()
     divergent = tuple(n for n in ELEMENTWISE if hasattr(torch.ops.aten, n) and _tail_diverges(n))
     lib = torch.library.Library("aten", "IMPL")
@@ -159,7 +164,8 @@ def disable() -> None:
     lib = _state["lib"]
     if lib is not None:
         lib._destroy()
-    _state.update(lib=None, row_block=None, elementwise=())
+        torch.set_num_threads(_state.get("threads") or torch.get_num_threads())
+    _state.update(lib=None, row_block=None, elementwise=(), threads=None)
 
 
 def replaced() -> tuple[str, ...]:
