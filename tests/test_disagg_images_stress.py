@@ -21,7 +21,7 @@ from ouro.models.resolve import resolve_model
 
 from image_helpers import data_uri, offline_tokens, png
 from serve_helpers import free_port
-from test_disagg_stress import health, metric, start
+from test_disagg_stress import health, metric, settled, start
 
 N_REQUESTS, CONCURRENCY, N_TOKENS = 120, 12, 5
 
@@ -147,15 +147,9 @@ def test_120_requests_with_hang_ups_and_the_encode_worker_killed(tmp_path):
         assert all(kind == "ok" for kind, k in down if not has_images(k)), down    # text served all along
         tail = [(kind, v) for kind, v, at in results[-N_REQUESTS // 6:] if kind != "hung up"]
         assert sum(kind == "ok" and has_images(v[0]) for kind, v in tail) >= 3, tail  # images again after the restart
-        names = ("ouro:kv_pages_used", "ouro:state_slots_used", "ouro:pd_decode_rooms", "ouro:pd_prefill_pages_used",
-                 "ouro:pd_prefill_slots_used", "ouro:pd_prefill_held_requests", "ouro:epd_image_waits",
-                 "ouro:num_requests_in_flight")
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            left = {n: metric(base, n) for n in names}
-            if not any(left.values()):
-                break
-            time.sleep(0.3)
+        left = settled(base, ("ouro:kv_pages_used", "ouro:state_slots_used", "ouro:pd_decode_rooms",
+                              "ouro:pd_prefill_pages_used", "ouro:pd_prefill_slots_used",
+                              "ouro:pd_prefill_held_requests", "ouro:epd_image_waits", "ouro:num_requests_in_flight"))
         assert not any(left.values()), left
     finally:
         stop_all(procs.values(), 15)

@@ -50,6 +50,16 @@ def metric(base, name):
     return next(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.split("{")[0] == name)
 
 
+def settled(base, names, timeout=20):
+    """The gauges `names` once they all read 0, or as they stand at the deadline (heartbeats trail)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = {n: metric(base, n) for n in names}
+        if not any(left.values()) or time.monotonic() > deadline:
+            return left
+        time.sleep(0.3)
+
+
 def health(base):
     try:
         return httpx.get(base + "/health", timeout=2).status_code
@@ -140,14 +150,8 @@ def test_200_requests_with_aborts_timeouts_and_a_prefill_worker_killed(tiny_chec
         assert any(isinstance(k, int) and k >= 500 for k in kinds), kinds      # the outage showed as errors
         tail = [r[0] for r in results[-N_REQUESTS // 6:]]
         assert tail.count("ok") >= len(tail) // 2, (results[-N_REQUESTS // 6:], kinds)             # serving again after the restart
-        deadline = time.monotonic() + 20
-        names = ("ouro:kv_pages_used", "ouro:state_slots_used", "ouro:pd_decode_rooms", "ouro:pd_prefill_pages_used",
-                 "ouro:pd_prefill_slots_used", "ouro:pd_prefill_held_requests")
-        while time.monotonic() < deadline:
-            left = {n: metric(base, n) for n in names}
-            if not any(left.values()):
-                break
-            time.sleep(0.3)
+        left = settled(base, ("ouro:kv_pages_used", "ouro:state_slots_used", "ouro:pd_decode_rooms",
+                              "ouro:pd_prefill_pages_used", "ouro:pd_prefill_slots_used", "ouro:pd_prefill_held_requests"))
         assert not any(left.values()), left
     finally:
         stop_all(procs.values(), 15)

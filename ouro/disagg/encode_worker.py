@@ -91,16 +91,12 @@ class EncodeWorker:
 def run_encoder(model_dir: str, host: str, port: int, device: str = "cpu", timeout_s: float = 30.0,
                 exit_with_parent: bool = False) -> None:
     import torch
-    import zmq
 
     from ..serve.messages import decode, encode, output_to_wire
+    from .worker import bind_sockets
     trace_path = spans.start_from_env(".encode.json", process_name="ouro encode")
     torch.set_num_threads(int(os.environ.get("OURO_NUM_THREADS", torch.get_num_threads())))
-    ctx = zmq.Context()
-    inbox, outbox = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    inbox.bind(f"tcp://{host}:{port}")
-    outbox.bind(f"tcp://{host}:{port + 1}")
-    outbox.setsockopt(zmq.LINGER, 0)
+    inbox, outbox = bind_sockets(host, port)
     worker = EncodeWorker(model_dir, device, timeout_s)
     info = {"type": "ready", "role": "encode", "pid": os.getpid(), "plan": "vision tower only",
             "max_model_len": 0, "max_tokens": 0, "max_num_seqs": 0}

@@ -32,11 +32,21 @@ HEARTBEAT_S = 0.25
 POLL_MS = 20          # the longest sleep: rooms' deadlines and heartbeats are checked this often
 
 
+def bind_sockets(host: str, port: int):
+    """A worker's (inbox, outbox): PULL on `port`, PUSH on `port + 1`, what a router connects to."""
+    import zmq
+    ctx = zmq.Context()
+    inbox, outbox = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    inbox.bind(f"tcp://{host}:{port}")
+    outbox.bind(f"tcp://{host}:{port + 1}")
+    outbox.setsockopt(zmq.LINGER, 0)
+    return inbox, outbox
+
+
 def run_worker(role: str, model_dir: str, engine_kwargs: dict, host: str, port: int, backend: str = "tcp",
                bootstrap_port: int = 0, timeout_s: float = 30.0, exit_with_parent: bool = False,
                encoder_cache_bytes: int = 256 << 20) -> None:
     import torch
-    import zmq
 
     from ..config import EngineConfig
     from ..engine.llm_engine import LLMEngine
@@ -47,11 +57,7 @@ def run_worker(role: str, model_dir: str, engine_kwargs: dict, host: str, port: 
 
     trace_path = spans.start_from_env(f".{role}.json", process_name=f"ouro {role}")
     torch.set_num_threads(int(os.environ.get("OURO_NUM_THREADS", torch.get_num_threads())))
-    ctx = zmq.Context()
-    inbox, outbox = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    inbox.bind(f"tcp://{host}:{port}")
-    outbox.bind(f"tcp://{host}:{port + 1}")
-    outbox.setsockopt(zmq.LINGER, 0)
+    inbox, outbox = bind_sockets(host, port)
     prefix = engine_kwargs.pop("enable_prefix_caching", False)
     interval = engine_kwargs.pop("prefix_checkpoint_interval", 1)
     cfg = EngineConfig(**engine_kwargs)

@@ -56,25 +56,9 @@ class ModelCache:
         # compressed key of every complete pool, written once when the pool's last token arrives
         self.index_pooled = torch.zeros(len(c.indexer_layers), n_pages, page_size // c.index_kpool,
                                         c.index_head_dim, dtype=torch.float32, **kw)
-        self.kept_dsa = None
         if keep_dsa is not None:
-            self._keep_only(set(keep_dsa))
-
-    def _keep_only(self, keep: set) -> None:
-        """Per-layer storage: the kept layers' own, one scratch layer (NaN) standing for all others."""
-        c = self.config
-        if any(k is not None for k in self.latent_kinds + self.key_kinds):
-            raise ValueError("a layer-split cache keeps DSA rows in the model dtype: drop --kv-cache-dtype")
-        kept_idx = {ci for ci, layer in enumerate(c.indexer_layers) if c.dsa_layers.index(layer) in keep}
-
-        def split(store, kept):
-            scratch = torch.full_like(store[0], float("nan"))
-            return [store[i].clone() if i in kept else scratch for i in range(store.shape[0])]
-        self.latent = split(self.latent, keep)
-        self.index_keys = split(self.index_keys, kept_idx)
-        self.index_gates = split(self.index_gates, kept_idx)
-        self.index_pooled = split(self.index_pooled, kept_idx)
-        self.kept_dsa = keep
+            from .split_storage import keep_only
+            keep_only(self, set(keep_dsa))
 
     def dsa_bytes(self) -> int:
         """Bytes the DSA rows occupy, each storage counted once (a split cache's scratch once)."""
