@@ -86,9 +86,9 @@ class PrefillEngine:
             raise ValueError("this checkpoint takes no images")
         self.drain_released()        # rows that came in since the last step are filed before the lookup
         ids, _ = self.engine.check_request(prompt, params, rid)      # a bad request is refused before it waits
-        if len(image_spans(ids, self.engine.model.config)) != len(hashes):
-            raise ValueError(f"the prompt has {len(image_spans(ids, self.engine.model.config))} images, "
-                             f"the request names {len(hashes)}")
+        n_images = len(image_spans(ids, self.engine.model.config))
+        if n_images != len(hashes):
+            raise ValueError(f"the prompt has {n_images} images, the request names {len(hashes)}")
         wait, ask = self.waits.add(rid, (prompt, params, room), hashes, images.get("coming", ()))
         if ask:
             self.asks.append((rid, ask))
