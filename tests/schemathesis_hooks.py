@@ -1,12 +1,10 @@
 """Schemathesis hooks of the schema test (`SCHEMATHESIS_HOOKS=schemathesis_hooks`): a request the
 schema calls valid is kept quick to serve (max_tokens, n) and within the rules the schema can only
 annotate or describe (protocol.py: a prompt's tokens plus max_tokens within the context, a named
-tool_choice naming one of the tools, a forced tool call's tag within max_tokens, a past tool
-call's string arguments being the JSON text of an object), and a number schemathesis 4 draws just
+tool_choice naming one of the tools, a forced tool call's tag within max_tokens, a grammar that
+compiles), and a number schemathesis 4 draws just
 past a bound beyond 2**53 (it reads the bound through a float) is put back. Invalid requests go
 out exactly as drawn."""
-
-import json
 
 import schemathesis
 
@@ -24,51 +22,33 @@ def _context(case) -> int:
     return next(s["maximum"] for s in props["max_tokens"]["anyOf"] if s.get("type") == "integer") + 1
 
 
-def _object_text(v) -> bool:
-    try:
-        return not v.strip() or isinstance(json.loads(v), dict)
-    except ValueError:
-        return False
-
-
-# structured outputs: a schema-valid grammar string need not compile, and only one constraint may
-# be given (the schema can say neither): the first one present is kept, as something that compiles
+# structured outputs: a schema-valid grammar string need not compile (the schema cannot say so; that at
+# most one constraint is given, it says): each one present is made something that compiles
 COMPILABLE = {"guided_json": {"type": "object"}, "json_schema": '{"type": "object"}', "guided_regex": "[a-z]{1,3}",
               "regex": "[a-z]{1,3}", "guided_grammar": 'root ::= "a"', "ebnf": 'root ::= "a"',
               "guided_choice": ["a", "b"]}
 OUTPUTS = {"json": {"type": "object"}, "regex": "[a-z]{1,3}", "grammar": 'root ::= "a"', "choice": ["a", "b"]}
 
 
-def _one_constraint(body) -> None:
-    kept = False
+def _compilable(body) -> None:
     rf = body.get("response_format")
-    if isinstance(rf, dict) and rf.get("type") in ("json_object", "json_schema"):
-        kept = True
-        if isinstance(rf.get("json_schema"), dict):
-            rf["json_schema"]["schema"] = {"type": "object"}
+    if isinstance(rf, dict) and isinstance(rf.get("json_schema"), dict):
+        rf["json_schema"]["schema"] = {"type": "object"}
     so = body.get("structured_outputs")
     if isinstance(so, dict):
-        for key in list(so):
-            if key in OUTPUTS and so[key] is not None:
-                so[key] = None if kept else OUTPUTS[key]
-                kept = True
-            elif key == "json_object" and so[key]:
-                so[key] = None if kept else True
-                kept = True
+        for key in OUTPUTS:
+            if so.get(key) is not None:
+                so[key] = OUTPUTS[key]
     for key, value in COMPILABLE.items():
         if body.get(key) is not None:
-            body[key] = None if kept else value
-            kept = True
+            body[key] = value
     fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
-    if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+    if isinstance(fmt, dict) and isinstance(fmt.get("schema"), dict):
         fmt["schema"] = {"type": "object"}
     for tool in body.get("tools") or []:       # a strict tool's parameters are compiled: keep them simple
         fn = tool.get("function", tool)
         if fn.get("strict"):
-            if kept:
-                fn["strict"] = False
-            else:
-                fn["parameters"] = {"type": "object"}
+            fn["parameters"] = {"type": "object"}
 
 
 @schemathesis.hook
@@ -76,7 +56,7 @@ def map_case(context, case):
     body = case.body
     if case.meta is None or not case.meta.generation.mode.is_positive or not isinstance(body, dict):
         return case
-    _one_constraint(body)
+    _compilable(body)
     if case.path == "/v1/responses":
         _responses(body)
         return case
@@ -98,11 +78,6 @@ def map_case(context, case):
         body["n"] = min(int(body["n"]), MAX_N)
     if _number(body.get("seed")):
         body["seed"] = min(max(int(body["seed"]), SEED[0]), SEED[1])
-    for message in body.get("messages") or []:
-        for call in message.get("tool_calls") or []:
-            args = call["function"].get("arguments")
-            if isinstance(args, str) and not _object_text(args):
-                call["function"]["arguments"] = "{}"
     return case
 
 
@@ -120,8 +95,6 @@ def _responses(case_body):
     else:
         body["max_output_tokens"] = tokens
     for item in body.get("input") if isinstance(body.get("input"), list) else []:
-        if item.get("type") == "function_call" and not _object_text(item.get("arguments", "{}")):
-            item["arguments"] = "{}"
         if isinstance(item.get("content"), list):    # this model reads no images
             item["content"] = [p if p.get("type") != "input_image" else {"type": "input_text", "text": "x"}
                                for p in item["content"]]

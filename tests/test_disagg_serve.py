@@ -141,6 +141,9 @@ def test_1p1d_answers_as_one_engine(tiny_checkpoint, tmp_path, reference, backen
                     "--transfer-backend", backend, tmp_path=tmp_path)
     try:
         assert completions(server, prompts()) == reference
+        for body in ({"echo": True, "logprobs": 1}, {"prompt_logprobs": 0}, {"max_tokens": 0}):   # a single server's
+            r = httpx.post(server.base + "/v1/completions", json={"prompt": prompts()[0], "max_tokens": 1, **body})
+            assert r.status_code == 400 and "router" in r.json()["message"], r.text
         m = settled(server, {"ouro:pd_transfers_completed": len(LENGTHS), "ouro:kv_pages_used": 0,
                              "ouro:pd_prefill_pages_used": 0})
         get = lambda name: next(v for k, v in m.items() if k.split("{")[0] == name)

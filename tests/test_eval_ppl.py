@@ -151,6 +151,36 @@ def test_prompt_logprobs_top_k_through_llm_generate(tiny_checkpoint, model):
         assert abs(entry[ids[i]] - float(full[i - 1, ids[i]])) < 1e-5
 
 
+@pytest.mark.parametrize("caching", [False, True])
+def test_max_tokens_zero_prefills_and_scores_only(model, caching):
+    """max_tokens 0 (what a server's echo-only scoring asks): the prompt is prefilled in chunks,
+    its logprobs and ranks filled, no token sampled, finish_reason "length", the pages and slot
+    returned; requests batched beside it keep their tokens. Each rank is 1 + the tokens with a
+    greater logprob in ouro's model run directly (within the engine's 1e-5 of it)."""
+    long_p, short_p, other = prompts([45, 12, 20], seed=5)
+    score = SamplingParams(temperature=0, max_tokens=0, prompt_logprobs=2)
+    plain = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    engine = engine_for(model, caching=caching)
+    rids = [engine.add_request(p, sp) for p, sp in [(long_p, score), (other, plain), (short_p, score),
+                                                     (short_p, SamplingParams(max_tokens=0))]]
+    out = drive(engine)
+    engine.reset_prefix_cache()        # the cached prompt pages (caching) are the cache's, not held
+    assert pools_full(engine) and not engine.requests
+    for rid, ids in [(rids[0], long_p), (rids[2], short_p)]:
+        o = out[rid]
+        assert o.token_ids == [] and o.finish_reason == "length" and o.text == ""
+        full = SimpleRunner(model, 1, len(ids)).step([ids], logits="all").float().log_softmax(-1)
+        assert o.prompt_ranks[0] is None and o.prompt_logprobs[0] is None
+        for i in range(1, len(ids)):
+            row, lp, rank = full[i - 1], o.prompt_logprobs[i][ids[i]], o.prompt_ranks[i]
+            assert abs(lp - float(row[ids[i]])) < 1e-5 and len(o.prompt_logprobs[i]) in (2, 3)
+            assert 1 + int((row > lp + 1e-5).sum()) <= rank <= 1 + int((row > lp - 1e-5).sum())
+    assert out[rids[3]].token_ids == [] and out[rids[3]].prompt_logprobs is None
+    solo = engine_for(model)
+    rs = solo.add_request(other, plain)
+    assert out[rids[1]].token_ids == drive(solo)[rs].token_ids and len(out[rids[1]].token_ids) == 4
+
+
 @pytest.mark.parametrize("bad", [-1, 1.5, "2", True, 10_000])
 def test_prompt_logprobs_misuse(bad):
     with pytest.raises(ValueError, match="prompt_logprobs"):

@@ -13,7 +13,7 @@ from ouro.engine.sampling import SampleOutput, Sampler, SamplingParams, make_gen
     (dict(top_k=-2), "top_k"),
     (dict(min_p=-0.1), "min_p"),
     (dict(min_p=1.1), "min_p"),
-    (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens=-1), "max_tokens"),   # 0: prefill only (a prompt scored)
     (dict(n=0), "n"),
     (dict(logprobs=-1), "logprobs"),
     (dict(logprobs=21), "logprobs"),

@@ -151,6 +151,9 @@ class DisaggClient:
                   images: list | None = None) -> asyncio.Queue:
         if not self.healthy:
             raise EngineUnavailable(self.dead_reason or "the workers are not ready")
+        if params.prompt_logprobs is not None or params.max_tokens == 0:   # the prefill side would have to send them
+            raise GenerationError(400, "prompt logprobs (echo with logprobs, prompt_logprobs) and max_tokens 0 are "
+                                       "not available through the prefill/decode router; ask a single server")
         p, d = next(self._rr["prefill"]), next(self._rr["decode"])
         if images and p.info.get("embeds") is None:
             raise GenerationError(400, "this model takes text only: the prefill workers have no image input")

@@ -136,7 +136,7 @@ class LLMEngine:
                 request_id = f"req-{next(self._ids)}"
         req = Request(request_id, ids, params, generator=make_generator(params.seed, self.config.seed + n), mm=mm)
         if params.prompt_logprobs is not None:
-            req.prompt_logprobs = [None] * len(ids)
+            req.prompt_logprobs, req.prompt_ranks = [None] * len(ids), [None] * len(ids)
         if self.tokenizer is not None:
             req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.stop_list, params.skip_special_tokens)
         if params.structured is not None:      # waits for its grammar (compiled off the step)
@@ -267,8 +267,13 @@ class LLMEngine:
 
     def _sample(self, batch, logits) -> list[RequestOutput]:
         rows = [i for i, r in enumerate(batch.requests) if r.num_computed == r.num_tokens and r.spec_record is None]
+        outputs = []
+        for r in [batch.requests[i] for i in rows if batch.requests[i].params.max_tokens == 0]:
+            self._finish(r, "length")             # max_tokens 0: the prompt prefilled (and scored), no token
+            outputs.append(self._output(r, [], ""))
+        rows = [i for i in rows if batch.requests[i].params.max_tokens > 0]
         if not rows:
-            return []
+            return outputs
         reqs = [batch.requests[i] for i in rows]
         logits = logits[rows]
         for proc in self.logits_processors:
@@ -277,7 +282,6 @@ class LLMEngine:
         self.grammars.constrain(logits, reqs)     # forced prefixes, structured outputs' bitmasks
         with span("sample", cat="sample"):
             sampled = self.sampler.sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
-        outputs = []
         with span("outputs", cat="outputs"):   # detokenize, stop checks, output objects
             for k, r in enumerate(reqs):
                 tok = sampled.token_ids[k]
@@ -322,9 +326,12 @@ class LLMEngine:
         elif len(r.output_ids) >= p.max_tokens or r.num_tokens >= self.max_model_len:
             reason = "length"
         if reason:
-            self.requests.pop(r.request_id, None)
-            self._drop_checkpoints(r)
-            self.scheduler.finish(r, reason)
+            self._finish(r, reason)
+
+    def _finish(self, r: Request, reason: str) -> None:
+        self.requests.pop(r.request_id, None)
+        self._drop_checkpoints(r)
+        self.scheduler.finish(r, reason)
 
     def _output(self, r: Request, new_ids, new_text) -> RequestOutput:
         text = r.detokenizer.text if r.detokenizer else ""
@@ -332,7 +339,7 @@ class LLMEngine:
                              r.finish_reason, r.stop_reason, r.prompt_ids, r.cached_tokens,
                              list(r.logprobs), list(r.top_logprobs),
                              None if r.first_scheduled is None else r.first_scheduled - r.arrival,
-                             r.prompt_logprobs)
+                             r.prompt_logprobs, r.prompt_ranks)
 
     # ---- prefix caching: KDA checkpoints at page boundaries (`prefix_checkpoints`) ----
     def _checkpoint(self, batch) -> None:

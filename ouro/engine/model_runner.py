@@ -189,8 +189,10 @@ class ModelRunner:
     def _fill_prompt_logprobs(reqs, prompt_rows, first, logits) -> None:
         for r, wanted, i in zip(reqs, prompt_rows, first):
             if wanted:
-                pos = [r.num_computed + p for p in wanted]
+                pos, ranks = [r.num_computed + p for p in wanted], []
                 entries = prompt_logprob_entries(logits[i:i + len(wanted)], [r.prompt_ids[p + 1] for p in pos],
-                                                 r.params.prompt_logprobs)
-                for p, e in zip(pos, entries):
+                                                 r.params.prompt_logprobs, ranks=ranks)
+                for p, e, rank in zip(pos, entries, ranks):
                     r.prompt_logprobs[p + 1] = e
+                    if r.prompt_ranks is not None:
+                        r.prompt_ranks[p + 1] = rank

@@ -41,6 +41,7 @@ class Request:
     restore_from: int | None = None      # KDA checkpoint to copy into the slot before computing
     # params.prompt_logprobs set: one entry per prompt token (entry 0 None), filled during prefill
     prompt_logprobs: list | None = None
+    prompt_ranks: list | None = None     # ... and the rank of each prompt token among them (vLLM's `rank`)
     hold_on_finish: bool = False         # keep pages and slot after finishing until Scheduler.release
     # speculative decoding: the drafts the next step verifies, their draft distributions [K, V]
     # (sampled rows), and what the verifying forward's KDA layers recorded for the commit
@@ -88,6 +89,7 @@ class RequestOutput:
     queue_time: float | None = None   # seconds from arrival to first scheduling
     # with SamplingParams.prompt_logprobs: [None, {token_id: logprob, ...}, ...], one per prompt token
     prompt_logprobs: list | None = None
+    prompt_ranks: list | None = None   # [None, rank of prompt token 1, ...]
 
 
 class RequestFailed(RuntimeError):

@@ -25,7 +25,7 @@ class SamplingParams:
     top_k: int = 0  # 0 or -1: off
     min_p: float = 0.0
     seed: int | None = None
-    max_tokens: int = 16
+    max_tokens: int = 16  # 0: prefill only, no token (with prompt_logprobs: a prompt scored)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -58,8 +58,8 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.seed is not None and not is_int(self.seed):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
-        if not is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not is_int(self.max_tokens) or self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be an integer >= 0, got {self.max_tokens!r}")
         if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         if self.prompt_logprobs is not None and (not is_int(self.prompt_logprobs)
@@ -221,17 +221,21 @@ class Sampler:
 
 
 def prompt_logprob_entries(logits: torch.Tensor, next_ids: list[int], k: int,
-                           block: int = 256) -> list[dict[int, float]]:
+                           block: int = 256, ranks: list | None = None) -> list[dict[int, float]]:
     """One vLLM-style prompt-logprobs entry per logits row: {next token: logprob} plus the
     top-k when k > 0, from the raw float32 log-softmax (no temperature, no processors). Rows go
-    through in blocks so at most `block` float32 rows of the vocabulary exist at once."""
+    through in blocks so at most `block` float32 rows of the vocabulary exist at once. `ranks`:
+    a list that gets each next token's vLLM rank (1 + the tokens with a greater logprob)."""
     if logits.dim() != 2 or logits.shape[0] != len(next_ids):
         raise ValueError(f"need logits [n, V] with n == len(next_ids); got {tuple(logits.shape)}, {len(next_ids)} ids")
     entries: list[dict[int, float]] = []
     for s in range(0, len(next_ids), block):
         logp = logits[s:s + block].float().log_softmax(dim=-1)
         ids = torch.tensor(next_ids[s:s + block], device=logp.device)
-        chosen = logp.gather(-1, ids[:, None])[:, 0].tolist()
+        chosen_t = logp.gather(-1, ids[:, None])
+        chosen = chosen_t[:, 0].tolist()
+        if ranks is not None:
+            ranks += ((logp > chosen_t).sum(dim=-1) + 1).tolist()
         if k:
             vals, top = logp.topk(k, dim=-1)
             vals, top = vals.tolist(), top.tolist()

@@ -247,12 +247,28 @@ def _boundary_note(ctx, first: int, op: str | None = None) -> str | None:
     return None
 
 
+def _views(rec: Recording) -> list[Recording]:
+    """A tensor-parallel run's view of each rank (`tp_run.joined`), else the recording itself."""
+    return getattr(rec, "rank_views", None) or [rec]
+
+
 def findings_from(ra: Recording, rb: Recording, col: str, ctx: dict) -> list[Finding]:
-    rows = compare(ra, rb, col)
+    # a tensor-parallel side: every rank's view (what its reduced outputs are) against the other
+    # side; the view that departs first in execution order is the finding
+    tp = next((r for r in (ra, rb) if getattr(r, "rank_views", None)), None)
+    best = None
+    for ia, va in enumerate(_views(ra)):
+        for ib, vb in enumerate(_views(rb)):
+            got = compare(va, vb, col)
+            first = next((i for i, r in enumerate(got) if r["diverges"]), None)
+            if best is None or (first is not None and (best[0] is None or first < best[0])):
+                best = (first, va, vb, got, ia if len(_views(ra)) > 1 else ib)
+    first, ra, rb, rows, rank = best
     label = f"{ctx['a']} vs {ctx['b']}"
     findings = []
-    first = next((i for i, r in enumerate(rows) if r["diverges"]), None)
     if first is not None:
+        if tp is not None:
+            ctx = dict(ctx, tp_rank=rank, tp_disagree=getattr(tp, "tp_disagree", []))
         findings.append(_divergence(ra, rb, rows, first, col, ctx, label))
     findings.append(_logits_info(rows, label, first is None, ctx))
     return findings
@@ -287,15 +303,28 @@ def _divergence(ra, rb, rows, i, col, ctx, label) -> Finding:
     note = _boundary_note(ctx, bad[0], op)
     if note:
         evidence["boundary"] = note
+    tp_note = ""
+    if ctx.get("tp_rank") is not None:
+        disagree = ctx["tp_disagree"]
+        evidence["tensor_parallel"] = {"rank": ctx["tp_rank"], "layout": _tp_layout(key),
+                                       "reduced_outputs_the_ranks_disagree_on": disagree[:6]}
+        if key in disagree:
+            tp_note = (f"; rank {ctx['tp_rank']}'s output, and the ranks' outputs differ where every rank "
+                       "should hold the reduced one (a partial sum left out of the all-reduce?)")
     layer = _layer(key)
     where = dict(module=module, layer=layer, op=op, positions=[bad[0], bad[-1]])
     if src:
         where.update(file=src[0], function=src[1], line=src[2])
     return Finding(PROBE, severity,
                    f"{label}: first divergence at {key} ({r['kind']}), rel RMS up to {_num(worst)} "
-                   f"> {r['tol']:g} at positions {bad[0]}..{bad[-1]}",
+                   f"> {r['tol']:g} at positions {bad[0]}..{bad[-1]}{tp_note}",
                    where=where, measured=_num(worst), expected=r["tol"], evidence=evidence,
                    next=_next(ctx, layer, op, bad))
+
+
+def _tp_layout(key: str) -> str:
+    from .tp_run import layout
+    return layout(key)
 
 
 def _next(ctx, layer, op, bad) -> str:

@@ -2,11 +2,21 @@
 N real ranks (processes, gloo), every rank tapped, the ranks' recordings joined into what one
 rank would have seen, and the ranks' collectives compared.
 
-Joining: a module whose output every rank holds alike (replicated, or summed by an all-reduce,
-or gathered) is taken from rank 0; a column-parallel projection's output is the ranks' slices
-side by side (heads are contiguous, so rank order is the unsharded layout); anything else inside
-a split layer (per-head norms, partial sums, ops on local heads) has no one-rank counterpart and
-is left out: its effect shows at the layer's all-reduced output.
+Joining, key by key (`layout`): what each rank's output of a module should be once the split is
+undone, so every module is compared with the one-rank run, the row-parallel ones included.
+- `concat`: a column-parallel projection and what runs on local heads or channels (the conv, the
+  forget gate, the attention core, the KDA output norm, the MLP's SwiGLU): the ranks' slices side
+  by side along the first feature dimension (heads are contiguous, so rank order is the unsharded
+  layout); the q|k|v conv output per third (`thirds`);
+- `sum`: a partial sum the MoE's one all-reduce adds up (the routed experts, the shared expert and
+  its down_proj): the sum over ranks;
+- `replicated`: everything else, the all-reduced outputs included (a row-parallel o_proj or
+  down_proj, the MoE, the layer): every rank should hold the one-rank output itself. The ranks'
+  outputs are not required to agree: each rank has its own view (`rank_views`), the combined
+  keys shared, and numerics compares every view, so a rank whose reduced output is wrong (a
+  partial sum left out of the all-reduce) is named at that module, not where the next
+  collective mixes its error in a layer later. `tp_disagree` lists the replicated keys whose
+  ranks differ.
 
 Collectives: each rank logs its all-reduces and all-gathers with the module it was in. Ranks that
 issue different sequences (a rank skipped one, or ran another shape) are paired wrongly or hang;
@@ -20,8 +30,11 @@ import torch
 
 from .taps import OuroTaps, Recording
 
-COLUMN_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "f_b_proj", "g_b_proj", "b_proj", "q_b_proj", "kv_b_proj",
-                      "gate_proj", "up_proj")
+# keys (by their last name) joined side by side: column-parallel projections, then the computations
+# on local heads or channels between them and the row-parallel projection
+CONCAT = ("q_proj", "k_proj", "v_proj", "f_b_proj", "g_b_proj", "b_proj", "q_b_proj", "kv_b_proj", "gate_proj",
+          "up_proj", "clamped_swiglu", "forget_gate", "attention_core", "o_norm")
+THIRDS = ("causal_conv1d",)        # [q | k | v] channels, each third split across the ranks
 TIMEOUT_S = 20.0
 
 
@@ -65,23 +78,61 @@ def _tp_rank(groups, model_dir, cfg, prompt, device, n_experts, width, load_ouro
     return rec, log, error
 
 
+def layout(key: str) -> str:
+    """How the ranks' rows of `key` make the one-rank rows: concat, thirds, sum or replicated (see
+    the module docstring)."""
+    parts = key.split(".")
+    for i in range(1, len(parts)):
+        if parts[i - 1] == "mlp" and (parts[i] == "experts" or (parts[i] == "shared_experts" and
+                                                                  parts[i + 1:] in ([], ["down_proj"]))):
+            return "sum"            # the routed experts (and their ops), the shared expert's partial
+    if parts[-1] in CONCAT:
+        return "concat"
+    return "thirds" if parts[-1] in THIRDS else "replicated"
+
+
+def _combine(how: str, rows: list[torch.Tensor]) -> torch.Tensor:
+    if how == "sum":
+        return torch.stack(rows).sum(0)
+    if how == "thirds":
+        return torch.cat([torch.cat([r.chunk(3, 1)[i] for r in rows], 1) for i in range(3)], 1)
+    return torch.cat(rows, 1)
+
+
 def joined(parts: list[Recording]) -> Recording:
-    """One rank's view from the ranks' recordings (see the module docstring)."""
-    first = parts[0]
-    out = Recording(n_experts=first.n_experts, width=first.width)
-    for name in ("first_call", "kinds", "sources", "op_sources", "op_at"):
-        setattr(out, name, dict(getattr(first, name)))
-    out.forward_index = first.forward_index
-    for key, rows in first.rows.items():
-        others = [p.rows.get(key) for p in parts[1:]]
-        if any(o is None or len(o) != len(rows) for o in others):
+    """One rank's view from the ranks' recordings (see the module docstring): rank 0's, with every
+    rank's in `rank_views` and the replicated keys whose ranks disagree in `tp_disagree`."""
+    views = []
+    for p in parts:
+        v = Recording(n_experts=p.n_experts, width=p.width)
+        for name in ("first_call", "kinds", "sources", "op_sources", "op_at"):
+            setattr(v, name, dict(getattr(p, name)))
+        v.forward_index = p.forward_index
+        views.append(v)
+    disagree = []
+    for key, rows in parts[0].rows.items():
+        per_rank = [p.rows.get(key) for p in parts]
+        if any(o is None or len(o) != len(rows) for o in per_rank):
             continue
-        if all(all(torch.equal(r, o[i][1]) for i, (_, r) in enumerate(rows)) for o in others):
-            out.rows[key] = rows
-            if key in first.ops:
-                out.ops.add(key)
-        elif key.rsplit(".", 1)[-1] in COLUMN_PROJECTIONS:
-            out.rows[key] = [(pos, torch.cat([r] + [o[i][1] for o in others], -1)) for i, (pos, r) in enumerate(rows)]
+        how = layout(key)
+        if how == "replicated":
+            for v, own in zip(views, per_rank):
+                v.rows[key] = own
+            if not all(torch.equal(r, o[i][1]) for o in per_rank[1:] for i, (_, r) in enumerate(rows)):
+                disagree.append(key)
+        else:
+            try:
+                both = [(pos, _combine(how, [o[i][1] for o in per_rank])) for i, (pos, _) in enumerate(rows)]
+            except RuntimeError:        # rows that do not join (another split than the table says)
+                continue
+            for v in views:
+                v.rows[key] = both
+        for v, p in zip(views, parts):
+            if key in p.ops:
+                v.ops.add(key)
+    out = views[0]
+    out.rank_views = views
+    out.tp_disagree = disagree
     return out
 
 

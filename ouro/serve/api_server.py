@@ -25,7 +25,7 @@ from .openapi import STREAMED, openapi
 from .protocol import ChatCompletionRequest, CompletionRequest, error_body
 from .responses import ResponsesRequest, sse_events, to_chat, to_response
 from .protocol import ServeError as ApiError
-from .tokenize_routes import add_tokenize_routes
+from .tokenize_routes import add_tokenize_routes, check_model
 from .trace_routes import add_trace_routes
 
 GENERATE_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
@@ -51,6 +51,7 @@ class ServerState:
     media: object | None = None      # media.MediaLimits
     eos_token_ids: tuple = ()
     grammars: object | None = None   # engine.structured.GrammarBook: structured outputs checked here first
+    tokenizer_info: dict = field(default_factory=dict)   # GET /tokenizer_info (tokenize_routes.tokenizer_info)
     metrics: Metrics = field(default=None)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -149,8 +150,12 @@ def build_app(state: ServerState) -> FastAPI:
         return error(e.status, e.message)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_, e: RequestValidationError):
+    async def validation_error(request: Request, e: RequestValidationError):
         m.reject(400)
+        kind = request.headers.get("content-type", "")
+        if "json" not in kind.lower():   # curl -d without -H sends form-encoded: never read as JSON (no CSRF)
+            return error(400, "the body must be JSON sent with 'content-type: application/json' (got "
+                              f"{repr(kind) if kind else 'no content-type'}; curl: add -H 'content-type: application/json')")
         return error(400, _describe(e.errors()))
 
     @app.exception_handler(StarletteHTTPException)
@@ -203,8 +208,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def _serve(request: Request, body, chat: bool):
         place = request.state.place
         place.trace_t0 = spans.now_ns()
-        if body.model is not None and body.model != state.model_name:
-            raise ApiError(400, f"the model {body.model!r} does not exist; this server serves {state.model_name!r}")
+        check_model(state, body.model)
         with spans.span("prepare", cat="request"):   # template, tokenize, check
             jobs = formats.chat_jobs(state, body) if chat else formats.completion_jobs(state, body)
         for j in jobs:
@@ -310,5 +314,8 @@ def _describe(errors) -> str:
     parts = []
     for e in errors[:5]:
         loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
-        parts.append(f"{loc or 'body'}: {e.get('msg', 'invalid')}")
+        if e.get("type") == "extra_forbidden":    # protocol.py's one rule for fields
+            parts.append(f"{loc}: unknown field (ouro refuses fields it does not implement rather than ignore them)")
+        else:
+            parts.append(f"{loc or 'body'}: {e.get('msg', 'invalid')}")
     return "invalid request: " + "; ".join(parts)

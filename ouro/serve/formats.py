@@ -1,6 +1,12 @@
 """OpenAI wire formats: a request body -> engine jobs (prompt ids, per-choice params, stop
 strings), and engine outputs -> completion / chat.completion objects and their stream chunks.
-Streamed chunks concatenate to exactly the non-streamed object (one code path builds both)."""
+Streamed chunks concatenate to exactly the non-streamed object (one code path builds both).
+
+The prompt's own logprobs (the engine's `prompt_logprobs`) serve two fields: a completion's
+`echo` (the prompt's text before the completion's, its tokens first in `logprobs`, the first
+token's logprob null: what lm-eval's loglikelihood requests read) and vLLM's `prompt_logprobs`
+(`[null, {id: {logprob, rank, decoded_token}}, ...]`, on each completion choice, at the top of a
+chat completion)."""
 
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ class Job:
     parser_factory: object = None  # chat: () -> streaming output parser per choice
     choice_base: int = 0           # index of this job's first choice in the response
     images: list | None = None     # encoded images (bytes), in prompt order
+    echo: str | None = None        # completions' echo: the prompt's text, before each choice's
 
 
 def _max_tokens(state, body, n_prompt: int) -> int:
@@ -42,13 +49,14 @@ def _json(logprob: float) -> float:
     return max(logprob, -9999.0)
 
 
-def sampling_for(body, max_tokens: int, logprobs: int | None, stop_token_ids=None, structured=None) -> SamplingParams:
+def sampling_for(body, max_tokens: int, logprobs: int | None, stop_token_ids=None, structured=None,
+                 prompt_logprobs: int | None = None) -> SamplingParams:
     """The engine params of one request (stop strings stay in the frontend)."""
     try:
         return SamplingParams(n=body.n, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                               min_p=body.min_p, seed=body.seed, max_tokens=max_tokens,
                               stop_token_ids=list(stop_token_ids or []) or None, ignore_eos=body.ignore_eos,
-                              logprobs=logprobs, structured=structured)
+                              logprobs=logprobs, structured=structured, prompt_logprobs=prompt_logprobs)
     except (ValueError, ValidationError) as e:
         raise ApiError(400, str(e)) from None
 
@@ -69,12 +77,16 @@ def completion_jobs(state, body) -> list[Job]:
         prompts = [list(x) for x in p]
     else:
         raise ApiError(400, "prompt must be a string, a list of strings, a list of token ids or a list of lists of ids")
+    # the prompt's logprobs: top k for echo's logprobs, and vLLM's prompt_logprobs
+    wanted = [k for k in (body.prompt_logprobs, body.logprobs if body.echo else None) if k is not None]
     jobs = []
     for i, pr in enumerate(prompts):
         ids = state.tokenizer.encode(pr).ids if isinstance(pr, str) else pr
         params = sampling_for(body, _max_tokens(state, body, len(ids)), body.logprobs, body.stop_token_ids,
-                              spec_for(state, body))
-        jobs.append(Job(ids, _children(body, params), _stops(body), True, choice_base=i * body.n))
+                              spec_for(state, body), max(wanted, default=None))
+        echo = (pr if isinstance(pr, str) else state.tokenizer.decode(ids, skip_special_tokens=False)) \
+            if body.echo else None
+        jobs.append(Job(ids, _children(body, params), _stops(body), True, choice_base=i * body.n, echo=echo))
     return jobs
 
 
@@ -98,7 +110,7 @@ def chat_jobs(state, body) -> list[Job]:
         raise ApiError(400, "top_logprobs needs logprobs: true")
     spec = spec_for(state, body, rendered)
     params = sampling_for(body, _max_tokens(state, body, len(ids)), (top or 0) if body.logprobs else None,
-                          body.stop_token_ids, spec)
+                          body.stop_token_ids, spec, body.prompt_logprobs)
     if rendered.forced_prefix and not (spec and spec["type"] == "structural_tag"):   # a strict call's tag forces it
         forced = state.tokenizer.encode(rendered.forced_prefix, add_special_tokens=False).ids
         if len(forced) >= params.max_tokens:
@@ -117,10 +129,17 @@ def expand_images(state, ids: list[int], images: list[bytes]) -> list[int]:
         raise ApiError(400, f"images: {e}") from None
 
 
+def _top(pairs, chosen: int) -> list:
+    """A prompt position's [id, logprob] pairs (the prompt token's and the top k) best first, the
+    prompt token after the tokens it ties with: the first k are the top k."""
+    return sorted(pairs, key=lambda p: (-p[1], p[0] == chosen))
+
+
 @dataclass
 class _ChoiceView:
     index: int
     parser: object = None
+    job: Job | None = None
     text: str = ""
     started: bool = False
     finish_reason: str | None = None
@@ -137,7 +156,7 @@ class ResponseView:
         for j, g in zip(jobs, gens):
             for c in g.choices:
                 self.views[(id(g), c.index)] = _ChoiceView(j.choice_base + c.index,
-                                                           j.parser_factory() if j.parser_factory else None)
+                                                           j.parser_factory() if j.parser_factory else None, j)
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
     # ---- shared pieces ----
@@ -167,10 +186,36 @@ class ResponseView:
         for t, lp, top in entries:
             s = name(t)
             out["tokens"].append(s)
-            out["token_logprobs"].append(_json(lp))
+            out["token_logprobs"].append(None if lp is None else _json(lp))
             out["top_logprobs"].append({name(i): _json(v) for i, v in (top or [])} or None)
             out["text_offset"].append(offset)
             offset += len(tok.decode([t]))
+        return out
+
+    def _prompt_entries(self, c, prompt_ids) -> list:
+        """Echo's logprob entries of the prompt's tokens, (id, logprob, top k): the first has none."""
+        k, lps = self.body.logprobs, c.prompt_logprobs or [None] * len(prompt_ids)
+        out = [(prompt_ids[0], None, None)]
+        for t, pairs in zip(prompt_ids[1:], lps[1:]):
+            lp = None if pairs is None else next(v for i, v in pairs if i == t)
+            out.append((t, lp, _top(pairs, t)[:k] if k and pairs else None))
+        return out
+
+    def _vllm_prompt_logprobs(self, c, prompt_ids) -> list | None:
+        """vLLM's `prompt_logprobs`: [None, {id: {logprob, rank, decoded_token}}, ...] (the prompt
+        token with its rank, then the top k ranked 1..k)."""
+        if c.prompt_logprobs is None:
+            return None
+        k, tok, as_ids = self.body.prompt_logprobs, self.state.tokenizer, self.body.return_tokens_as_token_ids
+
+        def entry(t, lp, rank):
+            text = f"token_id:{t}" if as_ids else tok.decode([t], skip_special_tokens=False)
+            return {"logprob": _json(lp), "rank": rank, "decoded_token": text}
+        out = [None]
+        for t, pairs, rank in zip(prompt_ids[1:], c.prompt_logprobs[1:], c.prompt_ranks[1:]):
+            d = {t: entry(t, next(v for i, v in pairs if i == t), rank)}
+            d.update({i: entry(i, v, r) for r, (i, v) in enumerate(_top(pairs, t)[:k], 1)})
+            out.append(d)
         return out
 
     def _want_logprobs(self) -> bool:
@@ -190,18 +235,25 @@ class ResponseView:
         for g in self.gens:
             for c in g.choices:
                 v = self.views[(id(g), c.index)]
-                lp = self._logprobs(c.logprobs, 0) if self._want_logprobs() else None
+                text, entries = c.detok.text, c.logprobs
+                if v.job.echo is not None:
+                    text = v.job.echo + text
+                    entries = self._prompt_entries(c, v.job.prompt_ids) + entries if self._want_logprobs() else []
+                lp = self._logprobs(entries, 0) if self._want_logprobs() else None
                 if self.chat:
-                    text = c.detok.text
                     msg = v.parser.parse_all(text, c.finish_reason) if v.parser else {"content": text}
                     choices.append({"index": v.index, "message": {"role": "assistant", **msg}, "logprobs": lp,
                                     "finish_reason": self._finish(v, c.finish_reason), "stop_reason": c.stop_reason})
                 else:
-                    choices.append({"index": v.index, "text": c.detok.text, "logprobs": lp,
+                    choices.append({"index": v.index, "text": text, "logprobs": lp,
                                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                    if self.body.prompt_logprobs is not None:
+                        choices[-1]["prompt_logprobs"] = self._vllm_prompt_logprobs(c, v.job.prompt_ids)
         choices.sort(key=lambda x: x["index"])
-        return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": choices,
-                "usage": self.usage()}
+        out = {**self._head("chat.completion" if self.chat else "text_completion"), "choices": choices}
+        if self.chat and self.body.prompt_logprobs is not None:    # vLLM's place: the prompt is the choices'
+            out["prompt_logprobs"] = self._vllm_prompt_logprobs(self.gens[0].choices[0], self.jobs[0].prompt_ids)
+        return {**out, "usage": self.usage()}
 
     # ---- streamed ----
     def _chunk(self, index: int, delta_or_text, finish=None, logprobs=None, stop_reason=None) -> dict:
@@ -246,8 +298,14 @@ class ResponseView:
                     raise d
                 v = self.views[(id(g), d.index)]
                 c = g.choices[d.index]
-                lp = self._logprobs(d.logprobs, len(v.text)) if self._want_logprobs() else None
-                v.text += d.text
+                text, entries = d.text, d.logprobs
+                if not v.started:
+                    v.started = True
+                    if v.job.echo is not None:          # the prompt goes first, with its logprobs
+                        text = v.job.echo + text
+                        entries = self._prompt_entries(c, v.job.prompt_ids) + entries if self._want_logprobs() else []
+                lp = self._logprobs(entries, len(v.text)) if self._want_logprobs() else None
+                v.text += text
                 if self.chat:
                     deltas = v.parser.feed(d.text) if v.parser else ([{"content": d.text}] if d.text else [])
                     if d.finish_reason is not None and v.parser:
@@ -259,8 +317,8 @@ class ResponseView:
                     if d.finish_reason is not None:
                         yield self._chunk(v.index, {}, self._finish(v, c.finish_reason), None, c.stop_reason)
                 else:
-                    if d.text or lp is not None or d.finish_reason is None:
-                        yield self._chunk(v.index, d.text, None, lp)
+                    if text or lp is not None or d.finish_reason is None:
+                        yield self._chunk(v.index, text, None, lp)
                     if d.finish_reason is not None:
                         yield self._chunk(v.index, "", c.finish_reason, None, c.stop_reason)
             if self.include_usage:

@@ -22,6 +22,8 @@ class Choice:
     detok: IncrementalDetokenizer
     token_ids: list[int] = field(default_factory=list)
     logprobs: list = field(default_factory=list)        # (token id, logprob, top [(id, lp)] | None)
+    prompt_logprobs: list | None = None                  # params.prompt_logprobs: [None, [[id, lp], ...], ...]
+    prompt_ranks: list | None = None                     # ... and each prompt token's rank
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     last_token_at: float | None = None
@@ -85,6 +87,8 @@ class Generation:
             self.first_token_at = now
             self.metrics.ttft.observe(now - self.arrival)
         if c.last_token_at is None:               # this choice's first output
+            if "prompt_logprobs" in item:
+                c.prompt_logprobs, c.prompt_ranks = item["prompt_logprobs"], item["prompt_ranks"]
             if item.get("queue_time") is not None:
                 self.metrics.queue.observe(item["queue_time"])
             self.cached_tokens = max(self.cached_tokens, item.get("cached_tokens", 0))

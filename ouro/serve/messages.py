@@ -14,7 +14,9 @@ engine -> frontend (PUSH/PULL):
   {"type": "ready", "pid", "plan": str, "max_model_len", "max_tokens", "max_num_seqs"}
   {"type": "outputs", "items": [{"rid", "new_token_ids", "finished", "finish_reason",
                                  "stop_reason", "cached_tokens", "queue_time",
-                                 "logprobs": [float], "top_logprobs": [[[id, lp], ...] | null]}]}
+                                 "logprobs": [float], "top_logprobs": [[[id, lp], ...] | null],
+                                 "prompt_logprobs": [null, [[id, lp], ...], ...], "prompt_ranks": [null, int, ...]
+                                 (the last two with params.prompt_logprobs, in a request's first output only)}]}
   {"type": "error", "rid", "message", "status"}   (a request the engine refused or dropped)
   {"type": "stats", "stats": {...LLMEngine.stats()}, "time"}   (heartbeat, a few per second)
   {"type": "trace", "events": [Chrome trace events]}          (the answer to stop_trace)
@@ -31,7 +33,7 @@ from ..engine.sampling import SamplingParams
 # what the engine needs of a request's sampling parameters; stop strings stay in the frontend,
 # which detokenises and aborts the request when one matches
 ENGINE_PARAM_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stop_token_ids",
-                       "ignore_eos", "logprobs", "forced_prefix_ids", "structured")
+                       "ignore_eos", "logprobs", "prompt_logprobs", "forced_prefix_ids", "structured")
 
 
 def encode(msg: dict) -> bytes:
@@ -67,11 +69,16 @@ def params_from_wire(d: dict) -> SamplingParams:
 
 
 def output_to_wire(out) -> dict:
-    return {"rid": out.request_id, "new_token_ids": list(out.new_token_ids), "finished": out.finished,
-            "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
-            "cached_tokens": out.cached_tokens, "queue_time": out.queue_time,
-            "logprobs": out.logprobs[-len(out.new_token_ids):] if out.new_token_ids else [],
-            "top_logprobs": out.top_logprobs[-len(out.new_token_ids):] if out.new_token_ids else []}
+    msg = {"rid": out.request_id, "new_token_ids": list(out.new_token_ids), "finished": out.finished,
+           "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
+           "cached_tokens": out.cached_tokens, "queue_time": out.queue_time,
+           "logprobs": out.logprobs[-len(out.new_token_ids):] if out.new_token_ids else [],
+           "top_logprobs": out.top_logprobs[-len(out.new_token_ids):] if out.new_token_ids else []}
+    # the prompt's logprobs are complete at the first output (prefill done), and sent only then
+    if out.prompt_logprobs is not None and len(out.token_ids) == len(out.new_token_ids):
+        msg["prompt_logprobs"] = [None if e is None else [[t, lp] for t, lp in e.items()] for e in out.prompt_logprobs]
+        msg["prompt_ranks"] = list(out.prompt_ranks or [None] * len(out.prompt_logprobs))
+    return msg
 
 
 assert set(ENGINE_PARAM_FIELDS) <= {f.name for f in dataclasses.fields(SamplingParams)}

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from .protocol import BOUND
 
-ERROR_STATUSES = {"400": "Invalid request (JSON, types, ranges, unknown model, prompt too long)",
-                  "401": "Missing or wrong API key (--api-key)", "413": "Request body too large",
+ERROR_STATUSES = {"400": "Invalid request (JSON, types, ranges, unknown fields, prompt too long)",
+                  "401": "Missing or wrong API key (--api-key)", "404": "Unknown model (NotFoundError)",
+                  "413": "Request body too large",
                   "429": "Waiting queue full (--max-queued-requests)", "503": "Draining, or the engine is not running"}
 ERROR_BODY = {"type": "object", "required": ["object", "message", "type", "code"], "properties": {
     "object": {"type": "string", "enum": ["error"]}, "message": {"type": "string"}, "type": {"type": "string"},

@@ -4,6 +4,12 @@ ranges, non-empty prompts and lists, the one value an accepted-but-unimplemented
 may have, and the cross-field rules JSON Schema can state (`if`/`then`, `RULES`). A bad value is
 a 400 naming the field, never an exception deeper in.
 
+One rule for fields (completions and chat): a field is honoured or refused, never ignored. A
+field these bodies do not declare (a made-up one, or one of vLLM's ouro does not implement) is a
+400 naming it (`additionalProperties: false`); a declared OpenAI / vLLM field ouro does not
+implement (`best_of`, `min_tokens`, `repetition_penalty`, `truncate_prompt_tokens`, `logit_bias`,
+penalties, `suffix`) takes only the value that asks for nothing, and any other is a 400 naming it.
+
 Limits that are the server's own (its vocabulary, context length, model name) are marked with
 `bound(kind)`: `openapi.py` writes the number into the schema and `api_server` refuses beyond it
 with OpenAI's messages. What JSON Schema cannot state (a prompt's tokens plus max_tokens within
@@ -112,7 +118,17 @@ Text = Annotated[str, Field(min_length=1)]
 NoPenalty = only(float, {"const": 0}, lambda v: v == 0, "presence_penalty and frequency_penalty are not supported "
                                                            "(use 0)")
 NoLogitBias = only(dict[str, float] | None, {"maxProperties": 0}, lambda v: not v, "logit_bias is not supported")
-NoEcho = only(bool, {"const": False}, lambda v: not v, "echo is not supported")
+NoBestOf = only(integer() | None, {"minimum": 1, "maximum": 1}, lambda v: v in (None, 1),
+                "best_of is not supported (use 1, or n for several choices)")
+NoMinTokens = only(integer() | None, {"minimum": 0, "maximum": 0}, lambda v: not v, "min_tokens is not supported (use 0)")
+NoRepetitionPenalty = only(float | None, {"minimum": 1, "maximum": 1}, lambda v: v is None or v == 1,
+                           "repetition_penalty is not supported (use 1)")
+NoTruncation = only(integer() | None, {"type": "null"}, lambda v: v is None,
+                    "truncate_prompt_tokens is not supported (send the tokens to keep)")
+NoSuffix = only(str | None, {"maxLength": 0}, lambda v: not v, "suffix is not supported")
+PROMPT_LOGPROBS = ("vLLM's prompt logprobs: each prompt token's logprob (the first's null) with its rank and the "
+                   "top k; not with stream")
+NOT_STREAMED = rule({"stream": {"const": True}}, {"properties": {"prompt_logprobs": {"type": "null"}}})
 MAX_TOKENS = ("at most the context length less the prompt's tokens (the schema's maximum is for a one-token "
               "prompt); unset: up to the context length")
 
@@ -141,12 +157,51 @@ class StructuredOutputs(Body):
     json_object: bool | None = None
 
 
+# the structured-output constraints (`structured_request._fields` reads them the same way): each is
+# "present" when it asks for a constraint, and a request carries at most one
+SET = {"not": {"type": "null"}}
+CONSTRAINTS = {
+    "response_format": {"type": "object", "properties": {"type": {"enum": ["json_object", "json_schema"]}},
+                        "required": ["type"]},
+    **{f"structured_outputs.{k}": SET for k in ("json", "regex", "choice", "grammar")},
+    "structured_outputs.json_object": {"const": True},
+    **{k: SET for k in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "json_schema", "regex",
+                        "ebnf")}}
+# chat: strict tools under a tool_choice that forces a call are a constraint too
+STRICT_TOOLS = {"properties": {
+    "tool_choice": {"anyOf": [{"const": "required"}, {"type": "object"}]},
+    "tools": {"type": "array", "contains": {"type": "object", "properties": {"function": {
+        "type": "object", "properties": {"strict": {"const": True}}, "required": ["strict"]}}, "required": ["function"]}}},
+    "required": ["tool_choice", "tools"]}
+
+
+def _present(path: str, schema: dict) -> dict:
+    """A body in which the field at `path` (dotted) matches `schema`."""
+    for key in reversed(path.split(".")):
+        schema = {"properties": {key: schema}, "required": [key]}
+    return schema
+
+
+def at_most_one_constraint(chat: bool) -> dict:
+    """JSON Schema for "at most one structured-output constraint": none present, or exactly one (`oneOf`)."""
+    present = [_present(path, schema) for path, schema in CONSTRAINTS.items()] + ([STRICT_TOOLS] if chat else [])
+    return {"anyOf": [{"not": {"anyOf": present}}, {"oneOf": present}]}
+
+
 class StreamOptions(Body):
+    model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
 
 
 class _Sampling(Body):
+    model_config = ConfigDict(extra="forbid")       # an undeclared field is a 400 naming it
     _unicode = model_validator(mode="before")(unicode_text)
+
+    @model_validator(mode="after")
+    def _prompt_logprobs_whole(self):                # NOT_STREAMED, as vLLM
+        if self.stream and self.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not available with stream: true")
+        return self
     model: str | None = Field(None, json_schema_extra=bound("model"))
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -166,6 +221,11 @@ class _Sampling(Body):
     frequency_penalty: NoPenalty = 0.0
     user: str | None = None
     logit_bias: NoLogitBias = None
+    best_of: NoBestOf = None
+    min_tokens: NoMinTokens = None
+    repetition_penalty: NoRepetitionPenalty = None
+    truncate_prompt_tokens: NoTruncation = None
+    prompt_logprobs: TopK | None = Field(None, description=PROMPT_LOGPROBS)
     # structured outputs (`serve/structured_request.py`): at most one of these
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -183,8 +243,13 @@ class CompletionRequest(_Sampling):
                             Annotated[list[TokenIds], Field(min_length=1)]], one_error(
         "the prompt must be a non-empty string or a non-empty list of non-empty strings, of token ids (>= 0) or of "
         "non-empty lists of token ids")]
+    model_config = ConfigDict(json_schema_extra={"allOf": [NOT_STREAMED, at_most_one_constraint(chat=False)]})
+    max_tokens: integer(ge=0) | None = Field(None, description=MAX_TOKENS + "; 0: no token (with echo: the prompt "
+                                             "and its logprobs only)", json_schema_extra=bound("max_tokens"))
     logprobs: TopK | None = None
-    echo: NoEcho = False
+    echo: bool = Field(False, description="the prompt before the completion in `text` and, with logprobs, its "
+                                          "tokens first in `logprobs` (the first token's logprob null)")
+    suffix: NoSuffix = None
 
 
 class FunctionDef(Body):
@@ -209,9 +274,14 @@ class NamedToolChoice(Body):
 
 
 # a past tool call's arguments: an object, or its JSON text (blank: no arguments)
-JSON_OBJECT_TEXT = {"type": "string", "pattern": r"^[ \t\n\r]*\{", "contentMediaType": "application/json",
-                    "contentSchema": {"type": "object"}}
-ARGUMENTS = {"anyOf": [{"type": "object"}, JSON_OBJECT_TEXT, {"type": "string", "pattern": r"^\s*$"}, {"type": "null"}]}
+# (contentMediaType/contentSchema say "JSON text of an object"; the pattern and the example keep a generator
+# that reads only patterns, or draws boundary values from them, on JSON text)
+JSON_OBJECT_TEXT = {"type": "string", "pattern": r"^[ \t\n\r]*\{[\s\S]*\}[ \t\n\r]*$",
+                    "contentMediaType": "application/json", "contentSchema": {"type": "object"},
+                    "examples": ['{"path": "a.txt"}']}
+BLANK = {"type": "string", "pattern": r"^\s*$"}
+ARGUMENTS_TEXT = {"anyOf": [JSON_OBJECT_TEXT, BLANK]}
+ARGUMENTS = {"anyOf": [{"type": "object"}, JSON_OBJECT_TEXT, BLANK, {"type": "null"}]}
 
 
 class CalledFunction(Body):
@@ -247,7 +317,8 @@ class ChatMessage(Body):
 RULES = [rule({"top_logprobs": {"type": "integer", "minimum": 1}},
               {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}),
          rule({"tool_choice": {"anyOf": [{"const": "required"}, {"type": "object"}]}},
-              {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]})]
+              {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]}),
+         NOT_STREAMED, at_most_one_constraint(chat=True)]
 
 
 class ChatCompletionRequest(_Sampling):

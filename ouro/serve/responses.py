@@ -19,9 +19,9 @@ import time
 import uuid
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, WithJsonSchema, model_validator
 
-from .protocol import Body, ChatCompletionRequest, ServeError, Text, bound, only, rule
+from .protocol import ARGUMENTS_TEXT, Body, ChatCompletionRequest, ServeError, Text, bound, only, rule
 
 
 class ResponseTool(Body):
@@ -64,7 +64,7 @@ class FunctionCallItem(_Item):
     type: Literal["function_call"]
     call_id: str
     name: Text
-    arguments: str = Field("{}", description="the JSON text of an object")
+    arguments: Annotated[str, WithJsonSchema(ARGUMENTS_TEXT)] = Field("{}", description="the JSON text of an object")
 
 
 class FunctionCallOutputItem(_Item):
@@ -74,11 +74,20 @@ class FunctionCallOutputItem(_Item):
 
 
 class TextFormat(Body):
+    """`json_schema` carries its schema (as chat's response_format)."""
+    model_config = ConfigDict(json_schema_extra=rule({"type": {"const": "json_schema"}}, {
+        "properties": {"schema": {"type": "object"}}, "required": ["schema"]}))
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
     description: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
     strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and self.schema_ is None:
+            raise ValueError("text.format of type json_schema needs its schema")
+        return self
 
 
 class TextConfig(Body):

@@ -71,6 +71,7 @@ def serve(args, make_client=None) -> int:
     from .chat import ChatFormat
     from .engine_client import EngineClient, EngineUnavailable
     from .metrics import Metrics
+    from .tokenize_routes import tokenizer_info
 
     from ..measure import spans
     trace = getattr(args, "trace", None) or spans.trace_path_from_env()
@@ -98,6 +99,7 @@ def serve(args, make_client=None) -> int:
                         vocab_size=mc.vocab_size, eos_token_ids=tuple(mc.eos_token_ids), api_key=args.api_key, max_queued_requests=args.max_queued_requests,
                         max_num_seqs=args.max_num_seqs, max_body_bytes=args.max_request_body_bytes, metrics=metrics)
     state.images, state.media = media_for(args, directory, mc)
+    state.tokenizer_info = tokenizer_info(directory, tokenizer, state.chat, mc.eos_token_ids)
     app = build_app(state)
 
     class Server(uvicorn.Server):

@@ -4,11 +4,18 @@
                       "add_special_tokens" (prompt only), "return_token_strs"
                       -> {"tokens": [ids], "count", "max_model_len", "token_strs" (when asked)}
     POST /detokenize  {"tokens": [ids]} -> {"prompt": text, "text": text}   (vLLM's key, SGLang's key)
+    GET /tokenizer_info -> the checkpoint's tokenizer_config.json as vLLM's route returns it
+                      (`tokenizer_class`, `eos_token`, `bos_token`, `pad_token`, `chat_template`, ...;
+                      no file paths): with /tokenize and /detokenize what lm-eval's `remote`
+                      tokenizer backend reads, so it needs no local copy of the tokenizer
 
-Token ids outside the vocabulary are a 400; a chat needs the checkpoint's chat template."""
+Token ids outside the vocabulary are a 400; a chat needs the checkpoint's chat template; a model
+name other than the served one is a 404."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 from pydantic import ConfigDict, Field
@@ -34,14 +41,47 @@ class DetokenizeRequest(Body):
     tokens: list[TokenId] = Field(max_length=1 << 20)
 
 
+def check_model(state, model: str | None) -> None:
+    """A request naming another model: 404 (`NotFoundError`), as vLLM and OpenAI answer."""
+    if model is not None and model != state.model_name:
+        raise ServeError(404, f"the model {model!r} does not exist; this server serves {state.model_name!r}")
+
+
+SPECIAL = ("bos_token", "eos_token", "pad_token", "unk_token")
+FILE_KEYS = ("vocab_file", "merges_file", "tokenizer_file", "name_or_path")
+
+
+def tokenizer_info(directory, tokenizer, chat=None, eos_token_ids=()) -> dict:
+    """What GET /tokenizer_info answers: the checkpoint's tokenizer_config.json without file paths,
+    special tokens as text (their `content`; `eos_token` from the model's eos ids when the config
+    names none, the key always present: lm-eval checks for it), `tokenizer_class`, and the chat
+    template the server renders with (its default when the checkpoint names several)."""
+    path = Path(directory) / "tokenizer_config.json"
+    info = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    for key in FILE_KEYS:
+        info.pop(key, None)
+    for key in SPECIAL:
+        value = info.get(key)
+        info[key] = value.get("content") if isinstance(value, dict) else value
+    if info["eos_token"] is None and eos_token_ids:
+        info["eos_token"] = tokenizer.id_to_token(eos_token_ids[0])
+    info.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
+    source = getattr(getattr(chat, "template", None), "source", None)
+    if isinstance(source, dict):
+        source = source.get("default")
+    if source:
+        info["chat_template"] = source
+    return info
+
+
 def add_tokenize_routes(app, state) -> None:
-    def check_model(body):
-        if body.model is not None and body.model != state.model_name:
-            raise ServeError(400, f"the model {body.model!r} does not exist; this server serves {state.model_name!r}")
+    @app.get("/tokenizer_info")
+    async def get_tokenizer_info():
+        return state.tokenizer_info
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
-        check_model(body)
+        check_model(state, body.model)
         if (body.prompt is None) == (body.messages is None):
             raise ServeError(400, "give either prompt (text) or messages (a chat)")
         if body.prompt is not None:
@@ -62,7 +102,7 @@ def add_tokenize_routes(app, state) -> None:
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
-        check_model(body)
+        check_model(state, body.model)
         bad = [t for t in body.tokens if t >= state.vocab_size]
         if bad:
             raise ServeError(400, f"token ids out of range [0, {state.vocab_size}): {bad[:5]}")
