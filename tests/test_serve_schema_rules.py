@@ -20,15 +20,17 @@ VALUES = {"response_format": {"type": "json_schema", "json_schema": {"name": "x"
           "structured_outputs.json_object": True, "guided_json": {"type": "object"}, "guided_regex": "[a-z]",
           "guided_choice": ["a"], "guided_grammar": 'root ::= "a"', "json_schema": '{"type": "object"}',
           "regex": "[a-z]", "ebnf": 'root ::= "a"'}
-STRICT = {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"},
-                                                     "strict": True}}], "tool_choice": "required"}
+FORCED = {name: {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"},
+                                                            "strict": strict}}], "tool_choice": choice}
+          for name, strict, choice in (("forced_call", False, "required"), ("forced_strict_call", True, "required"),
+                                       ("named_call", False, {"type": "function", "function": {"name": "f"}}))}
 
 
 def _with(body: dict, *names: str) -> dict:
     body = json.loads(json.dumps(body))
     for name in names:
-        if name == "strict_tools":
-            body.update(json.loads(json.dumps(STRICT)))
+        if name in FORCED:
+            body.update(json.loads(json.dumps(FORCED[name])))
             continue
         head, _, tail = name.partition(".")
         if tail:
@@ -52,7 +54,7 @@ def _server_refuses(model, body) -> bool:
 
 
 ROUTES = [(CompletionRequest, {"prompt": "x"}, list(CONSTRAINTS)),
-          (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}]}, [*CONSTRAINTS, "strict_tools"])]
+          (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}]}, [*CONSTRAINTS, *FORCED])]
 
 
 def test_every_constraint_has_a_value():
@@ -67,6 +69,8 @@ def test_one_constraint_valid_two_refused_on_both_sides(model, base, names):
         assert not list(schema.iter_errors(body)), name
         assert not _server_refuses(model, body), name
     for a, b in itertools.combinations(names, 2):
+        if a in FORCED and b in FORCED:
+            continue     # one tool_choice
         body = _with(base, a, b)
         assert list(schema.iter_errors(body)), f"the schema takes {a} with {b}"
         assert _server_refuses(model, body), f"the server takes {a} with {b}"

@@ -102,11 +102,7 @@ def test_the_grammar_starts_after_its_token():
     assert tok.decode(out.token_ids[len(free) + 1:]) in ("alpha", "beta") and out.finish_reason == "stop"
 
 
-def test_a_grammar_that_does_not_compile_fails_its_request_only():
-    d = resolve_model("tiny-py")
-    e = LLMEngine(load_model(d), load_tokenizer(d), EngineConfig(max_memory=64 << 20, page_size=16), verbose=False)
-    e.add_request("a", SamplingParams(temperature=0, max_tokens=4), "ok")
-    e.add_request("b", SamplingParams(max_tokens=4, structured={"type": "regex", "regex": "(("}), "bad")
+def _run_collecting(e):
     done, failed = {}, []
     while e.has_unfinished():
         try:
@@ -114,9 +110,51 @@ def test_a_grammar_that_does_not_compile_fails_its_request_only():
                 done[o.request_id] = o
         except RequestFailed as err:
             failed.append((err.request_id, str(err)))
+    return done, failed
+
+
+def test_a_grammar_that_does_not_compile_fails_its_request_only():
+    d = resolve_model("tiny-py")
+    e = LLMEngine(load_model(d), load_tokenizer(d), EngineConfig(max_memory=64 << 20, page_size=16), verbose=False)
+    e.add_request("a", SamplingParams(temperature=0, max_tokens=4), "ok")
+    e.add_request("b", SamplingParams(max_tokens=4, structured={"type": "regex", "regex": "(("}), "bad")
+    done, failed = _run_collecting(e)
     assert [f[0] for f in failed] == ["bad"] and "does not compile" in failed[0][1]
     assert done["ok"].finished and "bad" not in e.requests
     assert e.pages.num_free == e.pages.num_total
+
+
+def test_two_grammars_failing_in_one_step_each_fail_their_request():
+    d = resolve_model("tiny-py")
+    e = LLMEngine(load_model(d), load_tokenizer(d), EngineConfig(max_memory=64 << 20, page_size=16), verbose=False)
+    e.add_request("a", SamplingParams(temperature=0, max_tokens=4), "ok")
+    for rid in ("b", "c"):
+        e.add_request("bad", SamplingParams(max_tokens=4, structured={"type": "regex", "regex": "(("}), rid)
+    done, failed = _run_collecting(e)
+    assert sorted(f[0] for f in failed) == ["b", "c"] and done["ok"].finished
+    assert e.pages.num_free == e.pages.num_total
+
+
+def test_constraints_that_leave_no_token_fail_that_request_only():
+    """A forced prefix that goes on past the grammar's `after` token into ids the grammar refuses
+    leaves a row with nothing to sample: that request fails (released), its neighbours' tokens are
+    what they get alone, and nothing is sampled from an all -inf row (which would be NaN)."""
+    d = resolve_model("tiny-py")
+    tok = load_tokenizer(d)
+    end = tok.token_to_id("</think>")
+    bad = tok.encode("zzz").ids
+    mk = lambda: LLMEngine(load_model(d), tok, EngineConfig(max_memory=64 << 20, page_size=16), verbose=False)
+    alone = mk()
+    alone.add_request("def f(", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), "a")
+    want = _run_collecting(alone)[0]["a"].token_ids
+    e = mk()
+    e.add_request("def f(", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), "a")
+    e.add_request("so", SamplingParams(temperature=0, max_tokens=8, forced_prefix_ids=[end] + bad,
+                                       structured={"type": "choice", "choice": ["alpha"], "after": end}), "x")
+    done, failed = _run_collecting(e)
+    assert [f[0] for f in failed] == ["x"] and "no token" in failed[0][1]
+    assert done["a"].token_ids == want
+    assert e.pages.num_free == e.pages.num_total and "x" not in e.requests
 
 
 def test_the_bitmask_touches_only_active_constrained_rows():

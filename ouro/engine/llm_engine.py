@@ -108,6 +108,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self._pending_ckpt: dict[str, dict[int, int]] = {}
         self.grammars = GrammarQueue(tokenizer, model.config, model_dir)    # structured outputs compiling
+        self.failed: list[tuple[str, str]] = []   # (request id, why): released, raised one per step()
         self.num_failed_steps = 0
 
     def close(self) -> None:
@@ -203,7 +204,7 @@ class LLMEngine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or bool(self.grammars)
+        return self.scheduler.has_work() or bool(self.grammars) or bool(self.failed)
 
     def stats(self) -> dict:
         """Counters for logs and /metrics: queue sizes, pool use, preemptions, what limits admission."""
@@ -228,7 +229,9 @@ class LLMEngine:
                 self.scheduler.add(r)
             for r, why in failed:
                 self.requests.pop(r.request_id, None)
-                raise RequestFailed(r.request_id, why)
+                self.failed.append((r.request_id, why))
+        if self.failed:         # each lost request is raised on its own, none dropped
+            raise RequestFailed(*self.failed.pop(0))
         batch = self.scheduler.schedule()
         if not batch:
             return []
@@ -280,6 +283,17 @@ class LLMEngine:
             for k, r in enumerate(reqs):
                 logits[k] = proc(r.prompt_ids, r.output_ids, logits[k])
         self.grammars.constrain(logits, reqs)     # forced prefixes, structured outputs' bitmasks
+        dead = torch.isneginf(logits).all(dim=-1).tolist() if any(
+            r.constraint is not None or r.params.forced_prefix_ids for r in reqs) else []
+        if any(dead):           # constraints that leave no token (a grammar refusing a forced id): that request fails
+            for k in [k for k, d in enumerate(dead) if d]:
+                self._finish(reqs[k], "abort")
+                self.failed.append((reqs[k].request_id, "its constraints leave no token to sample (a forced prefix "
+                                                        "the grammar refuses?)"))
+            keep = [k for k, d in enumerate(dead) if not d]
+            reqs, logits = [reqs[k] for k in keep], logits[keep]
+            if not reqs:
+                return outputs
         with span("sample", cat="sample"):
             sampled = self.sampler.sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
         with span("outputs", cat="outputs"):   # detokenize, stop checks, output objects

@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from .sub_taps import HF_PARTS, hf_points, parts, wrap_hf_conv
+from .sub_taps import HF_PARTS, hf_points, hf_rename, parts, wrap_hf_conv
 from .taps import Recording, canonical
 
 
@@ -29,7 +29,7 @@ class TransformersTaps:
         for name, mod in self.model.named_modules():
             n = name[len(HF_PREFIX):] if name.startswith(HF_PREFIX) else name if name == "lm_head" else None
             if n:
-                ours[n] = mod
+                ours[hf_rename(n)] = mod
         self.owner_names = {id(m): n for n, m in ours.items()}
         # first the sub-computations, so each is recorded before the module that holds it
         for target, read, index, key in hf_points(ours):

@@ -10,6 +10,19 @@ core itself, not the next module the two models share (a layer's `o_norm`, `o_pr
     attn_hc.post, attn_hc.comb HyperConnection output [1], [2]           HyperConnection output [0], [1]
     attn_hc.mix                HyperConnection.mix() after attention     input of the layer's ffn_hc
     ffn_hc.mix                 HyperConnection.mix() after the FFN       the decoder layer's output
+    mlp.clamped_swiglu         op clamped_swiglu                         input of mlp.down_proj (its act_fn,
+                                                                         the clamps and the product)
+    self_attn.f_a_proj, f_b_proj  the modules                            self_attn.forget_gate.f_a_proj, f_b_proj
+    hc_head                    module HyperHead (the streams' mean)      module hc_head
+
+The vision tower (`vision_numerics`; both towers use transformers' module names) names its steps
+the same way (`VISION_POINTS`), read on both sides as the input of the module that consumes them:
+`attn.attention_core` (attention within each frame, rope applied: the input of `attn.proj`) and
+`clamped_swiglu` of each block's MLP and of the merger (the input of its `down_proj`). What
+transformers runs as a module and ouro ran as a function is a module in ouro now
+(`patch_embed.proj`, `downsample`: the 2x2 merge with its grouping of patches, `merger.act1`).
+Not named: a hyper-connection's `input_norm`. ouro folds that per-row scale into the product
+(`hc_weights`), so its error shows in `attn_hc.post` and `attn_hc.comb`.
 
 ouro's methods are wrapped on their class while taps are on; transformers' are read with module
 hooks and, for the conv, wrappers around its module-level functions. Layers import nothing here.
@@ -38,7 +51,15 @@ HF_POINTS = (
     ("DecoderLayer", "", "out", 0, "ffn_hc.mix"),
     ("LinearAttention", "o_norm", "in", 0, "attention_core"),
     ("TextAttention", "o_proj", "in", 0, "attention_core"),
+    ("TextMLP", "down_proj", "in", 0, "clamped_swiglu"),     # the dense MLP's and the shared expert's
 )
+# transformers' module names that are another path in ouro: (suffix there, suffix here)
+HF_RENAMES = ((".self_attn.forget_gate.f_a_proj", ".self_attn.f_a_proj"),
+              (".self_attn.forget_gate.f_b_proj", ".self_attn.f_b_proj"))
+# the vision tower: (owner class suffix, child whose input is the step, key suffix under the owner)
+VISION_POINTS = (("VisionAttention", "proj", "attention_core"),
+                 ("MLP", "down_proj", "clamped_swiglu"),
+                 ("PatchMerger", "down_proj", "clamped_swiglu"))
 HF_CONV = ("causal_conv1d_fn", "causal_conv1d_update")   # module-level functions of the reference
 HF_MODULE = "transformers.models.glm5_next.modeling_glm5_next"
 
@@ -78,6 +99,25 @@ def hf_points(names: dict) -> list:
                 target = f"{name}.{child}" if child else name
                 if target in names:
                     out.append((target, read, index, f"{name}.{suffix}"))
+    return out
+
+
+def hf_rename(name: str) -> str:
+    """ouro's name for transformers' module `name` (already without the language model's prefix)."""
+    for theirs, ours in HF_RENAMES:
+        if name.endswith(theirs):
+            return name[:-len(theirs)] + ours
+    return name
+
+
+def vision_points(modules: dict) -> list:
+    """(module whose input is the step, owner module, key) for a vision tower's {name: module}."""
+    out = []
+    for name, mod in modules.items():
+        for owner_cls, child, suffix in VISION_POINTS:
+            target = f"{name}.{child}" if name else child
+            if type(mod).__name__.endswith(owner_cls) and target in modules:
+                out.append((target, name, f"{name}.{suffix}" if name else suffix))
     return out
 
 

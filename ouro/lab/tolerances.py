@@ -49,7 +49,7 @@ ERROR_FACTOR = 10.0   # worse than 10x the tolerance (or NaN): severity `error`
 # ouro module classes / op functions -> kind
 CLASS_KINDS = {
     "Embedding": "embedding", "Linear": "linear", "RMSNorm": "norm", "GatedRMSNorm": "norm",
-    "LayerNorm": "norm", "HyperConnection": "hc", "KDAttention": "kda", "DSAttention": "dsa",
+    "LayerNorm": "norm", "HyperConnection": "hc", "HyperHead": "hc", "KDAttention": "kda", "DSAttention": "dsa",
     "Indexer": "selection", "Router": "router", "Experts": "experts", "MoE": "moe", "MLP": "mlp",
     "DecoderLayer": "layer", "ShortConv": "conv",
     "W8A8Linear": "linear", "W8A8Experts": "experts", "ReferenceW8A8Linear": "linear", "ReferenceW8A8Experts": "experts",

@@ -3,8 +3,13 @@
     ouro probe vision --model tiny-vl --images 60x90,90x40
 
 1. The vision tower: every module of ouro's tower and of transformers' `model.visual` (the same
-   names) tapped on the same pixels; the first module in ouro's execution order whose output is
-   past the float32 tolerance is the finding, with its class's file and function.
+   names) tapped on the same pixels, and the steps inside a module that transformers computes
+   inline (`sub_taps.VISION_POINTS`: a block's attention core, each SwiGLU), read on both sides
+   as the input of the module that consumes them; the first module or step, in ouro's execution
+   order, that turns a matching input into an output past the float32 tolerance is the finding,
+   with its class's file and function (a step's input is its owner module's). Where ouro's module
+   takes its input in another layout than transformers' (`REFERENCE_INPUT_LAYOUT`: ouro's 2x2
+   merge groups the patches itself), the reference's input is read back in ouro's layout.
 2. The image rows where the text model takes them: a prompt with the images through ouro's engine
    (processor, tower, placeholder expansion, the rows scattered into the prefill chunks) against
    transformers' `inputs_embeds` after its `masked_scatter`; rows past tolerance are a finding
@@ -20,6 +25,7 @@ import torch
 
 from .findings import Finding
 from .kernel_refs import rel_rms
+from .sub_taps import vision_points
 
 PROBE = "vision"
 TOL = 1e-4          # float32 relative RMS of a module's output (the tower agrees to ~1e-6)
@@ -51,23 +57,42 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return rel_rms(a.reshape(b.shape), b)
 
 
-def record(tower) -> tuple[dict, dict, list, list]:
-    """Forward hooks on every named submodule: ({name: output}, {name: first input}, names in the
-    order their calls end, handles)."""
+# transformers' input of a module -> the layout ouro's module of the same name takes: its
+# `downsample` conv gets the 2x2 blocks [N / 4, hidden, 2, 2]; ouro's groups the patches [N, hidden]
+REFERENCE_INPUT_LAYOUT = {"downsample": lambda t: t.permute(0, 2, 3, 1).reshape(-1, t.shape[1])}
+
+
+def record(tower, layouts: dict | None = None) -> tuple[dict, dict, list, list, dict]:
+    """Hooks on every named submodule and on the named steps (`vision_points`): ({name: output},
+    {name: first input, in `layouts`' form where it names one}, names in the order their calls end,
+    handles, {step: owner module name})."""
     out, inp, order, handles = {}, {}, [], []
-    for name, m in tower.named_modules():
-        if not name:
-            continue
+    modules = {n: m for n, m in tower.named_modules() if n}
+    steps = {}
+    for target, owner, key in vision_points(modules):
+        steps[key] = owner
+
+        def step(mod, args, key=key, owner=owner):
+            if key not in out and args and isinstance(args[0], torch.Tensor):
+                out[key] = args[0].detach().float().clone()
+                if owner in inp:
+                    inp[key] = inp[owner]         # the step's input is its owner's
+                order.append(key)
+        handles.append(modules[target].register_forward_pre_hook(step))
+    for name, m in modules.items():
+        def pre(mod, args, name=name):
+            if name not in inp and args and isinstance(args[0], torch.Tensor):
+                t = args[0].detach().float()
+                inp[name] = (layouts[name](t) if name in (layouts or {}) else t).clone()
 
         def hook(mod, args, o, name=name):
             t = o[0] if isinstance(o, tuple) else o
             if isinstance(t, torch.Tensor) and name not in out:
                 out[name] = t.detach().float().clone()
-                if args and isinstance(args[0], torch.Tensor):
-                    inp[name] = args[0].detach().float().clone()
                 order.append(name)
+        handles.append(m.register_forward_pre_hook(pre))
         handles.append(m.register_forward_hook(hook))
-    return out, inp, order, handles
+    return out, inp, order, handles, steps
 
 
 def source_of(module) -> dict:
@@ -93,8 +118,8 @@ def load_reference(model_dir):
 
 @torch.no_grad()
 def tower_findings(tower, hf_visual, pixels, grid) -> list[Finding]:
-    ours, ours_in, order, h1 = record(tower)
-    theirs, theirs_in, _, h2 = record(hf_visual)
+    ours, ours_in, order, h1, steps = record(tower)
+    theirs, theirs_in, _, h2, _ = record(hf_visual, REFERENCE_INPUT_LAYOUT)
     try:
         tower(pixels, grid)
         hf_visual(pixels, grid_thw=grid)
@@ -109,12 +134,17 @@ def tower_findings(tower, hf_visual, pixels, grid) -> list[Finding]:
     modules = dict(tower.named_modules())
     for i, (name, err) in enumerate(errors):
         if err > TOL and input_ok(name):       # (inf: a NaN or a shape that does not fit)
-            return [Finding(PROBE, "error", f"vision tower: `visual.{name}` ({type(modules[name]).__name__}) is the "
-                            f"first module to turn a matching input into an output past tolerance: rel RMS {err:.2e} "
-                            "against transformers",
-                            where={"module": f"visual.{name}", **source_of(modules[name])}, measured=err, expected=TOL,
+            owner = modules[steps.get(name, name)]
+            cls = type(owner).__name__
+            what = f"step `{name.rsplit('.', 1)[1]}` of {cls}" if name in steps else cls
+            where = {"module": f"visual.{name}", **source_of(owner)}
+            if name in steps:
+                where["op"] = name.rsplit(".", 1)[1]
+            return [Finding(PROBE, "error", f"vision tower: `visual.{name}` ({what}) is the first module or step to "
+                            f"turn a matching input into an output past tolerance: rel RMS {err:.2e} against transformers",
+                            where=where, measured=err, expected=TOL,
                             evidence={"before it (in execution order)": [f"{n}: {e:.1e}" for n, e in errors[max(0, i - 4):i]]},
-                            next=f"read {type(modules[name]).__name__}.forward against transformers' module of the same name")]
+                            next=f"read {cls}.forward against transformers' module of the same name")]
     worst = max((e for _, e in errors), default=0.0)
     return [Finding(PROBE, "info", f"vision tower: {len(errors)} modules agree with transformers (worst rel RMS "
                     f"{worst:.1e})", measured=worst, expected=TOL)]

@@ -37,3 +37,12 @@ class HyperConnection(KeepFloat32):
         (`layers.N.attn_hc.mix`, `layers.N.ffn_hc.mix`)."""
         dt = streams.dtype
         return post.to(dt).unsqueeze(-1) * block_out.unsqueeze(1) + comb.to(dt).transpose(-1, -2) @ streams
+
+
+class HyperHead(nn.Module):
+    """The streams collapsed into one row per token at the top of the model: their unweighted mean
+    (transformers' `hc_head`). A module, so the lab taps it under that name."""
+
+    def forward(self, streams):
+        """streams [T, n, D] -> [T, D]."""
+        return streams.mean(1)

@@ -15,18 +15,37 @@ from .moe import MLP
 from .norm import RMSNorm
 
 
+class PatchProjection(nn.Conv3d):
+    """transformers' Conv3d (`patch_embed.proj`), whose kernel covers the whole patch: one matrix
+    product over the flattened patch [N, C*T*P*P] -> [N, hidden]."""
+
+    def forward(self, pixels):
+        w = self.weight
+        return F.linear(pixels.to(w.dtype), w.flatten(1), self.bias)
+
+
 class PatchEmbed(nn.Module):
-    """One patch (C x T x P x P values, flattened) -> hidden. Stored as transformers' Conv3d, whose
-    kernel covers the whole patch, so the product is one matrix product."""
+    """One patch (C x T x P x P values, flattened) -> hidden."""
 
     def __init__(self, config: VisionConfig):
         super().__init__()
         kernel = (config.temporal_patch_size, config.patch_size, config.patch_size)
-        self.proj = nn.Conv3d(config.in_channels, config.hidden_size, kernel_size=kernel, stride=kernel)
+        self.proj = PatchProjection(config.in_channels, config.hidden_size, kernel_size=kernel, stride=kernel)
 
     def forward(self, pixels):
-        w = self.proj.weight
-        return F.linear(pixels.to(w.dtype), w.flatten(1), self.proj.bias)
+        return self.proj(pixels)
+
+
+class PatchDownsample(nn.Conv2d):
+    """The 2x2 (merge x merge) spatial merge, transformers' `downsample` Conv2d: each merge x merge
+    block of consecutive patches [N, hidden] (the processor's order) -> one token [N / merge^2,
+    out_hidden]. The kernel covers the block, so it is one product over the block's (channel, row,
+    column) values. The grouping into blocks happens here, so the lab names the whole merge."""
+
+    def forward(self, x):
+        m = self.kernel_size[0]
+        blocks = x.view(-1, m, m, x.shape[-1]).permute(0, 3, 1, 2).flatten(1)
+        return F.linear(blocks, self.weight.flatten(1), self.bias)
 
 
 def patch_positions(grid_thw: torch.Tensor, merge: int) -> torch.Tensor:
@@ -112,11 +131,12 @@ class PatchMerger(nn.Module):
         D, I = config.out_hidden_size, config.projection_intermediate_size
         self.proj = Linear(D, D, bias=False)
         self.post_projection_norm = nn.LayerNorm(D)
+        self.act1 = nn.GELU()            # a module, as transformers' `merger.act1`: the lab names it
         self.gate_proj = Linear(D, I, bias=False)
         self.up_proj = Linear(D, I, bias=False)
         self.down_proj = Linear(I, D, bias=False)
         self.limit = config.swiglu_limit
 
     def forward(self, x):
-        x = F.gelu(self.post_projection_norm(self.proj(x)))
+        x = self.act1(self.post_projection_norm(self.proj(x)))
         return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))

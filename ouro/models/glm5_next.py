@@ -7,7 +7,7 @@ from ..config import ModelConfig
 from ..layers.context import ForwardContext
 from ..layers.dsa import DSAttention
 from ..layers.kda import KDAttention
-from ..layers.mhc import HyperConnection
+from ..layers.mhc import HyperConnection, HyperHead
 from ..layers.moe import MLP, MoE
 from ..layers.norm import RMSNorm
 from ..layers.linear import Linear
@@ -46,6 +46,7 @@ class Glm5NextModel(nn.Module):
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i, kda_chunk_size) for i in range(config.num_hidden_layers))
+        self.hc_head = HyperHead()
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
 
@@ -60,8 +61,8 @@ class Glm5NextModel(nn.Module):
         for layer in self.layers:
             streams, selection = layer(streams, ctx, selection)
         if getattr(ctx, "keep_hidden", False):    # speculative decoding drafts from every row's final state
-            ctx.hidden = self.norm(streams.mean(1))
+            ctx.hidden = self.norm(self.hc_head(streams))
             return self.lm_head(ctx.hidden if ctx.logits_index is None else ctx.hidden[ctx.logits_index])
         if ctx.logits_index is not None:
             streams = streams[ctx.logits_index]
-        return self.lm_head(self.norm(streams.mean(1)))
+        return self.lm_head(self.norm(self.hc_head(streams)))

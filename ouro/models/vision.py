@@ -5,12 +5,12 @@ checkpoint's `model.visual.*` with the prefix removed."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..config.model import VisionConfig
 from ..layers.norm import RMSNorm
-from ..layers.vision import AxialRope, PatchEmbed, PatchMerger, VisionBlock, frame_lengths, patch_positions
+from ..layers.vision import (AxialRope, PatchDownsample, PatchEmbed, PatchMerger, VisionBlock, frame_lengths,
+                             patch_positions)
 
 
 class VisionModel(nn.Module):
@@ -22,13 +22,13 @@ class VisionModel(nn.Module):
         self.rotary_pos_emb = AxialRope(config)
         self.blocks = nn.ModuleList(VisionBlock(config) for _ in range(config.depth))
         self.post_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.downsample = nn.Conv2d(config.hidden_size, config.out_hidden_size, kernel_size=m, stride=m)
+        self.downsample = PatchDownsample(config.hidden_size, config.out_hidden_size, kernel_size=m, stride=m)
         self.merger = PatchMerger(config)
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """pixel_values [N, C*T*P*P] (the processor's patch order), grid_thw [n, 3] (frames, rows and
         columns of patches per image) -> [N / merge^2, out_hidden_size], images back to back."""
-        c, m = self.config, self.config.spatial_merge_size
+        m = self.config.spatial_merge_size
         self._check(pixel_values, grid_thw)
         rope = self.rotary_pos_emb(patch_positions(grid_thw, m).to(pixel_values.device))
         lengths = frame_lengths(grid_thw)
@@ -36,11 +36,7 @@ class VisionModel(nn.Module):
         for block in self.blocks:
             x = block(x, rope, lengths)
         x = self.post_layernorm(x)
-        # each merge x merge block of consecutive patches -> one token: transformers' Conv2d, whose
-        # kernel covers the block, as one product over the block's (channel, row, column) values
-        blocks = x.view(-1, m, m, c.hidden_size).permute(0, 3, 1, 2).flatten(1)
-        x = F.linear(blocks, self.downsample.weight.flatten(1), self.downsample.bias)
-        return self.merger(x)
+        return self.merger(self.downsample(x))     # each merge x merge block of patches -> one token
 
     def _check(self, pixel_values, grid_thw):
         c, m = self.config, self.config.spatial_merge_size

@@ -167,12 +167,9 @@ CONSTRAINTS = {
     "structured_outputs.json_object": {"const": True},
     **{k: SET for k in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "json_schema", "regex",
                         "ebnf")}}
-# chat: strict tools under a tool_choice that forces a call are a constraint too
-STRICT_TOOLS = {"properties": {
-    "tool_choice": {"anyOf": [{"const": "required"}, {"type": "object"}]},
-    "tools": {"type": "array", "contains": {"type": "object", "properties": {"function": {
-        "type": "object", "properties": {"strict": {"const": True}}, "required": ["strict"]}}, "required": ["function"]}}},
-    "required": ["tool_choice", "tools"]}
+# chat: a tool_choice that forces a call forces its tag, so it is one of them too (strict tools or not)
+FORCED_CALL = {"properties": {"tool_choice": {"anyOf": [{"const": "required"}, {"type": "object"}]}},
+               "required": ["tool_choice"]}
 
 
 def _present(path: str, schema: dict) -> dict:
@@ -184,7 +181,7 @@ def _present(path: str, schema: dict) -> dict:
 
 def at_most_one_constraint(chat: bool) -> dict:
     """JSON Schema for "at most one structured-output constraint": none present, or exactly one (`oneOf`)."""
-    present = [_present(path, schema) for path, schema in CONSTRAINTS.items()] + ([STRICT_TOOLS] if chat else [])
+    present = [_present(path, schema) for path, schema in CONSTRAINTS.items()] + ([FORCED_CALL] if chat else [])
     return {"anyOf": [{"not": {"anyOf": present}}, {"oneOf": present}]}
 
 

@@ -4,8 +4,8 @@ Accepted, at most one per request (two are a 400): OpenAI's `response_format` (`
 `json_schema` with its `schema`; `strict` or not, the output is held to it, as vLLM does),
 vLLM's `structured_outputs` {json, regex, choice, grammar, json_object} and its older
 `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`, SGLang's `json_schema` /
-`regex` / `ebnf`; and chat tools with `strict: true` under a `tool_choice` that forces a call
-(required, or a named function): the call's tags, name and arguments held to GLM's tool-call
+`regex` / `ebnf`; and a `tool_choice` that forces a call (required, or a named function: its
+opening tag is forced, so no other constraint can hold beside it), with `strict: true` tools: the call's tags, name and arguments held to GLM's tool-call
 format and the tools' `parameters` (xgrammar's `glm_4_7` structural tag); one call, then the reply
 ends, unless `parallel_tool_calls` is true. In a chat whose reply
 opens with reasoning the grammar starts after `</think>`, so the reasoning stays free.
@@ -63,11 +63,12 @@ def spec_for(state, body, rendered=None) -> dict | None:
     tools = getattr(body, "tools", None) or []
     choice = getattr(body, "tool_choice", None)
     forced = choice == "required" or (choice is not None and not isinstance(choice, str))
-    if forced and any(t.function.strict for t in tools):
-        found.append(("tools (strict)", _tool_tag(body, tools, choice, rendered)))
+    if forced:     # a forced call's tag is forced (strict tools: and its arguments held to a grammar)
+        strict = any(t.function.strict for t in tools)
+        found.append(("tool_choice (forced)", _tool_tag(body, tools, choice, rendered) if strict else None))
     if len(found) > 1:
         raise ApiError(400, f"one structured-output constraint per request, got {', '.join(n for n, _ in found)}")
-    if not found:
+    if not found or found[0][1] is None:
         return None
     spec = found[0][1]
     if spec["type"] == "choice" and not spec["choice"]:

@@ -1,7 +1,7 @@
 from ..fault_patch import Fault
 
 FAULT = Fault(
-    name="tp_shared_expert_outside_all_reduce",
+    name="tp_shared_expert_not_reduced",
     description="under tensor parallelism the MoE all-reduces the routed experts' partial sums and adds its rank's "
                 "shared-expert partial (down_proj split by rows) afterwards: every rank issues the same collectives, "
                 "but each holds its own wrong layer output",
