@@ -194,6 +194,17 @@ def test_one_rule_for_fields(server, route):
         assert spec[schema]["additionalProperties"] is False and "prompt_logprobs" in spec[schema]["properties"]
 
 
+@pytest.mark.parametrize("route,body,schema", [
+    ("/v1/responses", {"input": "x", "max_output_tokens": 1}, "ResponsesRequest"),
+    ("/tokenize", {"prompt": "x"}, "TokenizeRequest"), ("/detokenize", {"tokens": [5]}, "DetokenizeRequest")])
+def test_the_other_routes_keep_the_same_rule(server, route, body, schema):
+    assert post(server, route, body).status_code == 200
+    bad = post(server, route, {**body, "made_up": 1})
+    assert bad.status_code == 400 and "made_up: unknown field" in bad.json()["message"], bad.text
+    spec = httpx.get(server.base + "/openapi.json").json()["components"]["schemas"]
+    assert spec[schema]["additionalProperties"] is False
+
+
 def test_unknown_model_is_vllms_404(server, client):
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.completions.create(model="gpt-5", prompt="x", max_tokens=1)

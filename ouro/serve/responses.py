@@ -100,7 +100,8 @@ class ReasoningConfig(Body):
 
 
 class ResponsesRequest(Body):
-    model_config = ConfigDict(json_schema_extra=rule(     # a forced call needs tools, as the chat route's rule
+    # extra: protocol.py's one rule for fields; the rule: a forced call needs tools, as the chat route's
+    model_config = ConfigDict(extra="forbid", json_schema_extra=rule(
         {"tool_choice": {"anyOf": [{"const": "required"}, {"type": "object"}]}},
         {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]}))
     model: str | None = Field(None, json_schema_extra=bound("model"))

@@ -24,7 +24,8 @@ from .protocol import Body, ChatMessage, ServeError, TokenId, bound
 
 
 class TokenizeRequest(Body):
-    model_config = ConfigDict(json_schema_extra={"oneOf": [     # a prompt or a chat, not both
+    # extra: protocol.py's one rule for fields; oneOf: a prompt or a chat, not both
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"oneOf": [
         {"properties": {"prompt": {"type": "string"}}, "required": ["prompt"]},
         {"properties": {"messages": {"type": "array"}}, "required": ["messages"]}]})
     model: str | None = Field(None, json_schema_extra=bound("model"))
@@ -37,6 +38,7 @@ class TokenizeRequest(Body):
 
 
 class DetokenizeRequest(Body):
+    model_config = ConfigDict(extra="forbid")
     model: str | None = Field(None, json_schema_extra=bound("model"))
     tokens: list[TokenId] = Field(max_length=1 << 20)
 
