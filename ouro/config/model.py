@@ -8,14 +8,13 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import original_keys
+from .errors import CheckpointError
+
 
 def _is_int(v) -> bool:
     """An integer that is not a bool (bool is an int subclass but never a valid count)."""
     return isinstance(v, int) and not isinstance(v, bool)
-
-
-class CheckpointError(ValueError):
-    """A checkpoint directory or its config cannot be used; the message says what to fix."""
 
 
 def _default_layer_types(n: int) -> list[str]:
@@ -171,11 +170,7 @@ class ModelConfig:
                 kw[k] = tuple(kw[k])
             else:
                 kw.pop(k, None)
-        if "linear_attn_config" in text:  # older nested spelling of the KDA fields
-            lac = text["linear_attn_config"]
-            kw.setdefault("linear_head_dim", lac.get("head_dim", cls.linear_head_dim))
-            kw.setdefault("linear_num_heads", lac.get("num_heads", cls.linear_num_heads))
-            kw.setdefault("linear_conv_kernel_dim", lac.get("short_conv_kernel_size", cls.linear_conv_kernel_dim))
+        original_keys.read(text, kw, cls)    # the original GLM keys, as transformers reads them
         if text.get("qk_rope_head_dim", 0):
             raise CheckpointError("config: glm5_next DSA layers are NoPE; qk_rope_head_dim must be 0")
         if text.get("hidden_act", "silu") != "silu":
@@ -188,7 +183,9 @@ class ModelConfig:
         if "tie_word_embeddings" in d:
             kw["tie_word_embeddings"] = d["tie_word_embeddings"]
         kw.update({k: d[k] for k in MEDIA_TOKEN_FIELDS if d.get(k) is not None})
-        return cls(**kw)
+        cfg = cls(**kw)
+        original_keys.check(cfg, text)
+        return cfg
 
     @classmethod
     def from_hf(cls, directory: str | Path) -> "ModelConfig":
@@ -211,6 +208,7 @@ class ModelConfig:
             d[k] = list(d[k])
         d.update(model_type="glm5_next_text", qk_rope_head_dim=0, head_dim=0, num_key_value_heads=self.num_attention_heads,
                  hidden_act="silu", attention_bias=False)
+        d.update(original_keys.write(self))   # what other tools read (llama.cpp's converter)
         return d
 
     def to_hf_dict(self, vision_config: dict | None = None) -> dict:

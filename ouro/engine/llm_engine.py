@@ -13,7 +13,7 @@ from ..measure.spans import span
 from ..parallel import cp_prefill
 from ..quant.w8a8 import quantize_model
 from .detokenizer import IncrementalDetokenizer
-from .memory import available_bytes, plan_memory
+from .memory import cache_budget, plan_memory
 from .model_runner import ModelRunner
 from .page_pool import PagePool, SlotPool
 from .prefix_checkpoints import checkpoint_batch, drop_checkpoints
@@ -46,16 +46,22 @@ class LLMEngine:
         self.logits_processors = list(logits_processors)
         self.logits_history: dict[str, list[torch.Tensor]] = {}
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-        budget = config.max_memory or int(config.memory_fraction * available_bytes(config.device))
+        # one budget for the engine, measured once here: its tensor-parallel ranks share it (each
+        # rank's cache is planned from its share; the followers build what this rank planned)
+        self.budget = cache_budget(config)
+        budget = self.budget.per_rank
         dtype = model.embed_tokens.weight.dtype
         self.kv_kinds = config.kv_kinds(mc)      # DSA layers whose cache rows are quantised
         # with speculation the cache also holds the MTP draft layer's rows (one more DSA layer)
         cache_config = mc.with_mtp_layer() if config.speculative_algorithm else mc
         self.plan = plan_memory(cache_config, budget, config.page_size, config.max_num_seqs, dtype, kv_kinds=self.kv_kinds,
                                 checkpoint_fraction=0.1 if enable_prefix_caching else 0.0,
-                                max_model_len=self.max_model_len, checkpoint_interval=checkpoint_interval)
+                                max_model_len=self.max_model_len, checkpoint_interval=checkpoint_interval,
+                                budget=self.budget)
         if verbose:
             print(f"ouro: {self.plan.describe(min(self.max_model_len, 4096))}", file=sys.stderr, flush=True)
+        else:
+            log.info("%s", self.plan.describe(min(self.max_model_len, 4096)))
         self.pages, self.slots = PagePool(self.plan.n_pages), SlotPool(self.plan.n_slots)
         self.cp = cp_prefill.start(model, config, model_dir, self.tp, self.kv_kinds)     # None without --cp
         if config.deterministic_inference:

@@ -28,8 +28,9 @@ class CheckpointStore:
 
     def __init__(self, cache: ModelCache, n: int):
         self.cache = cache
-        self.conv = cache.conv.new_zeros(cache.conv.shape[0], n, *cache.conv.shape[2:])
-        self.recurrent = cache.recurrent.new_zeros(cache.recurrent.shape[0], n, *cache.recurrent.shape[2:])
+        # uninitialised like the cache (a checkpoint is restored only after it was saved): resident as used
+        self.conv = cache.conv.new_empty(cache.conv.shape[0], n, *cache.conv.shape[2:])
+        self.recurrent = cache.recurrent.new_empty(cache.recurrent.shape[0], n, *cache.recurrent.shape[2:])
         self.free_ids = list(range(n - 1, -1, -1))
         self.mirror = None       # (op, a, b) -> None: tensor-parallel followers do the same to their caches
 

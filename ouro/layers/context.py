@@ -7,6 +7,7 @@ the engine: this file is the whole contract between them.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -25,6 +26,13 @@ class ModelCache:
     - DSA layers: paged latent KV [n_pages, page_size, kv_lora_rank] per DSA layer, and for layers
       with their own indexer the indexer keys and pool-gate scores [n_pages, page_size, d] plus
       the fp32 compressed key of each complete pool [n_pages, page_size / kpool, d].
+
+    Allocated uninitialised (`torch.empty`) and never filled: memory the OS has not handed out yet is
+    touched, and becomes resident, only when a request writes its rows or state, so resident memory
+    follows use rather than the budget. Nothing may read what was never written: a fresh sequence's
+    state slot reads as zero (`ForwardContext.fresh`), cache rows are read only at positions written
+    (the NaN-poisoned tests check both). `OURO_POISON_CACHE=1` fills every new cache with NaN
+    (`poison`), a debugging switch that touches it all.
     """
 
     def __init__(self, config: ModelConfig, n_slots: int, n_pages: int, page_size: int,
@@ -40,9 +48,9 @@ class ModelCache:
         self.page_size = page_size
         self.n_slots, self.n_pages = n_slots, n_pages
         kw = dict(device=device)
-        self.conv = torch.zeros(len(c.kda_layers), n_slots, 3 * c.linear_dim, c.linear_conv_kernel_dim - 1,
+        self.conv = torch.empty(len(c.kda_layers), n_slots, 3 * c.linear_dim, c.linear_conv_kernel_dim - 1,
                                 dtype=torch.float32, **kw)
-        self.recurrent = torch.zeros(len(c.kda_layers), n_slots, c.linear_num_heads, c.linear_head_dim,
+        self.recurrent = torch.empty(len(c.kda_layers), n_slots, c.linear_num_heads, c.linear_head_dim,
                                      c.linear_head_dim, dtype=torch.float32, **kw)
         self.device = torch.device(device)
         self.kv_lora_rank, self.index_head_dim = c.kv_lora_rank, c.index_head_dim
@@ -52,13 +60,15 @@ class ModelCache:
         self.key_kinds = [kinds.get(layer) for layer in c.indexer_layers]
         self.latent = _rows_storage(self.latent_kinds, n_pages, page_size, c.kv_lora_rank, dtype, device)
         self.index_keys = _rows_storage(self.key_kinds, n_pages, page_size, c.index_head_dim, dtype, device)
-        self.index_gates = torch.zeros(len(c.indexer_layers), n_pages, page_size, c.index_head_dim, dtype=dtype, **kw)
+        self.index_gates = torch.empty(len(c.indexer_layers), n_pages, page_size, c.index_head_dim, dtype=dtype, **kw)
         # compressed key of every complete pool, written once when the pool's last token arrives
-        self.index_pooled = torch.zeros(len(c.indexer_layers), n_pages, page_size // c.index_kpool,
+        self.index_pooled = torch.empty(len(c.indexer_layers), n_pages, page_size // c.index_kpool,
                                         c.index_head_dim, dtype=torch.float32, **kw)
         if keep_dsa is not None:
             from .split_storage import keep_only
             keep_only(self, set(keep_dsa))
+        if poison_from_env():
+            self.poison()
 
     def dsa_bytes(self) -> int:
         """Bytes the DSA rows occupy, each storage counted once (a split cache's scratch once)."""
@@ -98,14 +108,23 @@ class ModelCache:
                 t.fill_(255) if t.dtype == torch.uint8 else t.fill_(float("nan"))
 
 
+POISON_ENV = "OURO_POISON_CACHE"
+
+
+def poison_from_env() -> bool:
+    """`OURO_POISON_CACHE=1`: every `ModelCache` starts NaN (debugging reads of never-written memory)."""
+    return os.environ.get(POISON_ENV, "").strip() not in ("", "0")
+
+
 def _rows_storage(kinds: list, n_pages: int, page_size: int, d: int, dtype, device):
     """One tensor [layers, pages, page_size, width] when every layer stores rows the same way (all
-    in `dtype`, or all quantised: uint8 rows of `quantised_row_bytes(d)`); a list per layer when mixed."""
+    in `dtype`, or all quantised: uint8 rows of `quantised_row_bytes(d)`); a list per layer when mixed.
+    Uninitialised: pages become resident as rows are written."""
     def one(kind, n=None):
         shape = (n,) if n is not None else ()
         if kind is None:
-            return torch.zeros(*shape, n_pages, page_size, d, dtype=dtype, device=device)
-        return torch.zeros(*shape, n_pages, page_size, quantised_row_bytes(d), dtype=torch.uint8, device=device)
+            return torch.empty(*shape, n_pages, page_size, d, dtype=dtype, device=device)
+        return torch.empty(*shape, n_pages, page_size, quantised_row_bytes(d), dtype=torch.uint8, device=device)
     if len(set(k is None for k in kinds)) <= 1:
         return one(kinds[0] if kinds else None, len(kinds))
     return [one(k) for k in kinds]

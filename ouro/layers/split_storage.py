@@ -13,9 +13,9 @@ def keep_only(cache, keep: set) -> None:
         raise ValueError("a layer-split cache keeps DSA rows in the model dtype: drop --kv-cache-dtype")
     kept_idx = {ci for ci, layer in enumerate(c.indexer_layers) if c.dsa_layers.index(layer) in keep}
 
-    def split(store, kept):
+    def split(store, kept):     # the kept layers uninitialised (touched as written), as `ModelCache` allocates
         scratch = torch.full_like(store[0], float("nan"))
-        return [store[i].clone() if i in kept else scratch for i in range(store.shape[0])]
+        return [torch.empty_like(store[i]) if i in kept else scratch for i in range(store.shape[0])]
     cache.latent = split(cache.latent, keep)
     cache.index_keys = split(cache.index_keys, kept_idx)
     cache.index_gates = split(cache.index_gates, kept_idx)
