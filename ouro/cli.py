@@ -172,6 +172,11 @@ def add_media_flags(p) -> None:
     p.add_argument("--max-image-pixels", type=int, default=40_000_000, help="largest width x height accepted")
 
 
+MAX_MEMORY_HELP = ("cache budget in bytes, the tensor-parallel ranks' caches together (default: --mem-fraction-static "
+                   "of the memory available at start, at most OURO_KV_CACHE_SPACE GiB, 4 when unset; pages are "
+                   "resident only once used)")
+
+
 def add_serve_parser(sub) -> None:
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default: the trained tiny-py model on 127.0.0.1:8000)")
     sv.add_argument("--model", default=DEFAULT_MODEL,
@@ -187,9 +192,11 @@ def add_serve_parser(sub) -> None:
     sv.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     sv.add_argument("--max-queued-requests", type=int, default=256,
                     help="requests waiting beyond --max-num-seqs before new ones get 429")
-    sv.add_argument("--max-memory", type=int, default=None, help="cache budget in bytes (default: a fraction of free)")
+    sv.add_argument("--max-memory", "--kv-cache-memory-bytes", dest="max_memory", type=int, default=None,
+                    help=MAX_MEMORY_HELP + "; --disagg's engine workers share it too")
     sv.add_argument("--mem-fraction-static", type=float, default=0.5,
-                    help="fraction of free memory for the cache when --max-memory is not given")
+                    help="fraction of available memory for the cache when --max-memory is not given (at most "
+                         "OURO_KV_CACHE_SPACE GiB)")
     sv.add_argument("--page-size", type=int, default=64)
     sv.add_argument("--enable-prefix-caching", action="store_true")
     add_compile_flag(sv)
@@ -253,9 +260,11 @@ def build_parser(argv=None) -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--max-memory", type=int, default=None, help="cache budget in bytes (default: a fraction of free)")
+    gen.add_argument("--max-memory", "--kv-cache-memory-bytes", dest="max_memory", type=int, default=None,
+                     help=MAX_MEMORY_HELP)
     gen.add_argument("--mem-fraction-static", type=float, default=0.5,
-                     help="fraction of free memory for the cache when --max-memory is not given")
+                     help="fraction of available memory for the cache when --max-memory is not given (at most "
+                          "OURO_KV_CACHE_SPACE GiB)")
     gen.set_defaults(func=_cmd_generate)
 
     bench = sub.add_parser("bench", help="benchmarks, measured side by side in one run")

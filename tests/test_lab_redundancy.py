@@ -151,3 +151,41 @@ def test_weight_copied_per_call_in_a_small_block_is_the_top_finding(model, batch
 def test_clean_ouro_has_no_floor_warning_at_batch_4(model):
     findings = redundancy.probe_model(model, prompt_len=24, context=48, batch=4)
     assert not [f.summary for f in findings if f.severity != "info" and "floor" in f.summary]
+
+
+def _planted(model, name, batch=1):
+    from ouro.lab.fault_patch import applied_in_process
+    from ouro.lab.faults import all_faults
+    fault = {f.name: f for f in all_faults()}[name]
+    with applied_in_process(fault, str(Path(__file__).resolve().parent.parent)):
+        return fault, sort_findings(redundancy.probe_model(model, prompt_len=24, context=48, batch=batch))
+
+
+@pytest.mark.parametrize("gemm", [None, "packed"])
+def test_every_expert_read_at_batch_1_is_the_top_finding(model, monkeypatch, gemm):
+    """The planted fault reads all 8 experts' weights where the router chose 2: 4x the routed
+    weights' floor, but 3.1x the MoE block's work (the shared expert and router are read once): a
+    block total would miss it, the weight's own reads do not, whichever product forms this machine
+    picked (`packed`: the projections read oneDNN copies, counted as their weights)."""
+    from ouro.lab.fault_scoring import score
+    if gemm:
+        monkeypatch.setenv("OURO_GEMM_PICK", gemm)
+    fault, found = _planted(model, "moe_decode_reads_all_experts")
+    s = score(found, fault.localised)
+    assert s["detected"] and s["localised"], s["top"]
+    top = top_finding(found)
+    assert top.where["module"].startswith("layers.") and top.where["module"].endswith(".mlp.experts"), top.where
+    assert top.where["function"] == "_experts_gathered" and "experts.gate_up_proj 4.0x" in top.summary, top.summary
+
+
+def test_weight_reads_count_each_matrix_once_on_clean_decode(model, monkeypatch):
+    """Clean batch-1 decode reads every weight matrix exactly its floor (the routed experts: the two
+    chosen), through the parameter or its packed copy alike."""
+    from ouro.lab.module_floor import weight_reads
+    monkeypatch.setenv("OURO_GEMM_PICK", "packed")
+    steps = redundancy.record_steps(model, 24, (48,), 1)
+    reads = weight_reads(model, steps[1].ops, 1)
+    matrices = {n for n, p in model.named_parameters() if p.dim() >= 2}
+    assert set(reads) == matrices
+    assert {n: round(r / f, 6) for n, (r, f, _) in reads.items() if abs(r / f - 1) > 1e-9} == {}
+    assert any(op.op == "_linear_pointwise" for _, _, op in reads.values())     # packed copies were read

@@ -23,7 +23,9 @@ NAMED = {"kda_forget_gate_rate_not_exp": "layers.0.self_attn.forget_gate",
          "sinkhorn_rows_by_column_sums": "layers.0.attn_hc.comb",
          "sparse_mla_unused_slots_unmasked": "layers.3.self_attn.attention_core",
          "hc_head_reads_first_stream": "hc_head",                    # transformers' module hc_head (was: at norm)
-         "mlp_swiglu_gate_up_swapped": "layers.0.mlp.clamped_swiglu"}   # the input of down_proj (was: down_proj)
+         "mlp_swiglu_gate_up_swapped": "layers.0.mlp.clamped_swiglu",   # the input of down_proj (was: down_proj)
+         # the absorbed kv_b_proj: its output made from ouro's W_uk | W_uv (was: attention_core, sparse_mla)
+         "mla_absorb_rows_part_major": "layers.3.self_attn.kv_b_proj"}
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +47,7 @@ def test_every_sub_computation_is_compared_and_clean_ouro_agrees(runs):
     want = [f"layers.{i}.{k}" for i in range(4) for k in
             ("attn_hc.post", "attn_hc.comb", "attn_hc.mix", "self_attn.attention_core", "ffn_hc.comb", "ffn_hc.mix")]
     want += [f"layers.{i}.self_attn.{k}" for i in range(3) for k in ("forget_gate", "causal_conv1d", "f_a_proj", "f_b_proj")]
-    want += ["hc_head", "layers.0.mlp.clamped_swiglu"] + [f"layers.{i}.mlp.shared_experts.clamped_swiglu" for i in (1, 2, 3)]
+    want += ["hc_head", "layers.0.mlp.clamped_swiglu", "layers.3.self_attn.kv_b_proj"] + [f"layers.{i}.mlp.shared_experts.clamped_swiglu" for i in (1, 2, 3)]
     missing = [k for k in want if k not in rows]
     assert not missing, missing
     assert not [k for k, r in rows.items() if r["diverges"]]

@@ -38,7 +38,7 @@ def test_tp2_agrees_with_tp1_module_by_module():
     rows = compare(one, two, "float32")
     keys = {r["key"] for r in rows}
     # every layer's all-reduced output and the gathered column projections are compared
-    assert {"layers.0.self_attn.o_proj", "layers.0.self_attn.q_proj", "layers.3.self_attn.q_b_proj",
+    assert {"layers.0.self_attn.o_proj", "layers.0.self_attn.q_proj", "layers.3.self_attn.q_b_proj", "layers.3.self_attn.kv_b_proj",
             "layers.1.mlp", "lm_head"} <= keys
     # and what runs on one rank's heads or channels, or is a partial sum: joined, compared too (with
     # ep=on the routed experts run on the rows routed to this rank, not per token: not tapped)

@@ -42,10 +42,12 @@ def reference():
 
 def test_tp2_engine_equals_one_rank_through_preemption(reference):
     # 3 state slots per rank, and few pages, for six prompts of 54-162 tokens: preemption and recompute
+    # (the budget is both ranks': each plans its cache from half of it)
     c = ModelConfig.from_hf(resolve_model("tiny-py"))
-    tight = LLM("tiny-py", max_memory=6 * ModelCache.bytes_per_slot(c) // 2, page_size=16, max_num_seqs=4,
+    tight = LLM("tiny-py", max_memory=6 * ModelCache.bytes_per_slot(c), page_size=16, max_num_seqs=4,
                 max_num_batched_tokens=64, tensor_parallel_size=2)
     try:
+        assert tight.engine.plan.n_slots == 3
         assert tight.engine.model.config.linear_num_heads * 2 == c.linear_num_heads     # rank 0 holds half the heads
         assert tokens(tight, LONG) == reference
         assert tight.engine.stats()["preemptions"] > 0

@@ -17,6 +17,16 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+# layer_types spellings transformers reads as its own two: the GLM checkpoint's DSA name (its legacy remap),
+# glm5_next's older "full_attention" and "mamba"
+LAYER_TYPE_SPELLINGS = {"deepseek_sparse_attention": "indexed_attention", "full_attention": "indexed_attention",
+                        "mamba": "linear_attention"}
+# keys of the GLM checkpoint (not transformers') whose one supported value ouro writes and checks
+GLM_FIXED = {"index_kpool_compress": True, "scoring_func": "sigmoid"}
+KNOWN_TYPES = {"layer_types": ("linear_attention", "indexed_attention"), "mlp_layer_types": ("dense", "sparse"),
+               "indexer_types": ("full", "shared")}
+
+
 def _default_layer_types(n: int) -> list[str]:
     # Three KDA layers then one DSA layer, repeating (transformers' default schedule).
     return ["linear_attention" if i % 4 != 3 else "indexed_attention" for i in range(n)]
@@ -79,12 +89,15 @@ class ModelConfig:
             object.__setattr__(self, "mlp_layer_types", tuple(["dense"] * min(3, n) + ["sparse"] * (n - 3)))
         if not self.indexer_types:
             object.__setattr__(self, "indexer_types", tuple(["full"] * n))
-        # transformers accepts the old name "full_attention" for DSA layers
-        object.__setattr__(self, "layer_types", tuple(
-            "indexed_attention" if t == "full_attention" else t for t in self.layer_types))
+        # the other spellings transformers reads (the GLM checkpoint's own "deepseek_sparse_attention")
+        object.__setattr__(self, "layer_types", tuple(LAYER_TYPE_SPELLINGS.get(t, t) for t in self.layer_types))
         for name in ("layer_types", "mlp_layer_types", "indexer_types"):
             if len(getattr(self, name)) != n:
                 raise CheckpointError(f"config: {name} has {len(getattr(self, name))} entries, expected {n}")
+            bad = sorted({t for t in getattr(self, name) if t not in KNOWN_TYPES[name]}, key=str)
+            if bad:
+                raise CheckpointError(f"config: {name} has {bad}; glm5_next layers are one of "
+                                      f"{list(KNOWN_TYPES[name])}")
         if self.index_topk % self.index_kpool:
             raise CheckpointError(f"config: index_topk {self.index_topk} must be a multiple of index_kpool")
         if self.n_routed_experts % self.n_group:
@@ -95,6 +108,12 @@ class ModelConfig:
         first_dsa = next((i for i, t in enumerate(self.layer_types) if t == "indexed_attention"), None)
         if first_dsa is not None and self.indexer_types[first_dsa] == "shared":
             raise CheckpointError(f"config: layer {first_dsa} is the first DSA layer but its indexer is 'shared'")
+        lb = self.linear_lower_bound
+        if lb is not None and (isinstance(lb, bool) or not isinstance(lb, (int, float)) or lb > 0):
+            raise CheckpointError(
+                f"config: linear_lower_bound (linear_attn_config.gate_lower_bound) = {lb!r} is not supported: "
+                "the KDA forget gate is a log-decay, lower_bound * sigmoid(...) <= 0, so the bound must be a "
+                "number <= 0, or null (linear_attn_config.safe_gate false) for the unbounded softplus gate")
         if not self.index_kpool_always_select_tail:
             raise CheckpointError(
                 "config: index_kpool_always_select_tail=false is not supported: without the incomplete tail "
@@ -173,6 +192,10 @@ class ModelConfig:
         original_keys.read(text, kw, cls)    # the original GLM keys, as transformers reads them
         if text.get("qk_rope_head_dim", 0):
             raise CheckpointError("config: glm5_next DSA layers are NoPE; qk_rope_head_dim must be 0")
+        for key, want in GLM_FIXED.items():   # GLM checkpoint keys naming what every glm5_next is
+            if key in text and text[key] != want:
+                raise CheckpointError(f"config: {key} = {text[key]!r} is not supported; glm5_next (in ouro and "
+                                      f"transformers) runs with {key} = {want!r}")
         if text.get("hidden_act", "silu") != "silu":
             raise CheckpointError(f"config: hidden_act {text['hidden_act']!r} is not supported; ouro's "
                                   "SwiGLU experts and KDA short conv use silu")
@@ -206,6 +229,10 @@ class ModelConfig:
             d["num_nextn_predict_layers"] = 1
         for k in ("layer_types", "mlp_layer_types", "indexer_types"):
             d[k] = list(d[k])
+        # DSA layers in the GLM checkpoint's spelling, which transformers reads as "indexed_attention"
+        # (llama.cpp's glm5next converter reads the DSA layers from this spelling of the raw config.json)
+        d["layer_types"] = ["deepseek_sparse_attention" if t == "indexed_attention" else t for t in d["layer_types"]]
+        d.update(GLM_FIXED, indexer_rope_interleave=True)   # (no rotary part: inert, written as GLM does)
         d.update(model_type="glm5_next_text", qk_rope_head_dim=0, head_dim=0, num_key_value_heads=self.num_attention_heads,
                  hidden_act="silu", attention_bias=False)
         d.update(original_keys.write(self))   # what other tools read (llama.cpp's converter)

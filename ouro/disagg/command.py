@@ -135,6 +135,22 @@ def worker_argv(args, role: str, port: int) -> list[str]:
     return argv
 
 
+def shared_budget(args, n_engines: int):
+    """The workers' arguments, with one cache budget for this host measured here once (--max-memory,
+    else the engine's default) and split between the `n_engines` prefill and decode workers (each as
+    its --max-memory): workers that each measured would see the same free memory and each take it."""
+    from ..engine.memory import default_budget
+    if args.max_memory:
+        total, source = args.max_memory, "--max-memory"
+    else:
+        total, source = default_budget(args.device, args.mem_fraction_static)
+        source = "default: " + source
+    share = total // n_engines
+    print(f"ouro: --disagg cache budget {total / 2**30:.2f} GiB ({source}), shared by {n_engines} prefill and "
+          f"decode workers: {share / 2**30:.2f} GiB each", file=sys.stderr, flush=True)
+    return argparse.Namespace(**{**vars(args), "max_memory": share})
+
+
 def serve_disagg(args) -> int:
     """`ouro serve --disagg XPYD`: the workers as child processes, then the router in this one."""
     from ..serve.server import serve
@@ -143,12 +159,13 @@ def serve_disagg(args) -> int:
         raise ValueError("--disagg with --tp sends each rank's shard over tcp: drop --transfer-backend "
                          f"{args.transfer_backend}")
     n_encode, n_prefill, n_decode = parse_layout(args.disagg)
+    workers = shared_budget(args, n_prefill + n_decode)
     procs, roles = {}, {"encode": [], "prefill": [], "decode": []}
     for role, n in (("encode", n_encode), ("prefill", n_prefill), ("decode", n_decode)):
         for _ in range(n):
             port = free_port_pair()
             address = f"127.0.0.1:{port}"
-            procs[address] = subprocess.Popen(worker_argv(args, role, port))
+            procs[address] = subprocess.Popen(worker_argv(workers, role, port))
             roles[role].append(address)
     try:
         return serve(args, lambda directory, on_stats: DisaggClient(roles["prefill"], roles["decode"], on_stats, procs,

@@ -79,8 +79,13 @@ class LLM:
                  quantization: str | None = None, quantization_ignore: tuple | None = None,
                  kv_cache_dtype: str = "auto", kv_cache_layer_dtype: str | None = None,
                  speculative_config: dict | None = None, enable_deterministic_inference: bool = False,
-                 tensor_parallel_size: int = 1, enable_expert_parallel: bool = False, config: str | None = None):
-        """config: a config file (`ouro tune --output`); an argument given here with a value other
+                 tensor_parallel_size: int = 1, enable_expert_parallel: bool = False, max_model_len: int | None = None,
+                 config: str | None = None):
+        """max_memory: the cache budget in bytes, every tensor-parallel rank's cache together (None:
+        `memory_fraction` of the memory available, at most OURO_KV_CACHE_SPACE GiB, 4 when unset;
+        `engine.memory`). max_model_len: the context length (None: the model's); the cache never plans
+        more pages than max_num_seqs sequences of it use.
+        config: a config file (`ouro tune --output`); an argument given here with a value other
         than its default overrides the file's."""
         import dataclasses
 
@@ -94,6 +99,7 @@ class LLM:
                       quantization_ignore=quantization_ignore, kv_cache_dtype=kv_cache_dtype,
                       kv_cache_layer_dtype=kv_cache_layer_dtype, deterministic_inference=enable_deterministic_inference,
                       tensor_parallel_size=tensor_parallel_size, expert_parallel=enable_expert_parallel,
+                      max_model_len=max_model_len,
                       **speculative_options(speculative_config))
         if config is not None:
             from ..config.file import load_config_file

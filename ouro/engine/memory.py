@@ -12,9 +12,10 @@ from ..config import ModelConfig
 from ..layers.context import ModelCache
 from ..models.loader import device_free_bytes as available_bytes  # noqa: F401  (engine start-up budget)
 
-# The default budget is capped like vLLM's CPU backend caps its KV space (VLLM_CPU_KVCACHE_SPACE,
-# 4 GiB): OURO_KV_CACHE_SPACE GiB, unless --max-memory says otherwise. The cache is allocated
-# untouched (`ModelCache`), so what is resident follows what requests use, not the budget.
+# On a CPU the default budget is capped like vLLM's CPU backend caps its KV space
+# (VLLM_CPU_KVCACHE_SPACE, 4 GiB): OURO_KV_CACHE_SPACE GiB, unless --max-memory says otherwise
+# (on a GPU, whose memory is committed when allocated, the cap applies only when the variable is
+# set). The cache is allocated untouched (`ModelCache`): on a CPU what is resident follows use.
 KV_CACHE_SPACE_ENV = "OURO_KV_CACHE_SPACE"
 DEFAULT_KV_CACHE_SPACE = 4 << 30
 
@@ -39,12 +40,15 @@ def kv_cache_space() -> tuple[int, str]:
 
 def default_budget(device: str = "cpu", fraction: float = 0.5, available: int | None = None) -> tuple[int, str]:
     """The budget when none is given: `fraction` of the memory available now, at most the KV-space
-    cap. Returns (bytes, where they came from). Measure this once per host for everything started
-    together (the ranks of an engine, the workers of `serve --disagg`) and divide it among them:
-    processes that each measure see the same free memory and would each take their share of it."""
-    cap, cap_source = kv_cache_space()
+    cap (a CPU's; a GPU's only when OURO_KV_CACHE_SPACE is set). Returns (bytes, where they came
+    from). Measure this once per host for everything started together (the ranks of an engine, the
+    workers of `serve --disagg`) and divide it among them: processes that each measure see the same
+    free memory and would each take their share of it."""
     available = available_bytes(device) if available is None else available
     share = int(fraction * available)
+    cap, cap_source = kv_cache_space()
+    if str(device) != "cpu" and not os.environ.get(KV_CACHE_SPACE_ENV, "").strip():
+        return share, f"{fraction:g} x {_gib(available)} free on {device}"
     if cap <= share:
         return cap, f"{cap_source}, {_gib(cap)}; {fraction:g} x {_gib(available)} available would be {_gib(share)}"
     return share, f"{fraction:g} x {_gib(available)} available, under {cap_source} of {_gib(cap)}"
@@ -111,6 +115,7 @@ class MemoryPlan:
         """The start-up line: the budget and where it came from, both pools, what limits concurrency."""
         by_pages = self.n_pages // max(1, -(-context_len // self.page_size))
         fit = min(self.n_slots, by_pages)
+        limit = self.limit(context_len)
         head = f"cache {self.budget.describe()}, " if self.budget is not None else "cache: "
         uses = f"plan uses {_gib(self.total_bytes)}" + (" (pages capped at max_num_seqs x max_model_len)"
                                                    if self.pages_capped else "")
@@ -118,7 +123,7 @@ class MemoryPlan:
                 f"{self.max_tokens} tokens ({self.n_pages * self.page_bytes / 2**20:.1f} MiB), {self.n_slots} KDA "
                 f"state slots ({self.n_slots * self.slot_bytes / 2**20:.1f} MiB), {self.n_checkpoints} prefix "
                 f"checkpoints; {fit} concurrent sequences of {context_len} tokens fit, limited by "
-                f"{self.limit(context_len)}" + (f" ({self.max_num_seqs})" if self.limit(context_len) == "max_num_seqs" else ""))
+                f"{limit}" + (f" ({self.max_num_seqs})" if limit == "max_num_seqs" else ""))
 
 
 def plan_memory(config: ModelConfig, budget_bytes: int, page_size: int, max_num_seqs: int,

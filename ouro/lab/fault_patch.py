@@ -124,6 +124,10 @@ def _rebind(fn, module, owner):
     bound to the real class, not to the copy the patched source defined."""
     if not isinstance(fn, types.FunctionType):
         return fn
+    if fn.__code__.co_filename != module.__file__:
+        # a decorator's wrapper (`@span(...)`, `@torch.inference_mode()`) is code of another module:
+        # it keeps its own globals; the patched function it wraps keeps the copy of the module's
+        return fn
     cells = []
     for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
         cells.append(types.CellType(owner) if name == "__class__" and isinstance(owner, type) else cell)

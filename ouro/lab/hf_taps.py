@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from .sub_taps import HF_PARTS, hf_points, hf_rename, parts, wrap_hf_conv
+from .sub_taps import HF_PARTS, cached_rows, hf_points, hf_rename, parts, wrap_hf_conv
 from .taps import Recording, canonical
 
 
@@ -87,7 +87,7 @@ class TransformersTaps:
                 if f"{name}.{suffix}" in self.ouro_names:
                     self._want(f"{name}.{suffix}")
                     self._add(f"{name}.{suffix}", t)
-            self._add(name, canonical(out, self.rec.n_experts, pick))
+            self._add(name, cached_rows(name, canonical(out, self.rec.n_experts, pick), len(self.positions)))
         return hook
 
     def _add(self, name, t):

@@ -63,6 +63,50 @@ def recorded_by_block(ops) -> dict[str, BlockCost]:
     return out
 
 
+def weight_floors(model, batch: int) -> dict[str, float]:
+    """{parameter name: bytes} a decode step of `batch` sequences must read of it: the whole
+    weight once; of the stacked routed experts, the experts the batch's tokens touch (expected
+    under uniform routing); of the embedding, its `batch` rows (and the whole matrix once more
+    when the head is tied to it)."""
+    c = model.config
+    emb, head = model.embed_tokens.weight, model.lm_head.weight
+    distinct = expected_distinct(c.n_routed_experts, c.num_experts_per_tok, batch)
+    out: dict[str, float] = {}
+    for name, p in model.named_parameters():
+        nbytes = p.numel() * p.element_size()
+        if p is emb:
+            out[name] = batch * emb.shape[1] * emb.element_size() + (nbytes if head is emb else 0.0)
+        elif name.endswith(ROUTED):
+            out[name] = distinct * p[0].numel() * p.element_size()
+        else:
+            out[name] = nbytes
+    return out
+
+
+def weight_reads(model, ops, batch: int) -> dict[str, tuple[float, float, object]]:
+    """{parameter name: (bytes the recorded ops read of it, its floor, the op that read most of it)}
+    for the weight matrices (and stacked experts) read at all. Vectors (norms, biases, scales) are
+    left out: element-wise ops read them as they read activations, a few passes each (the eager
+    chains `core` leaves out too). A packed copy (`gemm_pick.packed_for`) is not the parameter and
+    does not count."""
+    names = {}
+    for name, p in model.named_parameters():
+        if p.dim() >= 2:
+            names.setdefault(p.untyped_storage().data_ptr(), name)
+    floors = weight_floors(model, batch)
+    read: dict[str, list] = {}
+    for o in ops:
+        for storage, nbytes in o.weight_reads:
+            name = names.get(storage)
+            if name is None:           # a vector or a buffer
+                continue
+            r = read.setdefault(name, [0.0, None, 0.0])
+            r[0] += nbytes
+            if nbytes > r[2]:
+                r[1], r[2] = o, nbytes
+    return {n: (r[0], floors[n], r[1]) for n, r in read.items()}
+
+
 def block_floors(model, context: int, batch: int, io_bytes: dict[str, float]) -> dict[str, tuple[float, float]]:
     """{block: (matmul FLOPs, bytes)} a decode step of `batch` sequences at `context` must do."""
     c = model.config

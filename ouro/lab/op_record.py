@@ -9,6 +9,7 @@ during inference; large mutable tensors such as the caches by storage + version 
 from __future__ import annotations
 
 import hashlib
+import math
 import sys
 from dataclasses import dataclass
 import torch
@@ -47,6 +48,10 @@ class OpRecord:
     compute: bool                # False for views/metadata/allocation
     inputs_from: tuple = ()      # indices of the ops that last wrote its input tensors' storage
     weights: bool = False        # reads a parameter, a buffer, or a tensor computed from them alone
+    # ((storage of a parameter or buffer, bytes of it the op reads), ...): a gather reads the rows
+    # it produces, any other op the whole view it is given; a oneDNN packed copy of a weight
+    # (`gemm_pick.packed_for`) is read as the weight (or the expert's slice of it) it was packed from
+    weight_reads: tuple = ()
 
     @property
     def frame(self):
@@ -128,6 +133,7 @@ class OpRecorder(TorchDispatchMode):
         self._weights = set(self.param_storages)   # + storages last written from weights alone (casts, copies)
         self.listeners = []      # callables(func_name, args, kwargs, out, record) for other probes
         self.modules = None
+        self._packs: dict = {}   # id(packed copy) -> (storage of its weight, bytes), or None: not one
 
     def __enter__(self):
         self.modules = ModuleStack(self.model)
@@ -174,7 +180,8 @@ class OpRecorder(TorchDispatchMode):
         weight_in = [t.layout != torch.strided or _storage(t) in self._weights for t in _tensors(args) if t.numel()]
         rec = OpRecord(index, name, self.modules.current, ouro_stack(), key,
                        flops, mm_flops, _bytes(name, args, kwargs, out) if compute else 0.0, compute,
-                       tuple(sorted(sources)), any(weight_in))
+                       tuple(sorted(sources)), any(weight_in),
+                       self._weight_reads(name, args, kwargs, out) if compute else ())
         if compute:   # views keep their storage's writer; computing ops (in-place ones too) become it
             derived = bool(weight_in) and all(weight_in)
             for t in _tensors(out):
@@ -187,6 +194,33 @@ class OpRecorder(TorchDispatchMode):
         for listen in self.listeners:
             listen(name, args, kwargs, out, rec)
         return out
+
+    def _weight_reads(self, name, args, kwargs, out) -> tuple:
+        reads = []
+        for i, t in enumerate(list(_tensors(args)) + list(_tensors(kwargs))):
+            if t.layout != torch.strided:
+                source = self._packed_source(t)
+                if source is not None:
+                    reads.append(source)
+            elif t.numel() and _storage(t) in self.param_storages:
+                gathered = name in GATHER_LIKE and i == 0
+                reads.append((_storage(t), sum(_nbytes(o) for o in _tensors(out)) if gathered else _nbytes(t)))
+        return tuple(reads)
+
+    def _packed_source(self, t):
+        if id(t) not in self._packs:     # packed since the last look (packs are made on first use)
+            from ..gemm_pick import _PACKS
+            for key, packs in list(_PACKS.values()):
+                i = 0
+                for ptr, _version, dtype, shape in key:
+                    n = shape[0] if len(shape) == 3 else 1
+                    per = math.prod(shape[-2:]) * torch.empty((), dtype=dtype).element_size()
+                    for pk in packs[i:i + n]:
+                        if ptr in self.param_storages:
+                            self._packs[id(pk)] = (ptr, float(per))
+                    i += n
+            self._packs.setdefault(id(t), None)
+        return self._packs[id(t)]
 
 
 def _tensors(x):

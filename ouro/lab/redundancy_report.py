@@ -7,7 +7,7 @@ import re
 from collections import Counter, defaultdict
 
 from .findings import Finding
-from .module_floor import block_floors, block_of, recorded_by_block
+from .module_floor import block_floors, block_of, recorded_by_block, weight_reads
 
 # a repeat wasting more than this share of the step's est. time is a warning (any repeated matmul
 # is); decode steps are launch-bound and what a CUDA graph captures, prefill is compute-bound
@@ -27,6 +27,11 @@ FAR_FLOPS = 10.0
 # all bytes (element-wise chains included) this many times the floor, when the excess is this share
 # of the step's bytes: eager chains alone reach 2.7x at batch 1, 4.5x at 16 and 6.8x at 64 (tiny)
 FLOOR_RATIO_BYTES, FLOOR_SHARE = 8.0, 0.02
+# ... or one of whose weights it reads FAR_RATIO times that weight's floor (every byte of it once; of
+# the routed experts, the experts the batch's tokens touch), whatever the rest of the block does: a
+# block total dilutes a weight read 4x (every expert at batch-1 decode, E/k = 4 on tiny) with the
+# weights read once beside it (3.1x the MoE block's work). Clean decode (tiny, tiny-py, small; batch 1
+# / 4 / 16): at most 1x / 2.4x (`small`'s padded experts: all 32 read, 13.2 touched) / 1.1x.
 GROWTH_RATIO = 4.0         # attention work growing with context this many times faster than its floor
 TOP = 8
 # syncs ouro had when this probe was written (file, function): still reported, ranked after new ones
@@ -158,12 +163,26 @@ def sync_findings(decode, prefill) -> list[Finding]:
     return out
 
 
+def _weights_by_block(model, step, batch) -> dict[str, list]:
+    """{block: [(read / floor, parameter name, bytes read, floor, the op that read most of it)]}."""
+    out = defaultdict(list)
+    if model is None:
+        return out
+    for name, (nbytes, floor, op) in weight_reads(model, step.ops, batch).items():
+        if floor > 0:
+            out[block_of(name.rsplit(".", 1)[0])].append((nbytes / floor, name, nbytes, floor, op))
+    for v in out.values():
+        v.sort(key=lambda t: -t[0])
+    return out
+
+
 def floor_findings(model, decodes, batch, cost) -> list[Finding]:
     per_step = []
     for step in decodes:
         rec = recorded_by_block(step.ops)
         floors = block_floors(model, step.context, batch, step.io_bytes)
         per_step.append((step, rec, floors))
+    weights = {step.label: _weights_by_block(model, step, batch) for step in decodes}
     out, table = [], []
     (s1, rec1, fl1), (s2, rec2, fl2) = per_step[0], per_step[-1]
     tot = {s.label: (sum(b.flops for b in r.values()) or 1.0, sum(b.bytes for b in r.values()) or 1.0)
@@ -171,9 +190,15 @@ def floor_findings(model, decodes, batch, cost) -> list[Finding]:
     for blk in rec2:
         if blk not in fl2 or blk not in rec1:
             continue
-        reasons, excess, compute = [], 0.0, False
+        reasons, excess, compute, reader = [], 0.0, False, None
         for step, rec, fl in per_step:
             r, (ff, fb) = rec[blk], fl[blk]
+            for ratio, name, nbytes, floor, op in weights[step.label].get(blk, ()):
+                if ratio >= FAR_RATIO:
+                    reasons.append(f"{step.label}: it reads {name} {ratio:.1f}x ({nbytes:.3g} B against a floor of "
+                                   f"{floor:.3g} B: every byte once, of the routed experts only those chosen)")
+                    excess = max(excess, (nbytes - floor) / cost.bytes_per_s)
+                    reader = reader or op
             t, t_floor, bound_by_flops = _work(r, ff, fb, cost)
             if t >= FAR_RATIO * t_floor:
                 reasons.append(f"{step.label}: {t / t_floor:.1f}x its floor's work "
@@ -197,11 +222,14 @@ def floor_findings(model, decodes, batch, cost) -> list[Finding]:
                 excess = max(excess, d_rec / (cost.flops_per_s if kind == "flops" else cost.bytes_per_s))
         r2 = rec2[blk]
         t, t_floor, _ = _work(r2, *fl2[blk], cost)
+        w2 = weights[s2.label].get(blk)
         table.append([blk, r2.ops, round(t / t_floor, 2), round(r2.bytes / max(fl2[blk][1], 1), 2),
-                      round(r2.flops / fl2[blk][0], 2) if fl2[blk][0] else None])
+                      round(r2.flops / fl2[blk][0], 2) if fl2[blk][0] else None, round(w2[0][0], 2) if w2 else None])
         if not reasons:
             continue
-        if (compute or any("flops" in x for x in reasons)) and r2.top_flops:
+        if reader is not None:      # a weight read far past its floor: the op that read it
+            top = reader
+        elif (compute or any("flops" in x for x in reasons)) and r2.top_flops:
             top = r2.top_flops
         else:
             top = r2.top_core if any("floor's work" in x for x in reasons) and r2.top_core else r2.top_bytes
@@ -220,7 +248,8 @@ def floor_findings(model, decodes, batch, cost) -> list[Finding]:
                             f"{s2.label}: recorded work against the floor per block (highest: {table[0][0]}, "
                             f"{table[0][2]}x; a warning from {FAR_RATIO:g}x)",
                             {"module": table[0][0]},
-                            evidence={"(block, ops, work/floor, bytes/floor, flops/floor)": table[:TOP]}))
+                            evidence={"(block, ops, work/floor, bytes/floor, flops/floor, most-read weight/floor)":
+                                      table[:TOP]}))
     return findings
 
 

@@ -14,6 +14,8 @@ core itself, not the next module the two models share (a layer's `o_norm`, `o_pr
                                                                          the clamps and the product)
     self_attn.f_a_proj, f_b_proj  the modules                            self_attn.forget_gate.f_a_proj, f_b_proj
     hc_head                    module HyperHead (the streams' mean)      module hc_head
+    self_attn.kv_b_proj (DSA)  the latent through the absorbed weights   module self_attn.kv_b_proj (this
+                               (absorb_weights' W_uk | W_uv, per head)   forward's rows of its cached latents)
 
 The vision tower (`vision_numerics`; both towers use transformers' module names) names its steps
 the same way (`VISION_POINTS`), read on both sides as the input of the module that consumes them:
@@ -36,6 +38,7 @@ import inspect
 import sys
 
 import torch
+import torch.nn.functional as F
 
 # ouro: methods recorded like ops (key = owner + "." + method name)
 METHODS = (("ouro.layers.kda", "KDAttention", "forget_gate"), ("ouro.layers.mhc", "HyperConnection", "mix"))
@@ -60,6 +63,13 @@ HF_RENAMES = ((".self_attn.forget_gate.f_a_proj", ".self_attn.f_a_proj"),
 VISION_POINTS = (("VisionAttention", "proj", "attention_core"),
                  ("MLP", "down_proj", "clamped_swiglu"),
                  ("PatchMerger", "down_proj", "clamped_swiglu"))
+# ouro: a module the reference calls whose weight ouro uses functionally (MLA absorbs kv_b_proj into the
+# attention's products): (layer module, op it calls there, the caller's locals it needs, key suffix
+# under the owner, what the module's output would be from them and the op's output). Recorded while
+# tapping only: the layer computes nothing more.
+DERIVED = (("ouro.layers.dsa", "absorb_weights", ("latent",), "kv_b_proj", "expanded_latent"),)
+# transformers: modules that run over every cached row; the last rows are this forward's tokens'
+HF_CACHED_ROWS = (".self_attn.kv_b_proj",)
 HF_CONV = ("causal_conv1d_fn", "causal_conv1d_update")   # module-level functions of the reference
 HF_MODULE = "transformers.models.glm5_next.modeling_glm5_next"
 
@@ -119,6 +129,21 @@ def vision_points(modules: dict) -> list:
             if type(mod).__name__.endswith(owner_cls) and target in modules:
                 out.append((target, name, f"{name}.{suffix}" if name else suffix))
     return out
+
+
+def expanded_latent(latent, w_uk, w_uv):
+    """kv_b_proj's output as MLA's absorbed weights ([H, qk, r], [H, v, r]) make it: per head, the
+    latent's key rows then its value rows, [T, H * (qk + v)] in the module's output layout."""
+    w = torch.cat([w_uk, w_uv], 1)
+    return F.linear(latent, w.reshape(-1, w.shape[-1]).to(latent.dtype))
+
+
+def cached_rows(name: str, t, n: int):
+    """This forward's n rows of a reference module in HF_CACHED_ROWS ([B, 1, L, C], L cached
+    positions); t itself for any other module."""
+    if name.endswith(HF_CACHED_ROWS) and isinstance(t, torch.Tensor) and t.dim() > 2:
+        return t.reshape(-1, t.shape[-1])[-n:]
+    return t
 
 
 def wrap_hf_conv(owner_of, record) -> list:

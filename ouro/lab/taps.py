@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 
 from ..layers.context import ForwardContext
-from .sub_taps import OP_ROLES, OURO_PARTS, parts, wrap_methods
+from . import sub_taps
+from .sub_taps import DERIVED, OP_ROLES, OURO_PARTS, parts, wrap_methods
 from .tolerances import kind_of_module, kind_of_op
 
 # op functions that return no per-token rows (weights, per-pool keys, KCP summaries, conv windows),
@@ -256,12 +257,35 @@ class OuroTaps:
                 if callable(fn) and name in ops and name not in NOT_PER_TOKEN:
                     self.patched.append((module, name, fn))
                     setattr(module, name, self._op_wrapper(name, fn))
+        for module_name, op, local_names, suffix, derive in DERIVED:
+            module = importlib.import_module(module_name)
+            fn = getattr(module, op)
+            self.patched.append((module, op, fn))
+            setattr(module, op, self._derived_wrapper(fn, local_names, suffix, getattr(sub_taps, derive)))
 
     def _op_wrapper(self, op, fn):
         def wrapped(*args, **kwargs):
             out = fn(*args, **kwargs)
             owner = _find_local("self", torch.nn.Module, depth=3)   # a CP hook calls ops 2 frames below the layer
             self._record_op(owner, op, OP_ROLES.get(op, op), fn, out)
+            return out
+        return wrapped
+
+    def _derived_wrapper(self, fn, local_names, suffix, derive):
+        """`sub_taps.DERIVED`: a module ouro does not call, its output made from the caller's locals
+        and this op's output, recorded under `owner.suffix` with the op's source."""
+        def wrapped(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            caller = sys._getframe(1).f_locals
+            name = self.names.get(id(caller.get("self")))
+            got = [caller.get(n) for n in local_names]
+            ctx = caller.get("ctx")
+            if name is not None and isinstance(ctx, ForwardContext) and all(isinstance(t, torch.Tensor) for t in got):
+                key = f"{name}.{suffix}"
+                self.rec.kinds.setdefault(key, kind_of_module(key, "Linear"))
+                self.rec.sources[key] = source_of(fn)
+                with torch.no_grad():
+                    self._record(key, derive(*got, *out), ctx)
             return out
         return wrapped
 
