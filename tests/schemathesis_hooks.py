@@ -85,7 +85,8 @@ def map_case(context, case):
     for key in ("max_tokens", "max_completion_tokens"):
         if _number(body.get(key)):
             body[key] = tokens if forced else min(int(body[key]), tokens)
-    if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+    generates = case.path in ("/v1/completions", "/v1/chat/completions")   # no other body has max_tokens
+    if generates and body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
         body["max_tokens"] = tokens
     for message in body.get("messages") or []:
         for call in message.get("tool_calls") or []:

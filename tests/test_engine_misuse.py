@@ -211,7 +211,7 @@ def test_prompt_token_ids_accept_lists_of_ints(llm):
     assert a == b
 
 
-@pytest.mark.parametrize("field,value", [("max_tokens", 0), ("temperature", -1.0), ("seed", "x"),
+@pytest.mark.parametrize("field,value", [("max_tokens", -1), ("temperature", -1.0), ("seed", "x"),
                                          ("top_p", 0.0), ("n", 0), ("stop_token_ids", 5), ("min_p", float("nan")),
                                          ("ignore_eos", "yes"), ("logprobs", 99)])
 def test_params_changed_after_construction_are_rechecked(llm, field, value):

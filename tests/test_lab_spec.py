@@ -1,7 +1,8 @@
 """The lab's `spec=nextn:K` numerics configuration: the decode tokens run through speculative
 verification (forced drafts with every step's last one wrong, so each step rolls one position
 back); clean, every logit agrees with the plain decode; the two planted speculation faults are
-each found at the first KDA layer."""
+each found at the first KDA layer. And the draft work speculation throws away (`spec_waste`): what
+clean speculation costs is info, drafts departing from the draft layer's own are a warning."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import os
 
 import pytest
 
+from ouro.engine.sampling import SamplingParams
 from ouro.lab.fault_patch import applied_in_process
 from ouro.lab.fault_scoring import localises
 from ouro.lab.faults import all_faults
@@ -39,6 +41,9 @@ def test_planted_speculation_faults_are_found_where_they_are(name):
 
 
 def test_thrown_away_draft_work_is_a_redundancy_finding():
+    """Clean speculation throws many drafts away (the trained tiny-py's MTP head is often wrong):
+    that is what it costs, an info finding, since the draft layer driven from scratch on the same
+    tokens gets exactly as many accepted on the same verifications."""
     from ouro.lab.spec_waste import spec_waste_finding
     f = spec_waste_finding("tiny-py", k=4, n_prompts=2, prompt_len=48, output_len=16)
     assert f.where["function"] == "Speculator.draft" and f.where["file"] == "ouro/engine/speculative.py"
@@ -48,3 +53,33 @@ def test_thrown_away_draft_work_is_a_redundancy_finding():
     assert f.evidence["drafts_rejected"] == round(f.measured["reject_share"] * f.evidence["drafts_verified"])
     weak = [i + 1 for i, a in enumerate(rates) if a < 0.5]
     assert ("--speculative-num-steps" in f.next) == bool(weak)
+    assert f.severity == "info", f.summary
+    assert f.evidence["drafts_accepted"] == f.evidence["reference_accepted"] > 0, f.evidence
+
+
+def test_drafts_departing_from_the_draft_layer_are_a_warning_at_the_drafting():
+    """The planted fault feeds the draft layer token p beside the trunk's state at p: outputs stay
+    right (verification rejects the drafts), acceptance collapses against the reference's."""
+    from ouro.lab.spec_waste import spec_waste_finding
+    fault = FAULTS["spec_draft_rows_one_token_behind"]
+    with applied_in_process(fault, REPO):
+        f = spec_waste_finding("tiny-py", k=3, n_prompts=2, prompt_len=48, output_len=16)
+    assert f.severity == "warning", f.summary
+    assert localises(f, fault.localised, set()), f.where
+    assert f.evidence["drafts_accepted"] < f.evidence["reference_accepted"] / 2, f.evidence
+    assert f.where["positions"][0] >= 48            # a decode position of a 48-token prompt
+
+
+def test_reference_drafts_follow_the_draft_layer_chain():
+    """The reference stops at the first draft that misses the tokens, never past the drafts asked for."""
+    from ouro.engine.llm import LLM
+    from ouro.lab.spec_waste import _accepted, reference_drafts
+    llm = LLM("tiny-py", max_memory=128 << 20, page_size=16, speculative_config={"num_speculative_tokens": 3})
+    ids = llm.generate({"prompt_token_ids": list(range(5, 40))},
+                       SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]
+    ids = list(ids.prompt_token_ids) + list(ids.token_ids)
+    checks = [(n, 3) for n in range(36, len(ids) - 3)]
+    ref = reference_drafts(llm.engine.model, llm.engine.speculator.layer, ids, checks)
+    for n, d in checks:
+        a = _accepted(ref[n], ids, n)
+        assert 1 <= len(ref[n]) <= d and len(ref[n]) == min(d, a + 1), (n, ref[n], a)
