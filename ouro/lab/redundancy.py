@@ -133,7 +133,8 @@ def add_arguments(p) -> None:
                         "findings do not depend on the machine)")
     p.add_argument("--spec", default=None, metavar="nextn:K",
                    help="also run held-out prompts with MTP speculation (K drafts) and report the draft work thrown "
-                        "away (a checkpoint with an MTP layer, e.g. tiny-py)")
+                        "away (a checkpoint with an MTP layer, e.g. tiny-py): info while the engine accepts what the "
+                        "draft layer driven from scratch on the same tokens accepts, a warning when it departs")
     p.add_argument("--graph", action="store_true",
                    help="also trace the compiled decode step (--compile's graph, aot_eager) at two batch sizes "
                         "and report whether it is one graph with no break")
@@ -145,6 +146,6 @@ def run(args) -> list[Finding]:
     if args.spec:
         from .run_configs import parse_config
         from .spec_waste import spec_waste_finding
-        f = spec_waste_finding(args.model, parse_config(f"spec={args.spec}").spec_steps)
+        f = spec_waste_finding(args.model, parse_config(f"spec={args.spec}").spec_steps, dtype=args.dtype)
         findings.insert(0 if f.severity != "info" else len(findings), f)
     return findings
