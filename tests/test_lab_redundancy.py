@@ -175,7 +175,7 @@ def test_every_expert_read_at_batch_1_is_the_top_finding(model, monkeypatch, gem
     assert s["detected"] and s["localised"], s["top"]
     top = top_finding(found)
     assert top.where["module"].startswith("layers.") and top.where["module"].endswith(".mlp.experts"), top.where
-    assert top.where["function"] == "_experts_gathered" and "experts.gate_up_proj 4.0x" in top.summary, top.summary
+    assert top.where["function"] == "_experts_gathered" and "experts.gate_up_proj 4.0x its floor" in top.summary, top.summary
 
 
 def test_weight_reads_count_each_matrix_once_on_clean_decode(model, monkeypatch):

@@ -87,8 +87,8 @@ def weight_reads(model, ops, batch: int) -> dict[str, tuple[float, float, object
     """{parameter name: (bytes the recorded ops read of it, its floor, the op that read most of it)}
     for the weight matrices (and stacked experts) read at all. Vectors (norms, biases, scales) are
     left out: element-wise ops read them as they read activations, a few passes each (the eager
-    chains `core` leaves out too). A packed copy (`gemm_pick.packed_for`) is not the parameter and
-    does not count."""
+    chains `core` leaves out too). A oneDNN packed copy (`gemm_pick.packed_for`) read by an op
+    counts as the weight it was packed from (`OpRecord.weight_reads`)."""
     names = {}
     for name, p in model.named_parameters():
         if p.dim() >= 2:

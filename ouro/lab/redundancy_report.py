@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from collections import Counter, defaultdict
 
+from ..measure.step_cost import ROUTED
 from .findings import Finding
 from .module_floor import block_floors, block_of, recorded_by_block, weight_reads
 
@@ -195,8 +196,9 @@ def floor_findings(model, decodes, batch, cost) -> list[Finding]:
             r, (ff, fb) = rec[blk], fl[blk]
             for ratio, name, nbytes, floor, op in weights[step.label].get(blk, ()):
                 if ratio >= FAR_RATIO:
-                    reasons.append(f"{step.label}: it reads {name} {ratio:.1f}x ({nbytes:.3g} B against a floor of "
-                                   f"{floor:.3g} B: every byte once, of the routed experts only those chosen)")
+                    once = "the experts its tokens chose, once" if name.endswith(ROUTED) else "every byte once"
+                    reasons.append(f"{step.label}: it reads {name} {ratio:.1f}x its floor ({nbytes:.3g} B against "
+                                   f"{floor:.3g} B: {once})")
                     excess = max(excess, (nbytes - floor) / cost.bytes_per_s)
                     reader = reader or op
             t, t_floor, bound_by_flops = _work(r, ff, fb, cost)

@@ -125,6 +125,8 @@ def spec_waste_finding(model: str = "tiny-py", k: int = 3, n_prompts: int = 3, p
         rid = o.request_id
         ids = list(o.prompt_token_ids) + list(o.outputs[0].token_ids)
         mine = checks.get(rid, [])
+        if not any(d for _, d, _ in mine):
+            continue
         ref = reference_drafts(llm.engine.model, spec.layer, ids, [(n, len(d)) for n, d, _ in mine if d])
         for n, drafts, acc in mine:
             if not drafts:
@@ -144,7 +146,7 @@ def spec_waste_finding(model: str = "tiny-py", k: int = 3, n_prompts: int = 3, p
                 "accept_length": round(s["spec_accept_length"], 4), "drafts_accepted": eng_acc}
     where = {"file": FILE, "function": FUNCTION, "module": "mtp"}
     if departed:
-        where["positions"] = sorted(n for n, *_ in departures)[:8]
+        where["positions"] = sorted({n for n, *_ in departures})[:8]
         summary = (f"speculation (NEXTN, K={k}) accepted {eng_acc} drafts where the checkpoint's draft layer, driven "
                    f"from scratch on the same tokens, gets {ref_acc} accepted on the same {st.steps} verifications: "
                    f"the drafts the engine makes depart from the draft layer's ({len(departures)} verifications differ, "
