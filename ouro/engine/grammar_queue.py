@@ -5,6 +5,8 @@ grammar is ready (`ready`), so the batch never waits on a compile, only that req
 
 from __future__ import annotations
 
+import torch
+
 from ..measure.spans import span
 from .structured import Constraint, GrammarBook
 
@@ -47,9 +49,12 @@ class GrammarQueue:
             got[1].cancel()
         return got is not None
 
-    def constrain(self, logits, reqs) -> None:
+    def constrain(self, logits, reqs) -> list[int]:
         """Rows [k] of `logits` for `reqs[k]`: a forced prefix leaves only its next id; an active
-        grammar its allowed tokens (the other rows untouched)."""
+        grammar its allowed tokens (the other rows untouched). Returns the rows left with no token
+        at all (a forced id the grammar refuses): nothing can be sampled from them."""
+        if not any(r.constraint is not None or r.params.forced_prefix_ids for r in reqs):
+            return []
         for k, r in enumerate(reqs):
             forced = r.params.forced_prefix_ids
             if forced and len(r.output_ids) < len(forced):
@@ -62,6 +67,7 @@ class GrammarQueue:
         if self.book is not None and any(r.constraint is not None for r in reqs):
             with span("grammar mask", cat="mask"):
                 self.book.mask(logits, [r.constraint for r in reqs])
+        return torch.isneginf(logits).all(dim=-1).nonzero().flatten().tolist()
 
     def __len__(self) -> int:
         return len(self.waiting)

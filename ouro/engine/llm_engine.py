@@ -288,15 +288,13 @@ class LLMEngine:
         for proc in self.logits_processors:
             for k, r in enumerate(reqs):
                 logits[k] = proc(r.prompt_ids, r.output_ids, logits[k])
-        self.grammars.constrain(logits, reqs)     # forced prefixes, structured outputs' bitmasks
-        dead = torch.isneginf(logits).all(dim=-1).tolist() if any(
-            r.constraint is not None or r.params.forced_prefix_ids for r in reqs) else []
-        if any(dead):           # constraints that leave no token (a grammar refusing a forced id): that request fails
-            for k in [k for k, d in enumerate(dead) if d]:
+        dead = self.grammars.constrain(logits, reqs)     # forced prefixes, structured outputs' bitmasks
+        if dead:                # constraints that leave no token: that request fails, the rest sample
+            for k in dead:
                 self._finish(reqs[k], "abort")
                 self.failed.append((reqs[k].request_id, "its constraints leave no token to sample (a forced prefix "
                                                         "the grammar refuses?)"))
-            keep = [k for k, d in enumerate(dead) if not d]
+            keep = [k for k in range(len(reqs)) if k not in dead]
             reqs, logits = [reqs[k] for k in keep], logits[keep]
             if not reqs:
                 return outputs
