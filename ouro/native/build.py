@@ -1,0 +1,58 @@
+"""Compiling ouro's C++ kernels on first use for this CPU, cached under `$OURO_CACHE/ext/`.
+
+One function serves every native source (the W8A8 product, the fused decode ops): the build is
+keyed by the sources (headers included), the CPU's flags, torch's version and the flags, made with
+torch's `cpp_extension` (ninja, a C++ compiler) and `-march=native`, so the instruction set a
+kernel uses is the one this CPU has (AVX-512, AVX2, or the portable loops). A machine without a
+compiler gets None and the reason; callers fall back to their eager forms."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import torch
+
+from ..machine_cache import cache_root, cpuinfo
+
+# -fopenmp at compile time only: at::parallel_for then runs on torch's own OpenMP runtime (its GOMP
+# symbols resolve through libtorch at load time); linking -lgomp would load a second runtime
+CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+
+
+def build_key(files: list[Path]) -> str:
+    h = hashlib.sha256()
+    for part in [f.read_bytes() for f in files] + [cpuinfo("flags", "Features").encode(), torch.__version__.encode(),
+                                                    " ".join(CFLAGS).encode()]:
+        h.update(part)
+    return h.hexdigest()[:16]
+
+
+def compile_native(name: str, source: Path, headers: tuple[Path, ...] = (), python_module: bool = True):
+    """(module or library path, None) when built and loaded, (None, why) when it cannot be here.
+    `python_module=False` builds a plain library of `TORCH_LIBRARY` ops (loaded into `torch.ops`)."""
+    try:
+        from torch.utils import cpp_extension
+        cpp_extension.verify_ninja_availability()
+        files = [source, *headers]
+        key = build_key(files)
+        directory = cache_root() / "ext" / f"{name}_{key}"
+        directory.mkdir(parents=True, exist_ok=True)
+        # compiled from copies inside the build directory: another checkout of the same sources (the
+        # fault suite's patched copies, a worktree) then finds the build done instead of redoing it
+        for f in files:
+            copy = directory / f.name
+            if not copy.is_file() or copy.read_bytes() != f.read_bytes():
+                tmp = copy.with_suffix(f".{os.getpid()}.tmp")
+                tmp.write_bytes(f.read_bytes())
+                tmp.replace(copy)
+        built = cpp_extension.load(name=f"ouro_{name}_{key}", sources=[str(directory / source.name)],
+                                   extra_cflags=CFLAGS, extra_include_paths=[str(directory)],
+                                   build_directory=str(directory), verbose=False, is_python_module=python_module)
+        return (built if python_module else str(directory / f"ouro_{name}_{key}.so")), None
+    except Exception as e:                         # noqa: BLE001 - no compiler, no ninja, a failed build
+        lines = str(e).strip().splitlines()
+        # a compiler's message names the line at fault; otherwise the exception's first line
+        first = next((line for line in lines if "error:" in line), lines[0] if lines else "")
+        return None, f"{type(e).__name__}: {first.strip()[:300]}"

@@ -1,0 +1,99 @@
+"""The fused decode kernels: one C++ library per family (`norms.cpp`, `kda.cpp`, ...), each built on
+first use (`build.compile_native`) and registered as `torch.ops.ouro_native.*` ops. Each family's
+Python module (`norms.py`, ...) registers its ops' fake implementations, so a compiled graph holds
+every fused op as one call.
+
+A layer takes the fused path only where `usable(...)` says so: the family built here, fused kernels
+not turned off (`OURO_FUSED=0`, `eager_only()`), no autograd, CPU float32 tensors. Everywhere else
+(no compiler, a GPU, bfloat16, float64 reference runs, training) the layer's eager code runs: it is
+also each kernel's reference in the tests. A family that cannot be built says so once in the log."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from .build import compile_native
+
+log = logging.getLogger(__name__)
+
+HERE = Path(__file__).parent
+HEADERS = (HERE / "vec.h",)
+_STATE: dict = {"eager_only": False}
+_LOADED: dict[str, str | None] = {}      # family -> None when loaded, else why it is not
+_FAKES: dict[str, object] = {}           # family -> function registering its fake implementations
+
+
+def register_fakes(family: str):
+    """Decorator: the function registering `family`'s fake implementations, run once after its load."""
+    def wrap(fn):
+        _FAKES[family] = fn
+        return fn
+    return wrap
+
+
+def load(family: str) -> bool:
+    """Builds and loads `<family>.cpp` once; True when its ops are in `torch.ops.ouro_native`."""
+    if family not in _LOADED:
+        if os.environ.get("OURO_FUSED", "1") == "0":
+            _LOADED[family] = "OURO_FUSED=0"
+        else:
+            path, why = compile_native(f"fused_{family}", HERE / f"{family}.cpp", HEADERS, python_module=False)
+            _LOADED[family] = why
+            if why is None:
+                if family in _FAKES:
+                    _FAKES[family]()
+            else:
+                log.warning("ouro's fused %s kernels are not used on this machine (%s); the eager path runs. "
+                            "Install a C++ compiler and `ninja` to build them.", family, why)
+    return _LOADED[family] is None
+
+
+def why_not(family: str) -> str | None:
+    load(family)
+    return _LOADED[family]
+
+
+def usable(family: str, *tensors) -> bool:
+    """Whether a layer should run `family`'s fused op on these tensors (see the module's text)."""
+    if _STATE["eager_only"] or torch.is_grad_enabled():
+        return False
+    for t in tensors:
+        if t.device.type != "cpu" or t.dtype != torch.float32:
+            return False
+    return load(family)
+
+
+@contextlib.contextmanager
+def eager_only(on: bool = True):
+    """Within: every layer takes its eager path (the fused kernels' reference, an A/B's other side)."""
+    saved = _STATE["eager_only"]
+    _STATE["eager_only"] = on
+    try:
+        yield
+    finally:
+        _STATE["eager_only"] = saved
+
+
+def isa(family: str) -> str:
+    """The instruction set `family`'s kernels run here: 'avx512', 'avx2' or 'portable'."""
+    if not load(family):
+        return "none"
+    return getattr(torch.ops.ouro_native, f"{family}_isa")(-1)
+
+
+@contextlib.contextmanager
+def portable(family: str):
+    """Within: `family`'s kernels run their portable loops (each path is tested on one machine)."""
+    load(family)
+    op = getattr(torch.ops.ouro_native, f"{family}_isa")
+    saved = op(-1) == "portable"
+    op(1)
+    try:
+        yield
+    finally:
+        op(int(saved))

@@ -1,0 +1,89 @@
+// Fused norms and activations for the decode step: RMSNorm of a row (one pass for the sum of
+// squares, one for the scaled write) and the clamped SwiGLU of a gate / up pair. Each replaces
+// 4-6 torch ops (and their temporaries) with one call; rows run in parallel only when a thread's
+// share is worth waking it.
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+
+#include "vec.h"
+
+namespace {
+
+constexpr int64_t GRAIN_ELEMENTS = 1 << 15;   // ~128 KB of float32 per thread at least
+
+int64_t grain(int64_t width) { return std::max<int64_t>(1, GRAIN_ELEMENTS / std::max<int64_t>(1, width)); }
+
+void check_rows(const at::Tensor& t, const char* what) {
+    TORCH_CHECK(t.scalar_type() == at::kFloat, what, " must be float32, got ", t.scalar_type());
+    TORCH_CHECK(t.dim() >= 1 && t.stride(-1) == 1, what, " must have a contiguous last dimension");
+}
+
+// y = weight * (x * rsqrt(mean(x^2) + eps)), row by row over the last dimension
+at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight, double eps) {
+    check_rows(x_in, "x");
+    check_rows(weight, "weight");
+    at::Tensor x = x_in.contiguous();
+    const int64_t D = x.size(-1), rows = D ? x.numel() / D : 0;
+    TORCH_CHECK(weight.numel() == D, "weight has ", weight.numel(), " entries for rows of ", D);
+    at::Tensor y = at::empty(x.sizes(), x.options());
+    const float* xp = x.data_ptr<float>();
+    const float* wp = weight.contiguous().data_ptr<float>();
+    float* yp = y.data_ptr<float>();
+    const float e = static_cast<float>(eps);
+    at::parallel_for(0, rows, grain(D), [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) {
+            const float* row = xp + r * D;
+            const float inv = 1.f / std::sqrt(ouro::sumsq(row, D) / static_cast<float>(D) + e);
+            ouro::scale_mul(yp + r * D, row, inv, wp, D);
+        }
+    });
+    return y;
+}
+
+// silu(min(gate, limit)) * clamp(up, -limit, limit); gate and up are [T, I] views (e.g. the two
+// halves of one merged gate/up product) with any row stride
+at::Tensor clamped_swiglu(const at::Tensor& gate, const at::Tensor& up, double limit) {
+    check_rows(gate, "gate");
+    check_rows(up, "up");
+    TORCH_CHECK(gate.dim() == 2 && up.sizes() == gate.sizes(), "gate and up must be [T, I] of one shape");
+    const int64_t T = gate.size(0), I = gate.size(1), gs = gate.stride(0), us = up.stride(0);
+    at::Tensor y = at::empty({T, I}, gate.options());
+    const float* gp = gate.data_ptr<float>();
+    const float* up_ = up.data_ptr<float>();
+    float* yp = y.data_ptr<float>();
+    const float lim = static_cast<float>(limit);
+    at::parallel_for(0, T, grain(I), [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) {
+            const float* g = gp + r * gs;
+            const float* u = up_ + r * us;
+            float* out = yp + r * I;
+            for (int64_t i = 0; i < I; ++i) {
+                // std::min / std::max return their first argument when it is NaN: NaN stays NaN, as in torch's clamp
+                out[i] = ouro::silu(std::min(g[i], lim)) * std::min(std::max(u[i], -lim), lim);
+            }
+        }
+    });
+    return y;
+}
+
+std::string norms_isa(int64_t force_portable) {
+    if (force_portable >= 0) ouro::portable() = force_portable != 0;
+    return ouro::isa();
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(ouro_native, m) {
+    m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+    m.def("clamped_swiglu(Tensor gate, Tensor up, float limit) -> Tensor");
+    m.def("norms_isa(int force_portable) -> str", &norms_isa);
+}
+
+TORCH_LIBRARY_IMPL(ouro_native, CPU, m) {
+    m.impl("rms_norm", &rms_norm);
+    m.impl("clamped_swiglu", &clamped_swiglu);
+}

@@ -1,0 +1,93 @@
+// Vector primitives the fused kernels are written in: one AVX-512 body, one AVX2 body and a portable
+// loop each, picked at build time by the CPU's flags (-march=native). `portable()` forces the
+// portable loops at run time, so the tests check every path this machine can run against the same
+// reference. Sums accumulate in lanes (float32), which orders additions differently from torch's
+// reductions: results agree to float32 rounding, not bit for bit. A row's result depends only on
+// that row (never on how many rows share a call), which keeps deterministic mode batch-invariant.
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <string>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace ouro {
+
+inline bool& portable() { static bool on = false; return on; }
+
+inline std::string isa() {
+    if (portable()) return "portable";
+#if defined(__AVX512F__)
+    return "avx512";
+#elif defined(__AVX2__) && defined(__FMA__)
+    return "avx2";
+#else
+    return "portable";
+#endif
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+// sum_i a[i] * b[i]
+inline float dot(const float* a, const float* b, int64_t n) {
+    int64_t i = 0;
+    float s = 0.f;
+    if (!portable()) {
+#if defined(__AVX512F__)
+        __m512 acc = _mm512_setzero_ps();
+        for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+        s = _mm512_reduce_add_ps(acc);
+#elif defined(__AVX2__) && defined(__FMA__)
+        __m256 acc = _mm256_setzero_ps();
+        for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+        s = hsum256(acc);
+#endif
+    }
+    for (; i < n; ++i) s += a[i] * b[i];
+    return s;
+}
+
+inline float sumsq(const float* a, int64_t n) { return dot(a, a, n); }
+
+// y[i] += alpha * x[i]
+inline void axpy(float* y, float alpha, const float* x, int64_t n) {
+    int64_t i = 0;
+    if (!portable()) {
+#if defined(__AVX512F__)
+        __m512 va = _mm512_set1_ps(alpha);
+        for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, _mm512_fmadd_ps(va, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+#elif defined(__AVX2__) && defined(__FMA__)
+        __m256 va = _mm256_set1_ps(alpha);
+        for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+#endif
+    }
+    for (; i < n; ++i) y[i] += alpha * x[i];
+}
+
+// y[i] = x[i] * alpha * w[i]   (a normalised row: x times its per-row scale, then the weight)
+inline void scale_mul(float* y, const float* x, float alpha, const float* w, int64_t n) {
+    int64_t i = 0;
+    if (!portable()) {
+#if defined(__AVX512F__)
+        __m512 va = _mm512_set1_ps(alpha);
+        for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, _mm512_mul_ps(_mm512_loadu_ps(w + i), _mm512_mul_ps(_mm512_loadu_ps(x + i), va)));
+#elif defined(__AVX2__) && defined(__FMA__)
+        __m256 va = _mm256_set1_ps(alpha);
+        for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_loadu_ps(w + i), _mm256_mul_ps(_mm256_loadu_ps(x + i), va)));
+#endif
+    }
+    for (; i < n; ++i) y[i] = w[i] * (x[i] * alpha);
+}
+
+inline float sigmoid(float x) { return 1.f / (1.f + std::exp(-x)); }
+inline float silu(float x) { return x / (1.f + std::exp(-x)); }
+
+}  // namespace ouro
