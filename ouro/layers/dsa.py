@@ -11,6 +11,7 @@ from torch import nn
 
 from ..ops.dsa import absorb_weights, index_select, pool_keys, sparse_mla
 from .linear import Linear
+from .merged import project
 from .norm import RMSNorm
 
 
@@ -121,9 +122,10 @@ class DSAttention(nn.Module):
     def _forward(self, x, ctx, prev_selection=None):
         cache, li = ctx.cache, self.cache_index
         ctx.dsa_begin(self)
-        q_resid = self.q_a_layernorm(self.q_a_proj(x))
+        qa, kva = project(x, self.q_a_proj, self.kv_a_proj_with_mqa)
+        q_resid = self.q_a_layernorm(qa)
         q = self.q_b_proj(q_resid).view(-1, self.H, self.qk)
-        latent = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x))
+        latent = self.kv_a_layernorm(kva)
         flat = cache.latent_rows(li)
         ctx.write_rows(flat, latent)
         if self.indexer is not None:

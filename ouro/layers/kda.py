@@ -9,6 +9,7 @@ from ..ops.conv1d import causal_conv1d
 from ..ops.kda import kda_recurrent_step
 from .norm import GatedRMSNorm
 from .linear import Linear
+from .merged import project, project_cat
 from .precision import KeepFloat32
 
 
@@ -49,10 +50,11 @@ class KDAttention(KeepFloat32):
         self.o_norm = GatedRMSNorm(dk, config.rms_norm_eps)
         self.o_proj = Linear(C, D, bias=False)
 
-    def forget_gate(self, x):
-        """Per-channel log-decay g <= 0, [T, H, dk]."""
+    def forget_gate(self, x, fa=None):
+        """Per-channel log-decay g <= 0, [T, H, dk]. `fa`: f_a_proj(x) where it was computed already
+        (in one product with g_a and b)."""
         cdt = torch.promote_types(x.dtype, torch.float32)   # float64 stays float64 (reference runs)
-        raw = (self.f_b_proj(self.f_a_proj(x)).to(cdt) + self.dt_bias.to(cdt)).view(-1, self.H, self.dk)
+        raw = (self.f_b_proj(self.f_a_proj(x) if fa is None else fa).to(cdt) + self.dt_bias.to(cdt)).view(-1, self.H, self.dk)
         rate = self.A_log.to(cdt).exp().view(1, self.H, 1)
         if self.lower_bound is not None:  # bounded form: lower_bound * sigmoid(.) lies in (lb, 0)
             return self.lower_bound * torch.sigmoid(rate * raw)
@@ -86,7 +88,8 @@ class KDAttention(KeepFloat32):
         # speculative rows (`ctx.replay`): their states are kept as they were; what a commit needs is recorded
         held = {b: (conv_state[b].clone(), rec_state[b].clone()) for b in ctx.replay} if ctx.replay else None
 
-        mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)      # [T, 3C]
+        mixed = project_cat(x, self.q_proj, self.k_proj, self.v_proj)                     # [T, 3C]
+        fa, ga, b = project(x, self.f_a_proj, self.g_a_proj, self.b_proj)
         pre_conv = mixed
         lengths = ctx.query_lens_tensor
         padded = ctx.pad(mixed).transpose(1, 2)
@@ -96,8 +99,8 @@ class KDAttention(KeepFloat32):
         q, k, v = (t.reshape(T, self.H, self.dk).to(cdt) for t in mixed.chunk(3, dim=-1))
         q = l2_normalize(q) * self.dk ** -0.5
         k = l2_normalize(k)
-        g = self.forget_gate(x)
-        beta = torch.sigmoid(self.b_proj(x).to(cdt))
+        g = self.forget_gate(x, fa)
+        beta = torch.sigmoid(b.to(cdt))
 
         if ctx.is_decode:
             o = kda_recurrent_step(q, k, v, g, beta, rec_state)
@@ -128,6 +131,6 @@ class KDAttention(KeepFloat32):
                 cache.conv[si][slot] = conv0
                 cache.recurrent[si][slot] = rec0
 
-        gate = self.g_b_proj(self.g_a_proj(x)).view(T, self.H, self.dk)
+        gate = self.g_b_proj(ga).view(T, self.H, self.dk)
         o = self.o_norm(o.to(x.dtype), gate).reshape(T, -1)
         return self.o_proj(o)

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..gemm_pick import form_for, packed_for, product
+from ..gemm_pick import form_for, packed_for, pick_forms, product
 from ..ops import batch_invariant
 from ..ops.opaque import call_opaque
 
@@ -36,3 +36,18 @@ class Linear(nn.Linear):
 
     def packed_weights(self):
         return [self.weight]
+
+    @classmethod
+    def merge(cls, modules):
+        """One Linear with `modules`' weights stacked (`ouro.layers.merged`); its product form is
+        measured for its own shape where the sources run measured forms."""
+        if any(m.bias is not None or m.in_features != modules[0].in_features for m in modules):
+            return None
+        w = torch.cat([m.weight.detach() for m in modules])
+        out = cls(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
+        out.weight = nn.Parameter(w, requires_grad=False)
+        if modules[0].forms is not None:
+            out.forms = pick_forms(out.weight)
+            if "packed" in out.forms:
+                packed_for(out, out.packed_weights())
+        return out

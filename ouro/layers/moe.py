@@ -9,6 +9,7 @@ from ..ops.capture import reads_host
 from ..ops.opaque import call_opaque
 from ..ops.moe import clamped_swiglu, experts_grouped, experts_looped, route
 from .linear import Linear
+from .merged import project
 from .precision import KeepFloat32
 
 
@@ -24,7 +25,8 @@ class MLP(nn.Module):
         self.limit = config.swiglu_limit
 
     def forward(self, x):
-        return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
+        gate, up = project(x, self.gate_proj, self.up_proj)
+        return self.down_proj(clamped_swiglu(gate, up, self.limit))
 
 
 class Router(KeepFloat32):

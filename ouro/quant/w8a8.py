@@ -132,6 +132,16 @@ class W8A8Linear(nn.Module):
         q, s = QUANTIZERS[method](linear.weight.detach())
         return cls(q, s, linear.bias, forms)
 
+    @classmethod
+    def merge(cls, modules):
+        """One W8A8Linear with `modules`' rows stacked (`ouro.layers.merged`): per-channel scales
+        stack with them, and per-token activation scales are the same for every part."""
+        if any(m.bias is not None or m.in_features != modules[0].in_features or
+               m.qweight.dtype != modules[0].qweight.dtype for m in modules):
+            return None
+        return cls(torch.cat([m.qweight for m in modules]), torch.cat([m.weight_scale for m in modules]),
+                   None, modules[0].int8_forms)
+
     def forward(self, x):
         if torch.compiler.is_compiling():
             return call_opaque(self, x)      # a compiled graph runs the int8 product as one op

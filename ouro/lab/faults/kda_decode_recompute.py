@@ -4,8 +4,8 @@ FAULT = Fault(
     name="kda_decode_recompute",
     description="the KDA decode step recomputes its forget gate and output-norm gate three times",
     file="ouro/layers/kda.py", function="KDAttention._forward",
-    replace=[("g = self.forget_gate(x)",
-              """g = self.forget_gate(x)
+    replace=[("g = self.forget_gate(x, fa)",
+              """g = self.forget_gate(x, fa)
               if ctx.is_decode:   # FAULT: recomputed on every decode step
                   for _ in range(2):
                       g = self.forget_gate(x)

@@ -1,0 +1,60 @@
+"""Several projections of the same input as one wider product (q/k/v, KDA's f_a/g_a/b, gate/up,
+MLA's q_a with kv_a): at decode a product's per-call cost, not its bytes, set its time (the int8
+kernel reached 19-44% of stream bandwidth on 512-wide weights), so fewer, wider calls pay.
+
+The checkpoint's layout does not change: each projection stays its own module with its own
+weights (state dicts, hooks, TP shards and quantisation see them as before). The merged module is
+made from them on first use and kept outside the model (`_MERGED`), remade when any of their
+tensors changes (a load, a re-quantisation, an in-place update). A class takes part by defining
+`merge(modules) -> module or None` (`Linear`, `W8A8Linear`); groups of other or mixed classes,
+watched modules (a probe's hooks must see each projection run), autograd and graph tracing run
+each projection on its own."""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from .watch import watched
+
+_MERGED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _key(modules) -> tuple:
+    # an inference tensor has no version counter (and cannot change in place outside inference mode)
+    return tuple((id(m), t.data_ptr(), 0 if t.is_inference() else t._version, tuple(t.shape))
+                 for m in modules for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)))
+
+
+def merged_module(modules):
+    """The one module computing all of `modules`' outputs side by side, or None."""
+    cls = type(modules[0])
+    if not hasattr(cls, "merge") or any(type(m) is not cls for m in modules):
+        return None
+    key = _key(modules)
+    hit = _MERGED.get(modules[0])
+    if hit is None or hit[0] != key:
+        with torch.inference_mode(False), torch.no_grad():   # a plain tensor: packed copies key on its version
+            hit = (key, cls.merge(modules))
+        _MERGED[modules[0]] = hit
+    return hit[1]
+
+
+def project(x, *modules):
+    """(modules[0](x), modules[1](x), ...), as one product where they can share one."""
+    if len(modules) > 1 and not torch.is_grad_enabled() and not torch.compiler.is_compiling() and not watched(*modules):
+        m = merged_module(modules)
+        if m is not None:
+            return m(x).split([p.out_features for p in modules], dim=-1)
+    return tuple(p(x) for p in modules)
+
+
+def project_cat(x, *modules):
+    """torch.cat([m(x) for m in modules], -1), as one product where they can share one (no split and
+    re-join: the merged output is the concatenation)."""
+    if not torch.is_grad_enabled() and not torch.compiler.is_compiling() and not watched(*modules):
+        m = merged_module(modules)
+        if m is not None:
+            return m(x)
+    return torch.cat([p(x) for p in modules], dim=-1)
