@@ -93,3 +93,15 @@ def test_merged_under_inference_mode_with_packed_forms():
         ref = [m(x) for m in mods]
     for r, o, o2 in zip(ref, got, again):
         assert rel_rms(o, r) <= 1e-6 and torch.equal(o, o2)
+
+
+def test_a_passive_hook_does_not_stop_the_merge():
+    """The op recorder's and the breakdown's hooks observe without stopping a fused path."""
+    from ouro.layers.watch import passive, watched
+    mods = group((8, 8))
+    calls = []
+    h = mods[0].register_forward_pre_hook(passive(lambda m, a: calls.append(1)))
+    assert not watched(*mods)
+    h2 = mods[0].register_forward_hook(lambda m, a, o: None)
+    assert watched(*mods)
+    h.remove(), h2.remove()

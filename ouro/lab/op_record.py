@@ -16,6 +16,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
+from ..layers.watch import passive
 from .call_trace import repo_path
 
 STACK_DEPTH = 8
@@ -79,8 +80,9 @@ class ModuleStack:
         self.handles = []
         for name, mod in model.named_modules():
             label = name or "(model)"
-            self.handles.append(mod.register_forward_pre_hook(lambda m, a, n=label: self._push(n, a)))
-            self.handles.append(mod.register_forward_hook(lambda m, a, o: self._pop(o)))
+            # passive (`ouro.layers.watch`): the fused paths stay on, so the ops recorded are the ones a user runs
+            self.handles.append(mod.register_forward_pre_hook(passive(lambda m, a, n=label: self._push(n, a))))
+            self.handles.append(mod.register_forward_hook(passive(lambda m, a, o: self._pop(o))))
 
     def _push(self, name, args):
         self.names.append(name)

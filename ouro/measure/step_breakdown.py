@@ -60,12 +60,17 @@ class Timer:
             if module is model:     # the model's own row is filled in from the step time
                 continue
             self.handles.append(module.register_forward_pre_hook(self._enter(row)))
-            self.handles.append(module.register_forward_hook(self._leave))
+            leave = lambda m, a, o: self._leave(m, a, o)   # noqa: E731 - a function can carry the mark
+            leave.ouro_passive = True
+            self.handles.append(module.register_forward_hook(leave))
 
     def _enter(self, row):
         def hook(module, args):
             self.sync()
             self.stack.append([row, time.perf_counter(), 0.0])
+        # a passive hook (`ouro.layers.watch`): fused ops spanning timed modules still run, so the
+        # breakdown times the step a user runs (such an op's time goes to the module that calls it)
+        hook.ouro_passive = True
         return hook
 
     def _leave(self, module, args, out):
