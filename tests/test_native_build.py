@@ -1,0 +1,70 @@
+"""The native build (`ouro.native.build`) and the fused kernels' fallback: a source that does not
+compile, or a machine without a compiler, gives the reason and the eager path, with one log line."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import torch
+
+from ouro.native.build import compile_native
+
+
+def test_a_source_that_does_not_compile_gives_the_compilers_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("OURO_CACHE", str(tmp_path / "cache"))
+    src = tmp_path / "broken.cpp"
+    src.write_text("#include <torch/library.h>\nint f() { return undefined_name; }\n")
+    built, why = compile_native("broken_test", src, python_module=False)
+    assert built is None and "undefined_name" in why
+
+
+def test_no_compiler_falls_back_to_eager_with_one_log_line(tmp_path):
+    """A fresh cache and a compiler that is not there: every family says why once, the model runs."""
+    code = textwrap.dedent("""
+        import logging, torch
+        logging.basicConfig(level=logging.WARNING, format="LOG %(message)s")
+        from ouro.native import kernels
+        from ouro.layers.norm import RMSNorm
+        torch.set_grad_enabled(False)
+        x = torch.randn(3, 8)
+        assert not kernels.usable("norms", x) and not kernels.usable("norms", x)
+        assert kernels.isa("norms") == "none"
+        norm = RMSNorm(8, 1e-6)
+        norm.weight.data = torch.randn(8)
+        y = norm(x)
+        ref = norm.weight * (x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6))
+        assert torch.allclose(y, ref, rtol=1e-6, atol=1e-6)
+        print("WHY", kernels.why_not("norms"))
+    """)
+    env = {**os.environ, "OURO_CACHE": str(tmp_path / "cache"), "CXX": str(tmp_path / "no-such-compiler")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                         cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert out.returncode == 0, out.stderr[-2000:]
+    text = out.stdout + out.stderr
+    logs = [line for line in text.splitlines() if line.startswith("LOG ") and "fused norms kernels" in line]
+    assert len(logs) == 1, text[-2000:]
+    assert "WHY" in text and "WHY None" not in text
+
+
+def test_ouro_fused_0_turns_every_family_off(tmp_path):
+    code = ("import torch; from ouro.native import kernels; torch.set_grad_enabled(False); "
+            "print(kernels.usable('norms', torch.ones(2)), kernels.why_not('norms'))")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "OURO_FUSED": "0"}, capture_output=True,
+                         text=True, timeout=120, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False", "OURO_FUSED=0"]
+
+
+def test_fused_ops_are_one_call_in_a_compiled_graph():
+    from ouro.native import norms
+    torch.set_grad_enabled(False)
+    try:
+        x, w = torch.randn(4, 24), torch.randn(24)
+        assert norms.can(x, w)
+        f = torch.compile(lambda a, b: norms.rms_norm(a, b, 1e-6) * 2.0, fullgraph=True)
+        ref = w * (x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6)) * 2.0
+        got = f(x, w)
+        assert float((got - ref).norm() / ref.norm()) <= 1e-6
+    finally:
+        torch.set_grad_enabled(True)
