@@ -4,8 +4,10 @@ through post (its output) and comb (a doubly-stochastic mix of the streams)."""
 import torch
 from torch import nn
 
+from ..native import mhc as fused
 from ..ops.mhc import hc_weights
 from .precision import KeepFloat32
+from .watch import watched
 
 
 def hc_pre(streams, fn, base, scale, norm_eps: float, hc_eps: float, iters: int):
@@ -16,6 +18,9 @@ def hc_pre(streams, fn, base, scale, norm_eps: float, hc_eps: float, iters: int)
 
 
 class HyperConnection(KeepFloat32):
+    """forward and mix run the fused ops (`ouro.native.mhc`) where they apply, and the eager code
+    below (their reference) where a hook watches the module: a probe tapping it then sees the code
+    as written, and a fault planted there shows."""
     FLOAT32 = ("base", "scale")
 
     def __init__(self, config):
@@ -29,14 +34,31 @@ class HyperConnection(KeepFloat32):
 
     def forward(self, streams):
         """streams [T, n, D] -> (block input [T, D], post [T, n], comb [T, n, n])."""
+        if fused.can(streams, self.fn, self.base, self.scale) and not watched(self):
+            return fused.hc_pre(streams, *self._weights())
         return hc_pre(streams, self.fn, self.base, self.scale, self.norm_eps, self.hc_eps, self.iters)
 
     def mix(self, block_out, streams, post, comb):
         """The block's output written back: new stream i = post_i * block_out + sum_j comb[j, i] *
         stream j. A method of the hyper-connection, so each mix is tapped under its own name
         (`layers.N.attn_hc.mix`, `layers.N.ffn_hc.mix`)."""
+        if fused.can(block_out, streams, post, comb) and not watched(self):
+            return fused.hc_post(block_out, streams, post, comb)
         dt = streams.dtype
         return post.to(dt).unsqueeze(-1) * block_out.unsqueeze(1) + comb.to(dt).transpose(-1, -2) @ streams
+
+    def mix_then(self, nxt, block_out, streams, post, comb):
+        """`self.mix`, then `nxt`'s forward on the new streams, as one op while the new streams are in
+        cache (`hc_post_pre`): where the fused kernels apply and neither hyper-connection is watched
+        (a tap on either sees it run as written). Returns (new streams, nxt's output), or (new
+        streams, None): then the caller runs nxt itself, as a module."""
+        if fused.can(block_out, streams, post, comb, nxt.fn, nxt.base, nxt.scale) and not watched(self, nxt):
+            streams, *weights = fused.hc_post_pre(block_out, streams, post, comb, *nxt._weights())
+            return streams, tuple(weights)
+        return self.mix(block_out, streams, post, comb), None
+
+    def _weights(self):
+        return self.fn, self.base, self.scale, self.norm_eps, self.hc_eps, self.iters
 
 
 class HyperHead(nn.Module):

@@ -11,6 +11,7 @@ from ..layers.mhc import HyperConnection, HyperHead
 from ..layers.moe import MLP, MoE
 from ..layers.norm import RMSNorm
 from ..layers.linear import Linear
+from ..layers.watch import watched
 
 
 class DecoderLayer(nn.Module):
@@ -24,17 +25,24 @@ class DecoderLayer(nn.Module):
         self.attn_hc = HyperConnection(config)
         self.ffn_hc = HyperConnection(config)
 
-    def forward(self, streams, ctx, selection):
-        x, post, comb = self.attn_hc(streams)
+    def forward(self, streams, ctx, selection, weights=None, next_hc=None):
+        """weights: this layer's attn_hc output when the previous layer's last mix computed it.
+        next_hc: the next layer's attn_hc, whose output this layer's last mix then computes too
+        where it can (`HyperConnection.mix_then`): returns (streams, selection, its output or None).
+        Without next_hc: (streams, selection)."""
+        x, post, comb = weights if weights is not None else self.attn_hc(streams)
         x = self.input_layernorm(x)
         if self.is_kda:
             out = self.self_attn(x, ctx)
         else:
             out, selection = self.self_attn(x, ctx, selection)
-        streams = self.attn_hc.mix(out, streams, post, comb)
-        x, post, comb = self.ffn_hc(streams)
+        streams, weights = self.attn_hc.mix_then(self.ffn_hc, out, streams, post, comb)
+        x, post, comb = weights if weights is not None else self.ffn_hc(streams)
         out = self.mlp(self.post_attention_layernorm(x))
-        return self.ffn_hc.mix(out, streams, post, comb), selection
+        if next_hc is None:
+            return self.ffn_hc.mix(out, streams, post, comb), selection
+        streams, weights = self.ffn_hc.mix_then(next_hc, out, streams, post, comb)
+        return streams, selection, weights
 
 
 class Glm5NextModel(nn.Module):
@@ -57,9 +65,14 @@ class Glm5NextModel(nn.Module):
             rows, values = ctx.embeds
             x = x.index_copy(0, rows, values.to(x.dtype))
         streams = x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
-        selection = None
-        for layer in self.layers:
-            streams, selection = layer(streams, ctx, selection)
+        selection, weights = None, None
+        for layer, nxt in zip(self.layers, [*list(self.layers)[1:], None]):
+            # a layer's last mix also computes the next layer's first weights (one fused op) unless
+            # either layer is watched: then each runs as written
+            if nxt is None or watched(layer, nxt):
+                (streams, selection), weights = layer(streams, ctx, selection, weights), None
+            else:
+                streams, selection, weights = layer(streams, ctx, selection, weights, nxt.attn_hc)
         if getattr(ctx, "keep_hidden", False):    # speculative decoding drafts from every row's final state
             ctx.hidden = self.norm(self.hc_head(streams))
             return self.lm_head(ctx.hidden if ctx.logits_index is None else ctx.hidden[ctx.logits_index])

@@ -1,0 +1,259 @@
+// Fused mHC (hyper-connection) ops. The eager weights are ~60 torch ops per hyper-connection (39
+// Sinkhorn passes among them) on [T, n, n] tensors: dispatch, not arithmetic, is their cost.
+//   hc_pre:      a token's sum of squares, the (2+n)n-wide projection of its streams, scales and
+//                biases, sigmoid gates, softmax + eps, every Sinkhorn pass on its n x n in L1
+//                (four tokens' matrices side by side), and the pre-weighted stream sum: one call.
+//   hc_post:     the block's output written back: new stream i = post_i * out + sum_j comb[j,i] s_j.
+//   hc_post_pre: hc_post, then the next hyper-connection's hc_pre on the new streams while they are
+//                in cache (attention's mix with the FFN's weights; a layer's last mix with the next
+//                layer's first weights).
+// A token's result depends only on that token (every group of tokens, a short one padded with
+// repeats, runs the same arithmetic per token), so deterministic mode uses these ops too. The
+// projection stays in the kernel at every T: measured against at::mm for the [T, 2048] x [2048, 24]
+// product of the `small` preset (T = 16 to 2048, 1 and 2 threads, AVX2), it was as fast or faster.
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <tuple>
+
+#include "vec.h"
+
+namespace {
+
+constexpr int64_t MAX_N = 16;            // streams; the n x n matrix lives on the stack
+constexpr int64_t GROUP = 4;             // tokens projected together (ouro::dot_2x4)
+constexpr int64_t CHUNK = 512;           // columns of a projection per pass (4 tokens' chunks: 8 KB)
+constexpr int64_t GRAIN_FMAS = 1 << 19;  // ~20 us of work per thread before a second one is woken
+
+// one hyper-connection's weights and constants; holds the contiguous tensors its pointers read
+struct Hc {
+    at::Tensor fn_t, base_t;
+    const float *fn, *base;
+    float scale[3];
+    int64_t n, D, K;
+    float norm_eps, hc_eps;
+    int64_t iters;
+};
+
+void check_f32(const at::Tensor& t, const char* what) {
+    TORCH_CHECK(t.scalar_type() == at::kFloat, what, " must be float32, got ", t.scalar_type());
+}
+
+Hc make_hc(const at::Tensor& fn, const at::Tensor& base, const at::Tensor& scale, int64_t n, int64_t D,
+           double norm_eps, double hc_eps, int64_t iters) {
+    check_f32(fn, "fn");
+    check_f32(base, "base");
+    check_f32(scale, "scale");
+    TORCH_CHECK(n >= 1 && n <= MAX_N, "hc_mult ", n, " is outside 1..", MAX_N);
+    const int64_t K = (2 + n) * n;
+    TORCH_CHECK(fn.dim() == 2 && fn.size(0) == K && fn.size(1) == n * D, "fn must be [", K, ", ", n * D, "], got ", fn.sizes());
+    TORCH_CHECK(base.numel() == K && scale.numel() == 3, "base must have ", K, " entries and scale 3");
+    Hc h;
+    h.fn_t = fn.contiguous();
+    h.base_t = base.contiguous();
+    h.fn = h.fn_t.data_ptr<float>();
+    h.base = h.base_t.data_ptr<float>();
+    at::Tensor sc = scale.contiguous();
+    for (int k = 0; k < 3; ++k) h.scale[k] = sc.data_ptr<float>()[k];
+    h.n = n, h.D = D, h.K = K, h.iters = iters;
+    h.norm_eps = static_cast<float>(norm_eps), h.hc_eps = static_cast<float>(hc_eps);
+    return h;
+}
+
+// Sinkhorn on GROUP matrices side by side (entry (i, j) of matrix k at m[(i * n + j) * GROUP + k]):
+// each step runs on all of them at once, so their chains of divisions overlap. Columns first:
+// `iters` column passes and iters - 1 row passes, each dividing by (sum + eps), as trained.
+void sinkhorn(float* m, int64_t n, int64_t iters, float eps) {
+    // one pass: for each line a, the entries (a * along + b * across) for b < n
+    auto pass = [&](int64_t along, int64_t across) {
+        for (int64_t a = 0; a < n; ++a) {
+            float s[GROUP] = {};
+            for (int64_t b = 0; b < n; ++b)
+                for (int64_t k = 0; k < GROUP; ++k) s[k] += m[(a * along + b * across) * GROUP + k];
+            for (int64_t k = 0; k < GROUP; ++k) s[k] += eps;
+            for (int64_t b = 0; b < n; ++b)
+                for (int64_t k = 0; k < GROUP; ++k) m[(a * along + b * across) * GROUP + k] /= s[k];
+        }
+    };
+    pass(1, n);                       // columns
+    for (int64_t it = 1; it < iters; ++it) {
+        pass(n, 1);                   // rows
+        pass(1, n);
+    }
+}
+
+// `count` <= GROUP tokens from their projections z [count, K] (of the raw streams: the RMS is a
+// per-row scalar, applied here) and their streams rows[k] [n, D]: post and comb of token t0 + k, and
+// its block input x = sum_i pre_i s_i. A short group's empty lanes repeat its last token.
+void finish(const Hc& h, const float* z, const float* const* rows, int64_t count, int64_t t0, float* xp, float* pp,
+            float* cp) {
+    const int64_t n = h.n, D = h.D;
+    float pre[GROUP][MAX_N], m[MAX_N * MAX_N * GROUP];
+    for (int64_t k = 0; k < GROUP; ++k) {
+        const int64_t t = std::min(k, count - 1);
+        const float* zt = z + t * h.K;
+        const float inv = 1.f / std::sqrt(ouro::sumsq(rows[t], n * D) / static_cast<float>(n * D) + h.norm_eps);
+        const float g0 = inv * h.scale[0], g1 = inv * h.scale[1], g2 = inv * h.scale[2];
+        for (int64_t i = 0; i < n; ++i) {
+            pre[k][i] = ouro::sigmoid(h.base[i] + zt[i] * g0) + h.hc_eps;
+            if (k < count) pp[(t0 + k) * n + i] = 2.f * ouro::sigmoid(h.base[n + i] + zt[n + i] * g1);
+        }
+        for (int64_t i = 0; i < n; ++i) {   // softmax of each row of the comb logits, + eps
+            float row[MAX_N], top = -INFINITY, s = 0.f;
+            for (int64_t j = 0; j < n; ++j) {
+                row[j] = h.base[2 * n + i * n + j] + zt[2 * n + i * n + j] * g2;
+                top = std::max(top, row[j]);
+            }
+            for (int64_t j = 0; j < n; ++j) s += (row[j] = std::exp(row[j] - top));
+            for (int64_t j = 0; j < n; ++j) m[(i * n + j) * GROUP + k] = row[j] / s + h.hc_eps;
+        }
+    }
+    sinkhorn(m, n, h.iters, h.hc_eps);
+    for (int64_t k = 0; k < count; ++k) {
+        float* comb = cp + (t0 + k) * n * n;
+        for (int64_t e = 0; e < n * n; ++e) comb[e] = m[e * GROUP + k];
+        const float* streams[MAX_N];
+        for (int64_t i = 0; i < n; ++i) streams[i] = rows[k] + i * D;
+        ouro::lincomb(xp + (t0 + k) * D, pre[k], streams, n, D);
+    }
+}
+
+// the projections z [count, K] of `count` <= GROUP tokens' streams (rows of n*D floats), two rows
+// of fn at a time (an odd K's last row is paired with itself), over CHUNK columns at a time so the
+// tokens' chunks stay in L1 while every row of fn passes (the partial sums add in chunk order)
+void project(const Hc& h, const float* const* rows, int64_t count, float* z) {
+    const int64_t nD = h.n * h.D;
+    std::fill(z, z + count * h.K, 0.f);
+    float out[2 * GROUP];
+    for (int64_t c = 0; c < nD; c += CHUNK) {
+        const int64_t len = std::min(CHUNK, nD - c);
+        const float* b[GROUP];
+        for (int64_t k = 0; k < GROUP; ++k) b[k] = rows[std::min(k, count - 1)] + c;
+        for (int64_t r = 0; r < h.K; r += 2) {
+            const float* a[2] = {h.fn + r * nD + c, h.fn + std::min(r + 1, h.K - 1) * nD + c};
+            ouro::dot_2x4(a, b, len, out);
+            for (int64_t k = 0; k < count; ++k) {
+                z[k * h.K + r] += out[k];
+                if (r + 1 < h.K) z[k * h.K + r + 1] += out[GROUP + k];
+            }
+        }
+    }
+}
+
+// hc_post's operands: the block's output [T, D], the streams it read [T, n, D], post [T, n], comb [T, n, n]
+struct Mix {
+    const float *out, *streams, *post, *comb;
+    int64_t n, D;
+
+    // new streams of token t into dst [n, D]
+    void token(int64_t t, float* dst) const {
+        float c[MAX_N + 1];
+        const float* src[MAX_N + 1];
+        src[0] = out + t * D;
+        for (int64_t j = 0; j < n; ++j) src[1 + j] = streams + (t * n + j) * D;
+        for (int64_t i = 0; i < n; ++i) {
+            c[0] = post[t * n + i];
+            for (int64_t j = 0; j < n; ++j) c[1 + j] = comb[(t * n + j) * n + i];   // comb transposed
+            ouro::lincomb(dst + i * D, c, src, n + 1, D);
+        }
+    }
+};
+
+struct MixTensors {   // keeps hc_post's contiguous operands alive while a Mix points into them
+    at::Tensor out, streams, post, comb;
+    Mix mix;
+};
+
+MixTensors make_mix(const at::Tensor& block_out, const at::Tensor& streams, const at::Tensor& post, const at::Tensor& comb) {
+    for (auto* t : {&block_out, &streams, &post, &comb}) check_f32(*t, "hc_post operand");
+    TORCH_CHECK(streams.dim() == 3, "streams must be [T, n, D], got ", streams.sizes());
+    const int64_t T = streams.size(0), n = streams.size(1), D = streams.size(2);
+    TORCH_CHECK(n <= MAX_N, "hc_mult ", n, " is over ", MAX_N);
+    TORCH_CHECK(block_out.numel() == T * D && post.numel() == T * n && comb.numel() == T * n * n,
+                "block_out / post / comb do not match streams ", streams.sizes());
+    MixTensors m{block_out.contiguous(), streams.contiguous(), post.contiguous(), comb.contiguous(), {}};
+    m.mix = Mix{m.out.data_ptr<float>(), m.streams.data_ptr<float>(), m.post.data_ptr<float>(),
+                m.comb.data_ptr<float>(), n, D};
+    return m;
+}
+
+// the weights of `h` for the streams s [T, n, D]; with `mix`, each token's streams are first written
+// into s by it. Returns (x [T, D], post [T, n], comb [T, n, n]).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> weigh(const Hc& h, at::Tensor& s, const Mix* mix) {
+    const int64_t T = s.size(0), n = h.n, D = h.D, K = h.K;
+    at::Tensor x = at::empty({T, D}, s.options()), post = at::empty({T, n}, s.options()),
+               comb = at::empty({T, n, n}, s.options());
+    float *sp = s.data_ptr<float>(), *xp = x.data_ptr<float>(), *pp = post.data_ptr<float>(), *cp = comb.data_ptr<float>();
+    const int64_t per_token = K * n * D + (mix ? n * (n + 1) * D : 0) + 8 * h.iters * n * n;
+    const int64_t groups = (T + GROUP - 1) / GROUP;
+    at::parallel_for(0, groups, std::max<int64_t>(1, GRAIN_FMAS / (GROUP * per_token)), [&](int64_t g0, int64_t g1) {
+        float z[GROUP * (2 + MAX_N) * MAX_N];
+        const float* rows[GROUP];
+        for (int64_t g = g0; g < g1; ++g) {
+            const int64_t t0 = g * GROUP, count = std::min(GROUP, T - t0);
+            for (int64_t k = 0; k < count; ++k) {
+                if (mix) mix->token(t0 + k, sp + (t0 + k) * n * D);
+                rows[k] = sp + (t0 + k) * n * D;
+            }
+            project(h, rows, count, z);
+            finish(h, z, rows, count, t0, xp, pp, cp);
+        }
+    });
+    return {x, post, comb};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> hc_pre(const at::Tensor& streams, const at::Tensor& fn, const at::Tensor& base,
+                                                      const at::Tensor& scale, double norm_eps, double hc_eps, int64_t iters) {
+    check_f32(streams, "streams");
+    TORCH_CHECK(streams.dim() == 3, "streams must be [T, n, D], got ", streams.sizes());
+    const Hc h = make_hc(fn, base, scale, streams.size(1), streams.size(2), norm_eps, hc_eps, iters);
+    at::Tensor s = streams.contiguous();
+    return weigh(h, s, nullptr);
+}
+
+at::Tensor hc_post(const at::Tensor& block_out, const at::Tensor& streams, const at::Tensor& post, const at::Tensor& comb) {
+    const MixTensors m = make_mix(block_out, streams, post, comb);
+    const int64_t T = streams.size(0), n = m.mix.n, D = m.mix.D;
+    at::Tensor y = at::empty({T, n, D}, streams.options());
+    float* yp = y.data_ptr<float>();
+    at::parallel_for(0, T, std::max<int64_t>(1, GRAIN_FMAS / (n * (n + 1) * D)), [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; ++t) m.mix.token(t, yp + t * n * D);
+    });
+    return y;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hc_post_pre(
+        const at::Tensor& block_out, const at::Tensor& streams, const at::Tensor& post, const at::Tensor& comb,
+        const at::Tensor& fn, const at::Tensor& base, const at::Tensor& scale, double norm_eps, double hc_eps,
+        int64_t iters) {
+    const MixTensors m = make_mix(block_out, streams, post, comb);
+    const Hc h = make_hc(fn, base, scale, m.mix.n, m.mix.D, norm_eps, hc_eps, iters);
+    at::Tensor y = at::empty(streams.sizes(), streams.options());
+    auto [x, p, c] = weigh(h, y, &m.mix);
+    return {y, x, p, c};
+}
+
+std::string mhc_isa(int64_t force_portable) {
+    if (force_portable >= 0) ouro::portable() = force_portable != 0;
+    return ouro::isa();
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(ouro_native, m) {
+    m.def("hc_pre(Tensor streams, Tensor fn, Tensor base, Tensor scale, float norm_eps, float hc_eps, int iters) "
+          "-> (Tensor, Tensor, Tensor)");
+    m.def("hc_post(Tensor block_out, Tensor streams, Tensor post, Tensor comb) -> Tensor");
+    m.def("hc_post_pre(Tensor block_out, Tensor streams, Tensor post, Tensor comb, Tensor fn, Tensor base, "
+          "Tensor scale, float norm_eps, float hc_eps, int iters) -> (Tensor, Tensor, Tensor, Tensor)");
+    m.def("mhc_isa(int force_portable) -> str", &mhc_isa);
+}
+
+TORCH_LIBRARY_IMPL(ouro_native, CPU, m) {
+    m.impl("hc_pre", &hc_pre);
+    m.impl("hc_post", &hc_post);
+    m.impl("hc_post_pre", &hc_post_pre);
+}

@@ -1,0 +1,45 @@
+"""Fused mHC hyper-connection ops (`mhc.cpp`): hc_pre (weights and block input), hc_post (the mix
+back into the streams) and hc_post_pre (a mix and the next hyper-connection's weights in one call).
+A token's results depend on that token only: deterministic mode uses them too."""
+
+from __future__ import annotations
+
+import torch
+
+from .kernels import register_fakes, usable
+
+FAMILY = "mhc"
+
+
+def can(*tensors) -> bool:
+    return usable(FAMILY, *tensors)
+
+
+def hc_pre(streams, fn, base, scale, norm_eps: float, hc_eps: float, iters: int):
+    """streams [T, n, D] -> (block input [T, D], post [T, n], comb [T, n, n])."""
+    return torch.ops.ouro_native.hc_pre(streams, fn, base, scale, norm_eps, hc_eps, iters)
+
+
+def hc_post(block_out, streams, post, comb):
+    """New streams [T, n, D]: stream i = post_i * block_out + sum_j comb[j, i] * stream j."""
+    return torch.ops.ouro_native.hc_post(block_out, streams, post, comb)
+
+
+def hc_post_pre(block_out, streams, post, comb, fn, base, scale, norm_eps: float, hc_eps: float, iters: int):
+    """hc_post, then hc_pre of the next hyper-connection (fn, base, scale, ...) on the new streams:
+    (new streams, block input, post, comb)."""
+    return torch.ops.ouro_native.hc_post_pre(block_out, streams, post, comb, fn, base, scale, norm_eps, hc_eps, iters)
+
+
+def _weights_like(streams):
+    T, n, D = streams.shape
+    return streams.new_empty(T, D), streams.new_empty(T, n), streams.new_empty(T, n, n)
+
+
+@register_fakes(FAMILY)
+def _fakes():
+    torch.library.register_fake("ouro_native::hc_pre")(lambda streams, *rest: _weights_like(streams))
+    torch.library.register_fake("ouro_native::hc_post")(
+        lambda block_out, streams, post, comb: streams.new_empty(streams.shape))
+    torch.library.register_fake("ouro_native::hc_post_pre")(
+        lambda block_out, streams, *rest: (streams.new_empty(streams.shape), *_weights_like(streams)))
