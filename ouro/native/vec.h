@@ -90,4 +90,69 @@ inline void scale_mul(float* y, const float* x, float alpha, const float* w, int
 inline float sigmoid(float x) { return 1.f / (1.f + std::exp(-x)); }
 inline float silu(float x) { return x / (1.f + std::exp(-x)); }
 
+// out[r * 4 + k] = sum_i a[r][i] * b[k][i] for r < 2, k < 4: two rows against four, eight
+// independent sums (enough to hide the FMA latency), each row loaded once. Each output is summed in
+// the same order whichever slot it sits in, so a caller that always goes through dot_2x4 (padding a
+// short group with repeats) gets a row's result independent of its neighbours.
+inline void dot_2x4(const float* const a[2], const float* const b[4], int64_t n, float out[8]) {
+    int64_t i = 0;
+    float s[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    if (!portable()) {
+#if defined(__AVX512F__)
+        __m512 acc[8];
+        for (int k = 0; k < 8; ++k) acc[k] = _mm512_setzero_ps();
+        for (; i + 16 <= n; i += 16) {
+            const __m512 a0 = _mm512_loadu_ps(a[0] + i), a1 = _mm512_loadu_ps(a[1] + i);
+            for (int k = 0; k < 4; ++k) {
+                const __m512 vb = _mm512_loadu_ps(b[k] + i);
+                acc[k] = _mm512_fmadd_ps(a0, vb, acc[k]);
+                acc[4 + k] = _mm512_fmadd_ps(a1, vb, acc[4 + k]);
+            }
+        }
+        for (int k = 0; k < 8; ++k) s[k] = _mm512_reduce_add_ps(acc[k]);
+#elif defined(__AVX2__) && defined(__FMA__)
+        __m256 acc[8];
+        for (int k = 0; k < 8; ++k) acc[k] = _mm256_setzero_ps();
+        for (; i + 8 <= n; i += 8) {
+            const __m256 a0 = _mm256_loadu_ps(a[0] + i), a1 = _mm256_loadu_ps(a[1] + i);
+            for (int k = 0; k < 4; ++k) {
+                const __m256 vb = _mm256_loadu_ps(b[k] + i);
+                acc[k] = _mm256_fmadd_ps(a0, vb, acc[k]);
+                acc[4 + k] = _mm256_fmadd_ps(a1, vb, acc[4 + k]);
+            }
+        }
+        for (int k = 0; k < 8; ++k) s[k] = hsum256(acc[k]);
+#endif
+    }
+    for (; i < n; ++i)
+        for (int r = 0; r < 2; ++r)
+            for (int k = 0; k < 4; ++k) s[r * 4 + k] += a[r][i] * b[k][i];
+    for (int k = 0; k < 8; ++k) out[k] = s[k];
+}
+
+// y[i] = sum_k c[k] * x[k][i] for k < m (m >= 1), summed in order of k: a weighted sum of rows in one pass
+inline void lincomb(float* y, const float* c, const float* const* x, int64_t m, int64_t n) {
+    int64_t i = 0;
+    if (!portable()) {
+#if defined(__AVX512F__)
+        for (; i + 16 <= n; i += 16) {
+            __m512 acc = _mm512_mul_ps(_mm512_set1_ps(c[0]), _mm512_loadu_ps(x[0] + i));
+            for (int64_t k = 1; k < m; ++k) acc = _mm512_fmadd_ps(_mm512_set1_ps(c[k]), _mm512_loadu_ps(x[k] + i), acc);
+            _mm512_storeu_ps(y + i, acc);
+        }
+#elif defined(__AVX2__) && defined(__FMA__)
+        for (; i + 8 <= n; i += 8) {
+            __m256 acc = _mm256_mul_ps(_mm256_set1_ps(c[0]), _mm256_loadu_ps(x[0] + i));
+            for (int64_t k = 1; k < m; ++k) acc = _mm256_fmadd_ps(_mm256_set1_ps(c[k]), _mm256_loadu_ps(x[k] + i), acc);
+            _mm256_storeu_ps(y + i, acc);
+        }
+#endif
+    }
+    for (; i < n; ++i) {
+        float s = c[0] * x[0][i];
+        for (int64_t k = 1; k < m; ++k) s += c[k] * x[k][i];
+        y[i] = s;
+    }
+}
+
 }  // namespace ouro
