@@ -4,6 +4,7 @@ import torch
 from torch import nn
 
 from ..gemm_pick import ROWS, best_time, form_for, packed_for, product
+from ..native import experts as fused_experts
 from ..ops import batch_invariant
 from ..ops.capture import reads_host
 from ..ops.opaque import call_opaque
@@ -97,6 +98,9 @@ class Experts(nn.Module):
 
     def eager(self, x, weights, experts):
         E = self.gate_up_proj.shape[0]
+        if experts.numel() <= fused_experts.MAX_ROWS_PER_EXPERT * E and \
+                fused_experts.can(x, self.gate_up_proj, self.down_proj):   # a few rows per expert: one native op
+            return fused_experts.moe_experts(x, weights, experts, self.gate_up_proj, self.down_proj, self.limit)
         if self.forms is not None and not torch.is_grad_enabled() and reads_host(x) and not batch_invariant.enabled() and \
                 form_for(self.forms, max(1, experts.numel() // E)) == "packed":
             packs = packed_for(self, self.packed_weights())
