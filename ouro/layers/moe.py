@@ -98,8 +98,10 @@ class Experts(nn.Module):
 
     def eager(self, x, weights, experts):
         E = self.gate_up_proj.shape[0]
-        if experts.numel() <= fused_experts.MAX_ROWS_PER_EXPERT * E and \
-                fused_experts.can(x, self.gate_up_proj, self.down_proj):   # a few rows per expert: one native op
+        # a few rows per expert: one native op; under deterministic inference at any row count (its
+        # rows never depend on their batch, and a switch of form by batch size would)
+        if (experts.numel() <= fused_experts.MAX_ROWS_PER_EXPERT * E or batch_invariant.enabled()) and \
+                fused_experts.can(x, self.gate_up_proj, self.down_proj):
             return fused_experts.moe_experts(x, weights, experts, self.gate_up_proj, self.down_proj, self.limit)
         if self.forms is not None and not torch.is_grad_enabled() and reads_host(x) and not batch_invariant.enabled() and \
                 form_for(self.forms, max(1, experts.numel() // E)) == "packed":

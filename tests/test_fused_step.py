@@ -1,0 +1,76 @@
+"""Every mode on the fused decode path (`ouro.native`): the same engine run with the fused kernels
+and under `kernels.eager_only()` (today's eager code, their reference) gives identical greedy tokens
+and logits within float32 rounding, through chunked prefill, arrivals mid-decode and preemption;
+deterministic inference stays bit-identical between a request alone and in a batch."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from hf_reference import rel_rms
+from ouro.config import EngineConfig
+from ouro.engine.llm_engine import LLMEngine
+from ouro.engine.sampling import SamplingParams
+from ouro.models.loader import load_model
+from ouro.native.kernels import eager_only
+
+MODES = {
+    "float32": {},
+    "w8a8": {"quantization": "w8a8"},
+    "kv int8": {"kv_cache_dtype": "int8"},
+    "deterministic": {"deterministic_inference": True},
+}
+# float32 rounding, except W8A8: a token's activation scale and every value on a rounding edge of
+# its int8 step move with a 1e-7 change upstream, so the fused path is held to a small part of the
+# mode's own error (W8A8 against float32, measured in the same test)
+QUANT_SHARE = 0.25
+
+
+def run(checkpoint, prompts, mode: dict, tokens: int = 10, max_memory: int = 6 << 20):
+    """A fresh model each run: quantisation replaces the modules of the model it is given."""
+    model = load_model(checkpoint)
+    cfg = EngineConfig(page_size=16, max_memory=max_memory, max_num_seqs=8, max_num_batched_tokens=48,
+                       dtype="float32", **mode)
+    engine = LLMEngine(model, None, cfg, verbose=False, record_logits=True)
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    ids, finished, steps = [], {}, 0
+    while len(ids) < len(prompts) or engine.has_unfinished():
+        if len(ids) < len(prompts) and steps % 2 == 0:     # arrivals while others decode
+            ids.append(engine.add_request({"prompt_token_ids": prompts[len(ids)]}, params))
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+        steps += 1
+    out = [(finished[r].token_ids, torch.stack(engine.logits_history[r])) for r in ids]
+    engine.close()
+    return out
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_fused_step_equals_the_eager_step(hf_pair, mode):
+    d, _, model = hf_pair("shared")        # odd head counts, shared indexer layers
+    rng = random.Random(3)
+    V = model.config.vocab_size
+    prompts = [[rng.randrange(1, V) for _ in range(n)] for n in (5, 40, 77, 33, 61)]
+    with eager_only():
+        ref = run(d, prompts, MODES[mode])
+        exact = run(d, prompts, {}) if "quantization" in MODES[mode] else None
+    got = run(d, prompts, MODES[mode])
+    for i, ((t_ref, l_ref), (t_got, l_got)) in enumerate(zip(ref, got)):
+        assert t_got == t_ref
+        assert not l_got.isnan().any()
+        bound = 1e-6 if exact is None else QUANT_SHARE * rel_rms(l_ref, exact[i][1][:len(l_ref)])
+        assert rel_rms(l_got, l_ref) <= bound
+
+
+def test_deterministic_fused_request_alone_equals_it_in_a_batch(hf_pair):
+    d, _, model = hf_pair("tiny")
+    rng = random.Random(4)
+    V = model.config.vocab_size
+    prompts = [[rng.randrange(1, V) for _ in range(n)] for n in (30, 9, 50, 17, 41, 23, 12, 36)]
+    mode = {"deterministic_inference": True}
+    batch = run(d, prompts, mode, tokens=8, max_memory=16 << 20)
+    alone = run(d, prompts[:1], mode, tokens=8, max_memory=16 << 20)
+    assert alone[0][0] == batch[0][0]
+    assert torch.equal(alone[0][1], batch[0][1])
