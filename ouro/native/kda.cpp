@@ -1,0 +1,137 @@
+// The KDA decode step of one layer as one op: for each (request, head), the conv-window step with
+// SiLU (the window rolled in place in the request's slot), the L2 norms of q and k, the forget gate
+// `lower_bound * sigmoid(exp(A_log) * (f + dt_bias))` (a scale, not a clamp; `-exp(A_log) *
+// softplus(f + dt_bias)` where the config has no bound), beta, the gated delta-rule update of the
+// state in place in its slot, and the gated RMSNorm of the output. Each norm and gate is computed
+// once per (token, head); torch ran ~60 ops for this per layer.
+//
+// The state S [dk, dv] of a head is read and written in two passes, both over rows of dv floats
+// (16 KB for 64 x 64: L1-resident between them): pass 1 decays row i by exp(g_i) and accumulates
+// pred = sum_i k_i S_i; then u = beta (v - pred); pass 2 adds k_i u to row i and accumulates the
+// output o = sum_i q_i S_i from the updated rows, in the eager code's order of operations.
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <vector>
+
+#include "vec.h"
+
+namespace {
+
+inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); }   // torch's threshold
+
+void check(const at::Tensor& t, const char* what, at::ScalarType dtype = at::kFloat, bool rows = false) {
+    TORCH_CHECK(t.scalar_type() == dtype, "kda_decode: ", what, " has dtype ", t.scalar_type());
+    // per-token inputs may be row-strided views (the parts of one merged product's output)
+    TORCH_CHECK(rows ? (t.dim() == 2 && t.stride(1) == 1) : t.is_contiguous(), "kda_decode: ", what,
+                rows ? " must be [T, n] with contiguous rows" : " must be contiguous");
+}
+
+at::Tensor kda_decode(const at::Tensor& mixed, const at::Tensor& f, const at::Tensor& b, const at::Tensor& gate,
+                      const at::Tensor& conv_w, const at::Tensor& dt_bias, const at::Tensor& A_log,
+                      double lower_bound, const at::Tensor& norm_w, double eps,
+                      at::Tensor& conv_state, at::Tensor& rec_state, const at::Tensor& slots, const at::Tensor& fresh) {
+    for (auto [t, name] : {std::pair{&mixed, "mixed"}, {&f, "f"}, {&b, "b"}, {&gate, "gate"}})
+        check(*t, name, at::kFloat, true);
+    for (auto [t, name] : {std::pair{&conv_w, "conv weight"}, {&dt_bias, "dt_bias"}, {&A_log, "A_log"},
+                           {&norm_w, "norm weight"}, {&conv_state, "conv state"}, {&rec_state, "recurrent state"}})
+        check(*t, name);
+    check(slots, "slots", at::kLong);
+    check(fresh, "fresh", at::kBool);
+    const int64_t T = mixed.size(0), C3 = mixed.size(1), C = C3 / 3, H = A_log.size(0), dk = C / H;
+    const int64_t S = rec_state.size(0), dv = rec_state.size(3), K = conv_w.size(1), W = K - 1;
+    TORCH_CHECK(rec_state.size(1) == H && rec_state.size(2) == dk && dv == dk, "kda_decode: recurrent state shape");
+    TORCH_CHECK(conv_state.size(0) == S && conv_state.size(1) == C3 && conv_state.size(2) == W, "kda_decode: conv state shape");
+    TORCH_CHECK(f.size(1) == C && gate.size(1) == C && b.size(1) == H && slots.numel() == T && fresh.numel() == T &&
+                norm_w.numel() == dv, "kda_decode: input shapes");
+    const int64_t* sl = slots.data_ptr<int64_t>();
+    for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sl[t] >= 0 && sl[t] < S, "kda_decode: slot ", sl[t], " outside [0, ", S, ")");
+
+    at::Tensor out = at::empty({T, C}, mixed.options());
+    const float *xp = mixed.data_ptr<float>(), *fp = f.data_ptr<float>(), *bp = b.data_ptr<float>();
+    const float *gp = gate.data_ptr<float>(), *wp = conv_w.data_ptr<float>(), *dtp = dt_bias.data_ptr<float>();
+    const float *ap = A_log.data_ptr<float>(), *nw = norm_w.data_ptr<float>();
+    const bool* fr = fresh.data_ptr<bool>();
+    const int64_t xs = mixed.stride(0), fs = f.stride(0), bs = b.stride(0), gs = gate.stride(0);
+    float *cs = conv_state.data_ptr<float>(), *rs = rec_state.data_ptr<float>(), *op = out.data_ptr<float>();
+    const bool bounded = !std::isnan(lower_bound);
+    const float lb = static_cast<float>(lower_bound), e = static_cast<float>(eps), qscale = 1.f / std::sqrt(float(dk));
+
+    // a (token, head) task is ~4 dk dv flops: a thread takes at least ~16 of them
+    at::parallel_for(0, T * H, 16, [&](int64_t i0, int64_t i1) {
+        std::vector<float> q(dk), k(dk), v(dv), g(dk), pred(dv), o(dv);
+        for (int64_t i = i0; i < i1; ++i) {
+            const int64_t t = i / H, h = i % H, slot = sl[t];
+            float* Sh = rs + ((slot * H) + h) * dk * dv;
+            if (fr[t]) std::fill(Sh, Sh + dk * dv, 0.f);
+            // conv step of this head's q, k and v channels; the window rolled in place
+            float* parts[3] = {q.data(), k.data(), v.data()};
+            for (int p = 0; p < 3; ++p) {
+                for (int64_t j = 0; j < dk; ++j) {
+                    const int64_t c = p * C + h * dk + j;
+                    float* win = cs + (slot * C3 + c) * W;
+                    if (fr[t]) std::fill(win, win + W, 0.f);
+                    const float* wc = wp + c * K;
+                    const float x = xp[t * xs + c];
+                    float acc = 0.f;
+                    for (int64_t m = 0; m < W; ++m) acc += win[m] * wc[m];
+                    acc += x * wc[W];
+                    for (int64_t m = 0; m + 1 < W; ++m) win[m] = win[m + 1];
+                    if (W > 0) win[W - 1] = x;
+                    parts[p][j] = ouro::silu(acc);
+                }
+            }
+            const float qn = 1.f / std::sqrt(ouro::sumsq(q.data(), dk) + 1e-6f) * qscale;
+            const float kn = 1.f / std::sqrt(ouro::sumsq(k.data(), dk) + 1e-6f);
+            for (int64_t j = 0; j < dk; ++j) { q[j] *= qn; k[j] *= kn; }
+            const float rate = std::exp(ap[h]);
+            for (int64_t j = 0; j < dk; ++j) {
+                const float raw = fp[t * fs + h * dk + j] + dtp[h * dk + j];
+                g[j] = std::exp(bounded ? lb * ouro::sigmoid(rate * raw) : -rate * softplus(raw));
+            }
+            const float beta = ouro::sigmoid(bp[t * bs + h]);
+            // pass 1: decay each key row, recall pred = k^T S
+            std::fill(pred.begin(), pred.end(), 0.f);
+            for (int64_t r = 0; r < dk; ++r) {
+                float* row = Sh + r * dv;
+                for (int64_t c = 0; c < dv; ++c) row[c] *= g[r];
+                ouro::axpy(pred.data(), k[r], row, dv);
+            }
+            for (int64_t c = 0; c < dv; ++c) pred[c] = beta * (v[c] - pred[c]);      // u
+            // pass 2: the rank-1 update, and the output from the updated rows
+            std::fill(o.begin(), o.end(), 0.f);
+            for (int64_t r = 0; r < dk; ++r) {
+                float* row = Sh + r * dv;
+                ouro::axpy(row, k[r], pred.data(), dv);
+                ouro::axpy(o.data(), q[r], row, dv);
+            }
+            // gated RMSNorm: weight * (o * rsqrt(mean(o^2) + eps)) * sigmoid(gate)
+            const float inv = 1.f / std::sqrt(ouro::sumsq(o.data(), dv) / float(dv) + e);
+            float* y = op + t * C + h * dv;
+            const float* gt = gp + t * gs + h * dv;
+            for (int64_t c = 0; c < dv; ++c) y[c] = nw[c] * (o[c] * inv) * ouro::sigmoid(gt[c]);
+        }
+    });
+    return out;
+}
+
+std::string kda_isa(int64_t force_portable) {
+    if (force_portable >= 0) ouro::portable() = force_portable != 0;
+    return ouro::isa();
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(ouro_native, m) {
+    m.def("kda_decode(Tensor mixed, Tensor f, Tensor b, Tensor gate, Tensor conv_w, Tensor dt_bias, Tensor A_log, "
+          "float lower_bound, Tensor norm_w, float eps, Tensor(a!) conv_state, Tensor(b!) rec_state, Tensor slots, "
+          "Tensor fresh) -> Tensor");
+    m.def("kda_isa(int force_portable) -> str", &kda_isa);
+}
+
+TORCH_LIBRARY_IMPL(ouro_native, CPU, m) {
+    m.impl("kda_decode", &kda_decode);
+}

@@ -1,0 +1,33 @@
+"""The KDA decode step of one layer as one op (`kda.cpp`)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .kernels import register_fakes, usable
+
+FAMILY = "kda"
+
+
+def can(*tensors) -> bool:
+    return usable(FAMILY, *tensors)
+
+
+def kda_decode(mixed, f, b, gate, conv_w, dt_bias, A_log, lower_bound, norm_w, eps: float, conv_state, rec_state,
+               slots, fresh):
+    """mixed [T, 3C] (the q/k/v projections before the conv), f [T, C] (f_b's output, before dt_bias),
+    b [T, H] (beta's logits), gate [T, C] (the output gate's logits); conv_w [3C, K]; the cache's conv
+    state [S, 3C, K-1] and recurrent state [S, H, dk, dv], both updated in place in `slots` [T]
+    (a `fresh` [T] slot reads as zero first). lower_bound None: the softplus gate. Returns the normed
+    output [T, C] (what o_proj reads)."""
+    lb = math.nan if lower_bound is None else float(lower_bound)
+    return torch.ops.ouro_native.kda_decode(mixed, f, b, gate, conv_w, dt_bias, A_log, lb, norm_w, eps,
+                                            conv_state, rec_state, slots, fresh)
+
+
+@register_fakes(FAMILY)
+def _fakes():
+    torch.library.register_fake("ouro_native::kda_decode")(
+        lambda mixed, f, b, gate, *rest: f.new_empty(f.shape))
