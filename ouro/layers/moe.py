@@ -5,6 +5,7 @@ from torch import nn
 
 from ..gemm_pick import ROWS, best_time, form_for, packed_for, product
 from ..native import experts as fused_experts
+from ..native import router as fused_router
 from ..ops import batch_invariant
 from ..ops.capture import reads_host
 from ..ops.opaque import call_opaque
@@ -41,6 +42,8 @@ class Router(KeepFloat32):
         self.args = (c.num_experts_per_tok, c.n_group, c.topk_group, c.norm_topk_prob, c.routed_scaling_factor)
 
     def forward(self, x):
+        if fused_router.can(x, self.weight, self.e_score_correction_bias):
+            return fused_router.route(x, self.weight, self.e_score_correction_bias, *self.args)
         logits = x.float() @ self.weight.float().T
         return route(logits, self.e_score_correction_bias, *self.args)
 
