@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .kernels import register_fakes, usable
+from .kernels import ops, register_fakes, usable
 
 FAMILY = "experts"
 # up to this many (token, choice) pairs per expert on average the op streams each expert's weights
@@ -17,7 +17,7 @@ def can(*tensors) -> bool:
 
 
 def moe_experts(x, weights, experts, gate_up, down, limit: float):
-    return torch.ops.ouro_native.moe_experts(x, weights, experts, gate_up, down, limit)
+    return ops(FAMILY).moe_experts(x, weights, experts, gate_up, down, limit)
 
 
 @register_fakes(FAMILY)

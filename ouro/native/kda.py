@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from .kernels import register_fakes, usable
+from .kernels import ops, register_fakes, usable
 
 FAMILY = "kda"
 
@@ -23,7 +23,7 @@ def kda_decode(mixed, f, b, gate, conv_w, dt_bias, A_log, lower_bound, norm_w, e
     (a `fresh` [T] slot reads as zero first). lower_bound None: the softplus gate. Returns the normed
     output [T, C] (what o_proj reads)."""
     lb = math.nan if lower_bound is None else float(lower_bound)
-    return torch.ops.ouro_native.kda_decode(mixed, f, b, gate, conv_w, dt_bias, A_log, lb, norm_w, eps,
+    return ops(FAMILY).kda_decode(mixed, f, b, gate, conv_w, dt_bias, A_log, lb, norm_w, eps,
                                             conv_state, rec_state, slots, fresh)
 
 

@@ -53,6 +53,14 @@ def load(family: str) -> bool:
     return _LOADED[family] is None
 
 
+def ops(family: str):
+    """`torch.ops.ouro_native` with `family` loaded; a clear error where it cannot be built here."""
+    if not load(family):
+        raise RuntimeError(f"ouro's fused {family} kernels are not available here ({_LOADED[family]}); "
+                           "check `usable(...)` first and take the eager path")
+    return torch.ops.ouro_native
+
+
 def why_not(family: str) -> str | None:
     load(family)
     return _LOADED[family]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .kernels import register_fakes, usable
+from .kernels import ops, register_fakes, usable
 
 FAMILY = "mhc"
 
@@ -17,18 +17,18 @@ def can(*tensors) -> bool:
 
 def hc_pre(streams, fn, base, scale, norm_eps: float, hc_eps: float, iters: int):
     """streams [T, n, D] -> (block input [T, D], post [T, n], comb [T, n, n])."""
-    return torch.ops.ouro_native.hc_pre(streams, fn, base, scale, norm_eps, hc_eps, iters)
+    return ops(FAMILY).hc_pre(streams, fn, base, scale, norm_eps, hc_eps, iters)
 
 
 def hc_post(block_out, streams, post, comb):
     """New streams [T, n, D]: stream i = post_i * block_out + sum_j comb[j, i] * stream j."""
-    return torch.ops.ouro_native.hc_post(block_out, streams, post, comb)
+    return ops(FAMILY).hc_post(block_out, streams, post, comb)
 
 
 def hc_post_pre(block_out, streams, post, comb, fn, base, scale, norm_eps: float, hc_eps: float, iters: int):
     """hc_post, then hc_pre of the next hyper-connection (fn, base, scale, ...) on the new streams:
     (new streams, block input, post, comb)."""
-    return torch.ops.ouro_native.hc_post_pre(block_out, streams, post, comb, fn, base, scale, norm_eps, hc_eps, iters)
+    return ops(FAMILY).hc_post_pre(block_out, streams, post, comb, fn, base, scale, norm_eps, hc_eps, iters)
 
 
 def _weights_like(streams):

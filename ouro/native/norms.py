@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .kernels import register_fakes, usable
+from .kernels import ops, register_fakes, usable
 
 FAMILY = "norms"
 
@@ -14,11 +14,11 @@ def can(*tensors) -> bool:
 
 
 def rms_norm(x, weight, eps: float):
-    return torch.ops.ouro_native.rms_norm(x, weight, eps)
+    return ops(FAMILY).rms_norm(x, weight, eps)
 
 
 def clamped_swiglu(gate, up, limit: float):
-    return torch.ops.ouro_native.clamped_swiglu(gate, up, limit)
+    return ops(FAMILY).clamped_swiglu(gate, up, limit)
 
 
 @register_fakes(FAMILY)

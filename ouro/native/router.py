@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .kernels import register_fakes, usable
+from .kernels import ops, register_fakes, usable
 
 FAMILY = "router"
 
@@ -16,7 +16,7 @@ def can(*tensors) -> bool:
 
 def route(x, weight, bias, top_k: int, n_group: int, topk_group: int, norm_topk: bool, scaling: float):
     """x [T, D], weight [E, D], bias [E] -> (weights [T, top_k] float32, experts [T, top_k] int64)."""
-    return torch.ops.ouro_native.route(x, weight, bias, top_k, n_group, topk_group, norm_topk, scaling)
+    return ops(FAMILY).route(x, weight, bias, top_k, n_group, topk_group, norm_topk, scaling)
 
 
 @register_fakes(FAMILY)
