@@ -32,7 +32,8 @@ def test_fault_applies_to_the_current_code(fault):
         source = fh.read()
     patched = patch_source(source, fault)
     assert patched != source
-    compile(patched, fault.file, "exec")
+    if fault.file.endswith(".py"):      # a native kernel's fault is built by the suite's patched copy
+        compile(patched, fault.file, "exec")
     assert "FAULT" in patched and "FAULT" not in source
 
 

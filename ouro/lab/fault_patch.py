@@ -63,7 +63,48 @@ def _indent_like(new: str, indent: str) -> str:
     return "\n".join([first] + [(indent + l) if l.strip() else l for l in rest])
 
 
+def find_cpp_function(source: str, name: str) -> tuple[int, int] | None:
+    """(start, end) offsets of a C++ function's definition: its signature line (`name(` at the
+    start of a declaration, not a call) through the brace that closes its body."""
+    import re
+    for m in re.finditer(r"^[^\n;{}()]*\b" + re.escape(name) + r"\(", source, re.M):
+        if m.group(0).lstrip().startswith(("return", "//")):
+            continue
+        depth, close = 1, m.end()
+        while close < len(source) and depth:          # the parenthesis closing the parameter list
+            depth += {"(": 1, ")": -1}.get(source[close], 0)
+            close += 1
+        brace = source.find("{", close)
+        if brace < 0 or ";" in source[close:brace]:   # a declaration, not a definition
+            continue
+        depth, i = 0, brace
+        while i < len(source):
+            depth += {"{": 1, "}": -1}.get(source[i], 0)
+            if depth == 0:
+                return m.start(), i + 1
+            i += 1
+    return None
+
+
+def patch_cpp(source: str, fault: Fault) -> str:
+    """A planted fault in a native kernel (`ouro/native/*.cpp`): the same exactly-once rule inside
+    the named function; the patched copy builds on its own (its build key is its source's hash)."""
+    span_ = find_cpp_function(source, fault.function)
+    if span_ is None:
+        raise FaultDoesNotApply(f"fault {fault.name}: {fault.function} is not in {fault.file} any more")
+    start, end = span_
+    body = source[start:end]
+    for old, new in fault.replace:
+        if body.count(old) != 1:
+            raise FaultDoesNotApply(f"fault {fault.name}: {old!r} occurs {body.count(old)} times in {fault.function} "
+                                    f"({fault.file}); it must occur exactly once")
+        body = body.replace(old, new)
+    return source[:start] + body + source[end:]
+
+
 def patch_source(source: str, fault: Fault) -> str:
+    if fault.file.endswith(".cpp"):
+        return patch_cpp(source, fault)
     tree = ast.parse(source)
     fn = find_function(tree, fault.function)
     if fn is None:
@@ -141,6 +182,9 @@ def applied_in_process(fault: Fault, repo: str):
     """The fault's patched function swapped into the running ouro (tests, quick checks). The
     function is compiled under its real file name, so stacks and findings name the real place;
     every loaded ouro module that imported the original object by name gets the new one too."""
+    if not fault.file.endswith(".py"):
+        raise FaultDoesNotApply(f"fault {fault.name} patches {fault.file}: a native kernel is loaded once per "
+                                "process, so it runs in a patched copy of the package (the fault suite), not in process")
     module_name = fault.file[:-3].replace("/", ".")
     module = importlib.import_module(module_name)
     with open(os.path.join(repo, fault.file)) as f:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch.overrides import TorchFunctionMode
 
+from ..native.kernels import eager_only
 from ..ops.kda.cp import PRECISIONS
 from .hf_taps import TransformersTaps
 from .taps import OuroTaps, Recording
@@ -30,6 +31,10 @@ KEYS = {
     "spec": ("off", "nextn:K"),
     # tensor parallelism over real ranks (processes, gloo): the ranks' outputs joined (ouro.lab.tp_run)
     "tp": int, "ep": ("off", "on"),
+    # the fused native ops (`ouro.native`): "watched" (the taps see every module run, so fused ops that
+    # span modules fall back to eager; a module's own fused op runs), "on" (taps passive: every fused
+    # op runs and a fault inside one shows at the module that ran it), "off" (the eager reference)
+    "fused": ("watched", "on", "off"),
 }
 PAGE_SIZE = 16
 
@@ -52,6 +57,7 @@ class Config:
     spec: str = "off"
     tp: int = 1                   # tensor-parallel ranks
     ep: str = "off"               # with tp > 1: routed experts whole per rank
+    fused: str = "watched"
     text: str = ""
 
     @property
@@ -201,7 +207,7 @@ def _run_ouro(model_dir, cfg, prompt, rec, seed, device):
             engine.step()
 
     slots = lambda: [r.slot for r in probed if r.slot is not None]
-    with OuroTaps(model, rec, slots):
+    with eager_only(cfg.fused == "off"), OuroTaps(model, rec, slots, passive_hooks=cfg.fused == "on"):
         if cfg.prefix == "hit":   # warm the cache with whole pages of the prompt; its rows count too
             probed.append(add(prompt[:hit_tokens(cfg, n)], []))
             drain()

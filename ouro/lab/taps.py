@@ -22,8 +22,9 @@ from pathlib import Path
 import torch
 
 from ..layers.context import ForwardContext
+from ..layers.watch import passive
 from . import sub_taps
-from .sub_taps import DERIVED, OP_ROLES, OURO_PARTS, parts, wrap_methods
+from .sub_taps import DERIVED, FUSED_OPS, OP_ROLES, OURO_PARTS, parts, wrap_methods
 from .tolerances import kind_of_module, kind_of_op
 
 # op functions that return no per-token rows (weights, per-pool keys, KCP summaries, conv windows),
@@ -196,15 +197,17 @@ class OuroTaps:
     `slots()` returns the KDA state slots of the probed sequence's requests right now. While
     installed the model computes every row's logits (the caller still gets the rows it asked)."""
 
-    def __init__(self, model, rec: Recording, slots):
+    def __init__(self, model, rec: Recording, slots, passive_hooks: bool = False):
         self.model, self.rec, self.slots = model, rec, slots
+        self.passive_hooks = passive_hooks     # keep every fused op on (`ouro.layers.watch`)
         self.names = {id(m): n for n, m in model.named_modules() if n}
         self.handles, self.patched = [], []
 
     def __enter__(self):
         for name, mod in self.model.named_modules():
             if name:
-                self.handles.append(mod.register_forward_hook(self._module_hook(name, mod)))
+                hook = self._module_hook(name, mod)
+                self.handles.append(mod.register_forward_hook(passive(hook) if self.passive_hooks else hook))
                 self.rec.kinds[name] = kind_of_module(name, type(mod).__name__)
                 self.rec.sources[name] = source_of(mod)
         self.handles.append(self.model.register_forward_pre_hook(self._pre))
@@ -257,6 +260,11 @@ class OuroTaps:
                 if callable(fn) and name in ops and name not in NOT_PER_TOKEN:
                     self.patched.append((module, name, fn))
                     setattr(module, name, self._op_wrapper(name, fn))
+        for module_name, op in FUSED_OPS:
+            module = importlib.import_module(module_name)
+            fn = getattr(module, op)
+            self.patched.append((module, op, fn))
+            setattr(module, op, self._op_wrapper(op, fn))
         for module_name, op, local_names, suffix, derive in DERIVED:
             module = importlib.import_module(module_name)
             fn = getattr(module, op)

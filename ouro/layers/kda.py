@@ -155,4 +155,4 @@ class KDAttention(KeepFloat32):
         o = fused_kda.kda_decode(mixed, self.f_b_proj(fa), b, self.g_b_proj(ga), weight, self.dt_bias, self.A_log,
                                  self.lower_bound, self.o_norm.weight, self.o_norm.eps, ctx.cache.conv[si],
                                  ctx.cache.recurrent[si], ctx.state_slots, ctx.fresh)
-        return self.o_proj(o)
+        return self.o_proj(o.reshape(o.shape[0], -1))

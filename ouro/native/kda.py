@@ -21,10 +21,11 @@ def kda_decode(mixed, f, b, gate, conv_w, dt_bias, A_log, lower_bound, norm_w, e
     b [T, H] (beta's logits), gate [T, C] (the output gate's logits); conv_w [3C, K]; the cache's conv
     state [S, 3C, K-1] and recurrent state [S, H, dk, dv], both updated in place in `slots` [T]
     (a `fresh` [T] slot reads as zero first). lower_bound None: the softplus gate. Returns the normed
-    output [T, C] (what o_proj reads)."""
+    output [T, H, dv] (the output norm's, flattened for o_proj)."""
     lb = math.nan if lower_bound is None else float(lower_bound)
-    return ops(FAMILY).kda_decode(mixed, f, b, gate, conv_w, dt_bias, A_log, lb, norm_w, eps,
-                                            conv_state, rec_state, slots, fresh)
+    out = ops(FAMILY).kda_decode(mixed, f, b, gate, conv_w, dt_bias, A_log, lb, norm_w, eps,
+                                 conv_state, rec_state, slots, fresh)
+    return out.view(out.shape[0], A_log.shape[0], -1)     # [T, H, dv], as the output norm module gives it
 
 
 @register_fakes(FAMILY)

@@ -1,0 +1,81 @@
+"""The lab sees inside the fused native ops: a planted fault in a kernel's C++ source is patched
+into a copy of the package (its own build), and `numerics --a fused=off --b fused=on` finds it and
+names the op or the module that ran it."""
+
+import tempfile
+
+import pytest
+
+from ouro.lab.fault_patch import Fault, FaultDoesNotApply, applied_in_process, find_cpp_function, patch_source
+from ouro.lab.fault_suite import run_fault
+from ouro.lab.faults import all_faults
+from ouro.lab.run_configs import parse_config
+
+CPP = """// a comment naming route(x) is not it
+int helper(int a);
+std::tuple<int, int> route(const int& x,
+                           int y) {
+    if (x) { return {x, y}; }
+    int z = helper(y);   // a call is not a definition
+    return {z, 1};
+}
+struct S {
+    void token(int t) const {
+        int v = t * 2;
+    }
+};
+"""
+
+NATIVE_FAULTS = [f for f in all_faults() if f.file.endswith(".cpp")]
+
+
+def test_a_cpp_function_is_found_by_its_definition_and_braces():
+    a, b = find_cpp_function(CPP, "route")
+    assert CPP[a:].startswith("std::tuple<int, int> route(") and CPP[:b].endswith("return {z, 1};\n}")
+    a, b = find_cpp_function(CPP, "token")
+    assert "int v = t * 2;" in CPP[a:b] and CPP[:b].endswith("}") and "struct" not in CPP[a:b]
+    assert find_cpp_function(CPP, "helper") is None      # declared, never defined here
+
+
+def test_a_cpp_fault_patches_its_function_only_and_exactly_once():
+    fault = Fault("f", "d", "x.cpp", "route", [("return {z, 1};", "return {z, 2};  // FAULT")], [{}], [[]])
+    patched = patch_source(CPP, fault)
+    assert "return {z, 2};  // FAULT" in patched and patched.count("FAULT") == 1
+    twice = Fault("f", "d", "x.cpp", "route", [("return", "return")], [{}], [[]])
+    with pytest.raises(FaultDoesNotApply, match="exactly once"):
+        patch_source(CPP, twice)
+    gone = Fault("f", "d", "x.cpp", "no_such", [("a", "b")], [{}], [[]])
+    with pytest.raises(FaultDoesNotApply, match="not in"):
+        patch_source(CPP, gone)
+    with pytest.raises(FaultDoesNotApply, match="patched copy"):
+        with applied_in_process(NATIVE_FAULTS[0], "."):
+            pass
+
+
+def test_fused_is_a_numerics_configuration_key():
+    assert parse_config("fused=on").fused == "on" and parse_config("").fused == "watched"
+    with pytest.raises(ValueError, match="fused"):
+        parse_config("fused=maybe")
+
+
+def test_every_fused_family_has_a_planted_fault():
+    assert {f.file.rsplit("/", 1)[1] for f in NATIVE_FAULTS} >= {"kda.cpp", "mhc.cpp", "experts.cpp", "norms.cpp"}
+
+
+def _check(name):
+    fault = next(f for f in NATIVE_FAULTS if f.name == name)
+    row = run_fault(fault, tempfile.mkdtemp(), 600)
+    assert not row["errors"], row["errors"]
+    assert row["detected"] and row["localised"], row["top"]
+    return row
+
+
+def test_a_fault_inside_the_kda_decode_op_is_found_and_named():
+    row = _check("kda_decode_rate_not_exp")
+    assert row["top"]["where"]["op"] == "kda_decode"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [f.name for f in NATIVE_FAULTS if f.name != "kda_decode_rate_not_exp"])
+def test_every_native_fault_is_found(name):
+    _check(name)
