@@ -16,6 +16,14 @@ from ouro.engine.llm_engine import LLMEngine
 from ouro.engine.sampling import SamplingParams
 from ouro.models.loader import load_model
 from ouro.native.kernels import eager_only
+from ouro.ops import batch_invariant
+
+@pytest.fixture(autouse=True)
+def restore_kernels():
+    """An engine with deterministic inference swaps torch's kernels process-wide: put them back."""
+    yield
+    batch_invariant.disable()
+
 
 MODES = {
     "float32": {},

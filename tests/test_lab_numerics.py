@@ -62,7 +62,7 @@ def test_clean_ouro_prefix_hit_chunked_decode_batched():
         assert worst(f).severity == "info", [x.summary for x in f]
 
 
-def test_router_ignoring_correction_bias_found_against_transformers(monkeypatch):
+def test_router_ignoring_correction_bias_found_against_transformers(monkeypatch, eager_reference):
     monkeypatch.setattr(moe_layer, "route", lambda logits, bias, *a: route(logits, torch.zeros_like(bias), *a))
     f = top(probe_numerics("tiny-py", "impl=transformers", "impl=ouro", N))
     assert f.where["module"] == "layers.1.mlp.gate" and f.where["layer"] == 1   # the first MoE layer
@@ -137,3 +137,12 @@ def test_cp_boundary_note_names_what_crosses_the_cut():
     assert "rank 1 of 3" in _boundary_note(ctx, 32, "causal_conv1d") and "conv_halo" in _boundary_note(ctx, 32, "causal_conv1d")
     assert "state chain" in _boundary_note(ctx, 64, "kda_chunk")
     assert _boundary_note(ctx, 33, "kda_chunk") is None and _boundary_note(ctx, 0, "kda_chunk") is None
+
+
+@pytest.fixture
+def eager_reference():
+    """Faults planted in the eager code (the fused native ops' reference) are looked for on the eager
+    path; faults inside the native kernels: tests/test_lab_fused.py."""
+    from ouro.native.kernels import eager_only
+    with eager_only():
+        yield

@@ -38,13 +38,13 @@ def test_clean_ouro_has_no_error_and_no_wasted_work(model):
     assert any("against the floor per block" in f.summary for f in findings)
 
 
-def test_recomputed_forget_gate_is_the_top_finding(model, monkeypatch):
+def test_recomputed_forget_gate_is_the_top_finding(model, monkeypatch, eager_reference):
     original = kda_layer.KDAttention.forget_gate
 
-    def thrice(self, x):
+    def thrice(self, x, fa=None):
         for _ in range(2):
-            original(self, x)
-        return original(self, x)
+            original(self, x, fa)
+        return original(self, x, fa)
     monkeypatch.setattr(kda_layer.KDAttention, "forget_gate", thrice)
     top = top_finding(probe(model))
     assert top.severity == "warning" and "recomputes" in top.summary, top.summary
@@ -52,7 +52,7 @@ def test_recomputed_forget_gate_is_the_top_finding(model, monkeypatch):
     assert top.where["module"].startswith("layers.0.self_attn")
 
 
-def test_host_sync_planted_in_a_layer_decode_path_is_the_top_finding(model, monkeypatch):
+def test_host_sync_planted_in_a_layer_decode_path_is_the_top_finding(model, monkeypatch, eager_reference):
     original = kda_layer.l2_normalize
 
     def with_sync(x, eps=1e-6):
@@ -83,7 +83,7 @@ def _expanded_mla(q_nope, latents, selected, w_uk, w_uv, scale, block=256):
     return torch.einsum("nhl,lhv->nhv", probs, v).to(q_nope.dtype)
 
 
-def test_expanded_mla_decode_is_the_top_finding(model, monkeypatch):
+def test_expanded_mla_decode_is_the_top_finding(model, monkeypatch, eager_reference):
     monkeypatch.setattr(dsa_layer, "sparse_mla", _expanded_mla)
     findings = probe(model)
     top = top_finding(findings)
@@ -99,7 +99,7 @@ def test_cli_run_depends_only_on_args(tmp_path):
     assert findings and all(f.probe == "redundancy" for f in findings)
 
 
-def test_decode_work_growing_with_context_is_the_top_finding(model, monkeypatch):
+def test_decode_work_growing_with_context_is_the_top_finding(model, monkeypatch, eager_reference):
     original = dsa_layer.DSAttention._forward
 
     def with_expansion(self, x, ctx, prev_selection=None):
@@ -133,7 +133,7 @@ def test_far_above_floor_is_a_warning_whatever_its_share(monkeypatch):
 
 
 @pytest.mark.parametrize("batch", [1, 4])
-def test_weight_copied_per_call_in_a_small_block_is_the_top_finding(model, batch):
+def test_weight_copied_per_call_in_a_small_block_is_the_top_finding(model, batch, eager_reference):
     """The planted fault: each hyper-connection copies its projection weight to float64 per call,
     ~6.7x its floor's work (all bytes ~7x: under the 8x that the share-gated rule asks)."""
     from ouro.lab.fault_patch import applied_in_process
@@ -162,7 +162,7 @@ def _planted(model, name, batch=1):
 
 
 @pytest.mark.parametrize("gemm", [None, "packed"])
-def test_every_expert_read_at_batch_1_is_the_top_finding(model, monkeypatch, gemm):
+def test_every_expert_read_at_batch_1_is_the_top_finding(model, monkeypatch, gemm, eager_reference):
     """The planted fault reads all 8 experts' weights where the router chose 2: 4x the routed
     weights' floor, but 3.1x the MoE block's work (the shared expert and router are read once): a
     block total would miss it, the weight's own reads do not, whichever product forms this machine
@@ -189,3 +189,12 @@ def test_weight_reads_count_each_matrix_once_on_clean_decode(model, monkeypatch)
     assert set(reads) == matrices
     assert {n: round(r / f, 6) for n, (r, f, _) in reads.items() if abs(r / f - 1) > 1e-9} == {}
     assert any(op.op == "_linear_pointwise" for _, _, op in reads.values())     # packed copies were read
+
+
+@pytest.fixture
+def eager_reference():
+    """Faults planted in the eager code (the fused native ops' reference) are looked for on the eager
+    path; faults inside the native kernels: tests/test_lab_fused.py."""
+    from ouro.native.kernels import eager_only
+    with eager_only():
+        yield

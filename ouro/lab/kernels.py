@@ -14,6 +14,7 @@ import time
 import torch
 
 from ..measure.roofline import Roofline
+from ..native.kernels import eager_only
 from .findings import Finding
 from .kernel_cases import CASES, DEFAULT_OPS, KernelCase
 from .kernel_refs import Phase
@@ -127,7 +128,10 @@ def probe_kernels(model="small", ops=None, sweeps=None, repeats=None, prefill_le
     if threads:
         torch.set_num_threads(threads)
     try:
-        return _probe(model, ops, sweeps, repeats, prefill_len, decode_batch, step, seed, report)
+        # the cases are the eager kernels (`kernel_cases`): the steps they are timed inside run eagerly
+        # too; the fused native ops are each one call, timed by `benchmarks/decode_breakdown.py`
+        with eager_only():
+            return _probe(model, ops, sweeps, repeats, prefill_len, decode_batch, step, seed, report)
     finally:
         torch.set_num_threads(before)
 

@@ -16,8 +16,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
+from ..layers.merged import merged_sources
 from ..layers.watch import passive
 from .call_trace import repo_path
+from .native_cost import NATIVE_BYTES, NATIVE_WEIGHT_READS
 
 STACK_DEPTH = 8
 DIGEST_MAX_NUMEL = 1 << 18      # larger mutable tensors are named by storage + version instead
@@ -139,6 +141,7 @@ class OpRecorder(TorchDispatchMode):
 
     def __enter__(self):
         self.modules = ModuleStack(self.model)
+        self._merged, self._unmerged = merged_sources(), set()   # merges made during the step: `_merged_of`
         return super().__enter__()
 
     def __exit__(self, *exc):
@@ -199,15 +202,31 @@ class OpRecorder(TorchDispatchMode):
 
     def _weight_reads(self, name, args, kwargs, out) -> tuple:
         reads = []
+        partial = NATIVE_WEIGHT_READS[name](args) if name in NATIVE_WEIGHT_READS else {}
         for i, t in enumerate(list(_tensors(args)) + list(_tensors(kwargs))):
+            if i in partial:
+                reads.append((_storage(t), partial[i]))
+                continue
             if t.layout != torch.strided:
                 source = self._packed_source(t)
-                if source is not None:
+                if source is not None and source[0] in self._merged:      # a merged weight's packed copy
+                    reads += [(_storage(w), n) for w, n in self._merged[source[0]]]
+                elif source is not None:
                     reads.append(source)
+            elif t.numel() and t.dim() >= 2 and self._merged_of(t):     # a merged product's weight: its sources'
+                reads += [(_storage(w), n) for w, n in self._merged[_storage(t)]]
             elif t.numel() and _storage(t) in self.param_storages:
                 gathered = name in GATHER_LIKE and i == 0
                 reads.append((_storage(t), sum(_nbytes(o) for o in _tensors(out)) if gathered else _nbytes(t)))
         return tuple(reads)
+
+    def _merged_of(self, t) -> bool:
+        ptr = t if isinstance(t, int) else _storage(t)
+        if ptr not in self._merged and ptr not in self._unmerged:
+            self._merged = merged_sources()          # a merge made on first use, during this step
+            if ptr not in self._merged:
+                self._unmerged.add(ptr)
+        return ptr in self._merged
 
     def _packed_source(self, t):
         if id(t) not in self._packs:     # packed since the last look (packs are made on first use)
@@ -218,7 +237,7 @@ class OpRecorder(TorchDispatchMode):
                     n = shape[0] if len(shape) == 3 else 1
                     per = math.prod(shape[-2:]) * torch.empty((), dtype=dtype).element_size()
                     for pk in packs[i:i + n]:
-                        if ptr in self.param_storages:
+                        if ptr in self.param_storages or self._merged_of(ptr):
                             self._packs[id(pk)] = (ptr, float(per))
                     i += n
             self._packs.setdefault(id(t), None)
@@ -258,6 +277,8 @@ def _nbytes(t: torch.Tensor) -> float:
 def _bytes(name, args, kwargs, out) -> float:
     """Bytes read + written. Gathers read only the rows they produce; scatters touch only the rows
     they write (not the whole cache tensor they index into)."""
+    if name in NATIVE_BYTES:
+        return NATIVE_BYTES[name](args, out)
     outs = list(_tensors(out))
     if name in GATHER_LIKE:
         idx = sum(_nbytes(t) for t in list(_tensors(args))[1:] if not t.is_floating_point())

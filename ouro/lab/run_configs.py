@@ -7,6 +7,7 @@ the reference, its indexer with the earlier-pool-wins tie rule ouro documents.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, replace
 
 import torch
@@ -207,7 +208,9 @@ def _run_ouro(model_dir, cfg, prompt, rec, seed, device):
             engine.step()
 
     slots = lambda: [r.slot for r in probed if r.slot is not None]
-    with eager_only(cfg.fused == "off"), OuroTaps(model, rec, slots, passive_hooks=cfg.fused == "on"):
+    # fused=off forces the eager reference; otherwise the caller's setting stands (a test may hold eager_only)
+    with eager_only() if cfg.fused == "off" else contextlib.nullcontext(), \
+            OuroTaps(model, rec, slots, passive_hooks=cfg.fused == "on"):
         if cfg.prefix == "hit":   # warm the cache with whole pages of the prompt; its rows count too
             probed.append(add(prompt[:hit_tokens(cfg, n)], []))
             drain()

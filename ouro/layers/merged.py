@@ -7,8 +7,11 @@ weights (state dicts, hooks, TP shards and quantisation see them as before). The
 made from them on first use and kept outside the model (`_MERGED`), remade when any of their
 tensors changes (a load, a re-quantisation, an in-place update). A class takes part by defining
 `merge(modules) -> module or None` (`Linear`, `W8A8Linear`); groups of other or mixed classes,
-watched modules (a probe's hooks must see each projection run), autograd and graph tracing run
-each projection on its own."""
+watched modules (a probe's hooks must see each projection run), autograd, graph tracing and
+`ouro.native.kernels.eager_only()` (the eager reference) run each projection on its own.
+
+`merged_sources()` maps a merged weight's storage to its sources, so the lab's op recorder counts
+a merged product's reads as reads of the checkpoint's weights."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import weakref
 
 import torch
 
+from ..native.kernels import fused_off
 from .watch import watched
 
 _MERGED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -36,14 +40,15 @@ def merged_module(modules):
     hit = _MERGED.get(modules[0])
     if hit is None or hit[0] != key:
         with torch.inference_mode(False), torch.no_grad():   # a plain tensor: packed copies key on its version
-            hit = (key, cls.merge(modules))
+            hit = (key, cls.merge(modules), [weakref.ref(m) for m in modules])
         _MERGED[modules[0]] = hit
     return hit[1]
 
 
 def project(x, *modules):
     """(modules[0](x), modules[1](x), ...), as one product where they can share one."""
-    if len(modules) > 1 and not torch.is_grad_enabled() and not torch.compiler.is_compiling() and not watched(*modules):
+    if len(modules) > 1 and not torch.is_grad_enabled() and not torch.compiler.is_compiling() and not fused_off() \
+            and not watched(*modules):
         m = merged_module(modules)
         if m is not None:
             return m(x).split([p.out_features for p in modules], dim=-1)
@@ -53,8 +58,23 @@ def project(x, *modules):
 def project_cat(x, *modules):
     """torch.cat([m(x) for m in modules], -1), as one product where they can share one (no split and
     re-join: the merged output is the concatenation)."""
-    if not torch.is_grad_enabled() and not torch.compiler.is_compiling() and not watched(*modules):
+    if not torch.is_grad_enabled() and not torch.compiler.is_compiling() and not fused_off() and not watched(*modules):
         m = merged_module(modules)
         if m is not None:
             return m(x)
     return torch.cat([p(x) for p in modules], dim=-1)
+
+
+def _matrix(module):
+    return next((t for t in (*module.parameters(recurse=False), *module.buffers(recurse=False)) if t.dim() >= 2), None)
+
+
+def merged_sources() -> dict:
+    """{storage pointer of a live merged weight: [(a source module's weight, its bytes), ...]}."""
+    out = {}
+    for key, merged, refs in list(_MERGED.values()):
+        sources = [_matrix(r()) for r in refs if r() is not None]
+        weight = _matrix(merged) if merged is not None else None
+        if weight is not None and len(sources) == len(refs) and all(t is not None for t in sources):
+            out[weight.untyped_storage().data_ptr()] = [(t, float(t.numel() * t.element_size())) for t in sources]
+    return out

@@ -87,6 +87,11 @@ def eager_only(on: bool = True):
         _STATE["eager_only"] = saved
 
 
+def fused_off() -> bool:
+    """Inside `eager_only()`: every fused path (native ops and merged products) is off."""
+    return _STATE["eager_only"]
+
+
 def isa(family: str) -> str:
     """The instruction set `family`'s kernels run here: 'avx512', 'avx2' or 'portable'."""
     if not load(family):
