@@ -11,7 +11,8 @@ FAULT = Fault(
                   ga = self.g_a_proj(x)
                   gate_again = self.g_b_proj(ga)"""),
              ],
-    localised=[{"file": "ouro/layers/kda.py", "function": ["_decode_fused", "_forward", "forget_gate"]}],
+    localised=[{"file": "ouro/layers/kda.py", "function": ["_decode_fused", "_forward", "forget_gate"]},
+               {"module": r"layers\.\d+\.self_attn\.(f_a_proj|g_a_proj|g_b_proj)$"}],
     probes=[["redundancy", "--model", "tiny"]],
     symptom="decode is slower than its roofline says, outputs unchanged",
 )
