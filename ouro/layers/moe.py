@@ -5,6 +5,7 @@ from torch import nn
 
 from ..gemm_pick import ROWS, best_time, form_for, packed_for, product
 from ..native import experts as fused_experts
+from ..native import norms as fused_norms
 from ..native import router as fused_router
 from ..ops import batch_invariant
 from ..ops.capture import reads_host
@@ -28,6 +29,8 @@ class MLP(nn.Module):
 
     def forward(self, x):
         gate, up = project(x, self.gate_proj, self.up_proj)
+        if gate.dim() == 2 and fused_norms.can(gate, up):   # the merged product's halves, read in place
+            return self.down_proj(fused_norms.clamped_swiglu(gate, up, self.limit))
         return self.down_proj(clamped_swiglu(gate, up, self.limit))
 
 

@@ -32,5 +32,7 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x, gate):
+        if fused_norms.can(x, gate, self.weight):
+            return fused_norms.gated_rms_norm(x, gate, self.weight, self.eps)
         y = self.weight.float() * rms_normalize(x, self.eps) * torch.sigmoid(gate.float())
         return y.to(x.dtype)

@@ -1,13 +1,14 @@
 // Fused norms and activations for the decode step: RMSNorm of a row (one pass for the sum of
-// squares, one for the scaled write) and the clamped SwiGLU of a gate / up pair. Each replaces
-// 4-6 torch ops (and their temporaries) with one call; rows run in parallel only when a thread's
-// share is worth waking it.
+// squares, one for the scaled write), the sigmoid-gated RMSNorm of KDA's output and the clamped
+// SwiGLU of a gate / up pair. Each replaces 4-6 torch ops (and their temporaries) with one call;
+// rows run in parallel only when a thread's share is worth waking it.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <vector>
 
 #include "vec.h"
 
@@ -44,6 +45,33 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight, double eps
     return y;
 }
 
+// weight * (x * rsqrt(mean(x^2) + eps)) * sigmoid(gate), row by row; x and gate of one shape
+at::Tensor gated_rms_norm(const at::Tensor& x_in, const at::Tensor& gate_in, const at::Tensor& weight, double eps) {
+    check_rows(x_in, "x");
+    check_rows(gate_in, "gate");
+    check_rows(weight, "weight");
+    TORCH_CHECK(gate_in.sizes() == x_in.sizes(), "gate must have x's shape");
+    at::Tensor x = x_in.contiguous(), gate = gate_in.contiguous();
+    const int64_t D = x.size(-1), rows = D ? x.numel() / D : 0;
+    TORCH_CHECK(weight.numel() == D, "weight has ", weight.numel(), " entries for rows of ", D);
+    at::Tensor y = at::empty(x.sizes(), x.options());
+    const float *xp = x.data_ptr<float>(), *gp = gate.data_ptr<float>();
+    const float* wp = weight.contiguous().data_ptr<float>();
+    float* yp = y.data_ptr<float>();
+    const float e = static_cast<float>(eps);
+    at::parallel_for(0, rows, grain(D), [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) {
+            const float* row = xp + r * D;
+            const float* g = gp + r * D;
+            float* out = yp + r * D;
+            const float inv = 1.f / std::sqrt(ouro::sumsq(row, D) / static_cast<float>(D) + e);
+            ouro::sigmoid_row(out, g, D);
+            for (int64_t i = 0; i < D; ++i) out[i] = wp[i] * (row[i] * inv) * out[i];
+        }
+    });
+    return y;
+}
+
 // silu(min(gate, limit)) * clamp(up, -limit, limit); gate and up are [T, I] views (e.g. the two
 // halves of one merged gate/up product) with any row stride
 at::Tensor clamped_swiglu(const at::Tensor& gate, const at::Tensor& up, double limit) {
@@ -57,14 +85,15 @@ at::Tensor clamped_swiglu(const at::Tensor& gate, const at::Tensor& up, double l
     float* yp = y.data_ptr<float>();
     const float lim = static_cast<float>(limit);
     at::parallel_for(0, T, grain(I), [&](int64_t r0, int64_t r1) {
+        std::vector<float> sig(I);
         for (int64_t r = r0; r < r1; ++r) {
             const float* g = gp + r * gs;
             const float* u = up_ + r * us;
             float* out = yp + r * I;
-            for (int64_t i = 0; i < I; ++i) {
-                // std::min / std::max return their first argument when it is NaN: NaN stays NaN, as in torch's clamp
-                out[i] = ouro::silu(std::min(g[i], lim)) * std::min(std::max(u[i], -lim), lim);
-            }
+            // std::min / std::max return their first argument when it is NaN: NaN stays NaN, as in torch's clamp
+            for (int64_t i = 0; i < I; ++i) out[i] = std::min(g[i], lim);
+            ouro::sigmoid_row(sig.data(), out, I);
+            for (int64_t i = 0; i < I; ++i) out[i] = out[i] * sig[i] * std::min(std::max(u[i], -lim), lim);
         }
     });
     return y;
@@ -79,11 +108,13 @@ std::string norms_isa(int64_t force_portable) {
 
 TORCH_LIBRARY_FRAGMENT(ouro_native, m) {
     m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+    m.def("gated_rms_norm(Tensor x, Tensor gate, Tensor weight, float eps) -> Tensor");
     m.def("clamped_swiglu(Tensor gate, Tensor up, float limit) -> Tensor");
     m.def("norms_isa(int force_portable) -> str", &norms_isa);
 }
 
 TORCH_LIBRARY_IMPL(ouro_native, CPU, m) {
     m.impl("rms_norm", &rms_norm);
+    m.impl("gated_rms_norm", &gated_rms_norm);
     m.impl("clamped_swiglu", &clamped_swiglu);
 }

@@ -1,17 +1,26 @@
 // The MoE router as one op: the float32 router product, sigmoid, the correction bias (it steers the
 // choice, not the weights), the group-limited top-k (a group scores the sum of its two best
 // choices; the best `topk_group` groups stay), the chosen experts' sigmoid weights normalised and
-// scaled. torch ran ~15 ops for this per layer. Ties go to the lower index, in groups and experts
-// alike; the experts come out best first, as torch.topk returns them.
+// scaled. torch ran ~15 ops for this per layer.
+//
+// The op picks exactly the experts the eager code (`ouro/ops/moe/routing.py`) picks, exact and near
+// ties included: the product and the sigmoid are torch's own kernels called from here (a product
+// of our own rounds differently, and torch's vectorised sigmoid differs from std::exp in the last
+// bit, enough to flip a near tie), so the selection scores are the eager code's bit for bit; the
+// selections run torch.topk's own CPU loop (ATen/native/TopKImpl.h), whose order among equal
+// values is its std::nth_element's and no fixed rule. Under deterministic inference the product
+// and sigmoid dispatch to the same batch-invariant overrides the eager code gets.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
+#include <ATen/native/TopKImpl.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
+#include <ATen/ops/sigmoid.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#include <numeric>
 #include <tuple>
 #include <vector>
 
@@ -19,61 +28,84 @@
 
 namespace {
 
-// the indices of the n largest of v[0..m) (ties: the lower index first), best first
-void top_n(const float* v, int64_t m, int64_t n, int64_t* out, std::vector<int64_t>& idx) {
-    idx.resize(m);
-    std::iota(idx.begin(), idx.end(), 0);
-    std::partial_sort(idx.begin(), idx.begin() + n, idx.end(),
-                      [&](int64_t a, int64_t b) { return v[a] > v[b] || (v[a] == v[b] && a < b); });
-    std::copy(idx.begin(), idx.begin() + n, out);
+// torch.topk(v, k, largest=True, sorted=True) on `rows` rows of a [rows, m] matrix
+void topk_rows(const float* v, int64_t rows, int64_t m, int64_t k, float* values, int64_t* indices) {
+    char* data[3] = {reinterpret_cast<char*>(values), reinterpret_cast<char*>(indices),
+                     reinterpret_cast<char*>(const_cast<float*>(v))};
+    const int64_t strides[3] = {k * int64_t(sizeof(float)), k * int64_t(sizeof(int64_t)), m * int64_t(sizeof(float))};
+    at::native::topk_impl_loop<float, float>(1, 1, 1, k, m, /*largest=*/true, /*sorted=*/true, data, strides, rows);
 }
 
-std::tuple<at::Tensor, at::Tensor> route(const at::Tensor& x_in, const at::Tensor& weight_in, const at::Tensor& bias_in,
+// the sum of a group's two largest values, as topk(2).values.sum() gives it (NaN ranks first)
+float top2_sum(const float* v, int64_t n) {
+    float a = -std::numeric_limits<float>::infinity(), b = a;
+    for (int64_t i = 0; i < n; ++i) {
+        if (std::isnan(v[i])) return v[i];
+        if (v[i] > a) { b = a; a = v[i]; } else if (v[i] > b) { b = v[i]; }
+    }
+    return a + b;
+}
+
+// rows [t0, t1) of the selection, from the sigmoid scores [T, E]
+void select(const float* score, const float* bias, int64_t t0, int64_t t1, int64_t E, int64_t top_k, int64_t n_group,
+            int64_t topk_group, bool norm_topk, float scale, float* weights, int64_t* experts) {
+    const int64_t n = t1 - t0, per = E / n_group;
+    std::vector<float> choice(n * E), group(n * n_group), kept_v(n * topk_group), chosen_v(n * top_k);
+    std::vector<int64_t> kept(n * topk_group);
+    for (int64_t r = 0; r < n; ++r) {
+        const float* s = score + (t0 + r) * E;
+        float* c = choice.data() + r * E;
+        for (int64_t e = 0; e < E; ++e) c[e] = s[e] + bias[e];
+        if (n_group > 1)
+            for (int64_t g = 0; g < n_group; ++g) group[r * n_group + g] = top2_sum(c + g * per, per);
+    }
+    if (n_group > 1) {
+        topk_rows(group.data(), n, n_group, topk_group, kept_v.data(), kept.data());
+        std::vector<char> keep(n_group);
+        for (int64_t r = 0; r < n; ++r) {
+            std::fill(keep.begin(), keep.end(), 0);
+            for (int64_t j = 0; j < topk_group; ++j) keep[kept[r * topk_group + j]] = 1;
+            for (int64_t e = 0; e < E; ++e)
+                if (!keep[e / per]) choice[r * E + e] = -std::numeric_limits<float>::infinity();
+        }
+    }
+    int64_t* chosen = experts + t0 * top_k;
+    topk_rows(choice.data(), n, E, top_k, chosen_v.data(), chosen);
+    for (int64_t r = 0; r < n; ++r) {
+        const float* s = score + (t0 + r) * E;
+        const int64_t* ce = chosen + r * top_k;
+        float* w = weights + (t0 + r) * top_k;
+        float sum = 0.f;
+        for (int64_t j = 0; j < top_k; ++j) sum += (w[j] = s[ce[j]]);
+        const float div = sum + 1e-20f;
+        for (int64_t j = 0; j < top_k; ++j) w[j] = (norm_topk ? w[j] / div : w[j]) * scale;
+    }
+}
+
+std::tuple<at::Tensor, at::Tensor> route(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias_in,
                                          int64_t top_k, int64_t n_group, int64_t topk_group, bool norm_topk,
                                          double scaling) {
-    TORCH_CHECK(x_in.scalar_type() == at::kFloat && weight_in.scalar_type() == at::kFloat &&
+    TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat &&
                 bias_in.scalar_type() == at::kFloat, "route: x, weight and bias must be float32");
-    const at::Tensor x = x_in.contiguous(), W = weight_in.contiguous(), bias = bias_in.contiguous();
-    const int64_t T = x.size(0), D = x.size(1), E = W.size(0);
-    TORCH_CHECK(W.size(1) == D && bias.numel() == E, "route: weight must be [E, D] and bias [E]");
+    TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && weight.size(1) == x.size(1) && bias_in.numel() == weight.size(0),
+                "route: x must be [T, D], weight [E, D] and bias [E]");
+    const int64_t T = x.size(0), E = weight.size(0);
     TORCH_CHECK(n_group >= 1 && E % n_group == 0 && topk_group >= 1 && topk_group <= n_group,
                 "route: ", E, " experts do not split into ", n_group, " groups keeping ", topk_group);
     const int64_t per = E / n_group;
     TORCH_CHECK(top_k >= 1 && top_k <= topk_group * per, "route: top_k ", top_k, " exceeds the experts the groups keep");
     TORCH_CHECK(n_group == 1 || per >= 2, "route: a group needs two experts to score");
+    const at::Tensor score = at::sigmoid(at::mm(x, weight.t())).contiguous();   // as `x @ W.T` then `.sigmoid()`
+    const at::Tensor bias = bias_in.contiguous();
     at::Tensor weights = at::empty({T, top_k}, x.options());
     at::Tensor experts = at::empty({T, top_k}, x.options().dtype(at::kLong));
-    const float *xp = x.data_ptr<float>(), *wp = W.data_ptr<float>(), *bp = bias.data_ptr<float>();
-    float* op = weights.data_ptr<float>();
+    const float *sp = score.data_ptr<float>(), *bp = bias.data_ptr<float>();
+    float* wp = weights.data_ptr<float>();
     int64_t* ep = experts.data_ptr<int64_t>();
     const float scale = static_cast<float>(scaling);
-    at::parallel_for(0, T, std::max<int64_t>(1, 8192 / std::max<int64_t>(1, E * D / 64)), [&](int64_t t0, int64_t t1) {
-        std::vector<float> score(E), choice(E), group(n_group);
-        std::vector<int64_t> idx, keep(topk_group), top2(2);
-        for (int64_t t = t0; t < t1; ++t) {
-            for (int64_t e = 0; e < E; ++e) {
-                score[e] = ouro::sigmoid(ouro::dot(xp + t * D, wp + e * D, D));
-                choice[e] = score[e] + bp[e];
-            }
-            if (n_group > 1) {
-                for (int64_t g = 0; g < n_group; ++g) {
-                    top_n(choice.data() + g * per, per, 2, top2.data(), idx);
-                    group[g] = choice[g * per + top2[0]] + choice[g * per + top2[1]];
-                }
-                top_n(group.data(), n_group, topk_group, keep.data(), idx);
-                std::vector<bool> kept(n_group, false);
-                for (int64_t g : keep) kept[g] = true;
-                for (int64_t e = 0; e < E; ++e)
-                    if (!kept[e / per]) choice[e] = -std::numeric_limits<float>::infinity();
-            }
-            int64_t* chosen = ep + t * top_k;
-            top_n(choice.data(), E, top_k, chosen, idx);
-            float* w = op + t * top_k;
-            float sum = 0.f;
-            for (int64_t j = 0; j < top_k; ++j) sum += (w[j] = score[chosen[j]]);
-            const float div = norm_topk ? sum + 1e-20f : 1.f;
-            for (int64_t j = 0; j < top_k; ++j) w[j] = (norm_topk ? w[j] / div : w[j]) * scale;
-        }
+    // a row costs ~E log E compares: a thread takes at least ~64k of them before it is worth waking
+    at::parallel_for(0, T, std::max<int64_t>(1, (1 << 16) / (E * 8)), [&](int64_t t0, int64_t t1) {
+        select(sp, bp, t0, t1, E, top_k, n_group, topk_group, norm_topk, scale, wp, ep);
     });
     return {weights, experts};
 }

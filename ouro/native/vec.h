@@ -155,4 +155,74 @@ inline void lincomb(float* y, const float* c, const float* const* x, int64_t m, 
     }
 }
 
+// e^x for x <= 0 (sigmoid and silu need only e^-|x|), lane by lane: 2^n times a degree-6 polynomial
+// on the remainder (Cephes' expf coefficients), within ~2 ulp. Below -87.3 the result is 0 (torch
+// gives denormals under 1e-38 there; e^-inf = 0 keeps silu(-inf) NaN as torch's); NaN stays NaN.
+#if defined(__AVX2__) && defined(__FMA__)
+inline __m256 exp_nonpos256(__m256 x) {
+    const __m256 under = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_LT_OQ);
+    x = _mm256_max_ps(_mm256_set1_ps(-87.3f), x);      // max(lo, NaN) is NaN
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-0.693359375f), x);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+#endif
+#if defined(__AVX512F__)
+inline __m512 exp_nonpos512(__m512 x) {
+    const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_NLT_UQ);   // NaN kept
+    x = _mm512_max_ps(_mm512_set1_ps(-87.3f), x);
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-0.693359375f), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.f));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_maskz_mul_ps(keep, p, _mm512_castsi512_ps(e));
+}
+#endif
+
+// y[i] = sigmoid(x[i]) (y may be x), as e / (1 + e) or 1 / (1 + e) with e = e^-|x|: no overflow
+inline void sigmoid_row(float* y, const float* x, int64_t n) {
+    int64_t i = 0;
+    if (!portable()) {
+#if defined(__AVX512F__)
+        const __m512 one = _mm512_set1_ps(1.f);
+        for (; i + 16 <= n; i += 16) {
+            const __m512 v = _mm512_loadu_ps(x + i);
+            const __m512 e = exp_nonpos512(_mm512_castsi512_ps(
+                _mm512_or_si512(_mm512_castps_si512(v), _mm512_set1_epi32(int(0x80000000u)))));
+            const __m512 pos = _mm512_div_ps(one, _mm512_add_ps(one, e));
+            const __mmask16 ge = _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_GE_OQ);   // NaN: not >= 0
+            _mm512_storeu_ps(y + i, _mm512_mask_blend_ps(ge, _mm512_mul_ps(e, pos), pos));
+        }
+#elif defined(__AVX2__) && defined(__FMA__)
+        const __m256 one = _mm256_set1_ps(1.f);
+        for (; i + 8 <= n; i += 8) {
+            const __m256 v = _mm256_loadu_ps(x + i);
+            const __m256 e = exp_nonpos256(_mm256_or_ps(v, _mm256_set1_ps(-0.f)));
+            const __m256 pos = _mm256_div_ps(one, _mm256_add_ps(one, e));
+            const __m256 ge = _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_GE_OQ);         // NaN: not >= 0
+            _mm256_storeu_ps(y + i, _mm256_blendv_ps(_mm256_mul_ps(e, pos), pos, ge));
+        }
+#endif
+    }
+    for (; i < n; ++i) y[i] = sigmoid(x[i]);
+}
+
 }  // namespace ouro
