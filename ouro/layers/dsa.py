@@ -9,7 +9,9 @@ chunks go sequence by sequence.
 import torch
 from torch import nn
 
+from ..native import mla
 from ..ops.dsa import absorb_weights, index_select, pool_keys, sparse_mla
+from ..ops.quant.kv_rows import GROUP
 from .linear import Linear
 from .merged import project
 from .norm import RMSNorm
@@ -77,6 +79,10 @@ class Indexer(nn.Module):
         w = self.weights_proj(x).float() * self.Hi ** -0.5
         args = (self.select_k, self.kpool, self.d ** -0.5, self.width)
         if ctx.rows_as_queries:  # each new token one query: pools padded to the longest context
+            pool_rows = cache.index_pooled[ci].view(-1, self.d)
+            if mla.can(q, w, pool_rows):   # one op, the pool keys read in place through the page table
+                return mla.index_select_decode(q, w, pool_rows, ctx.page_table, ctx.seq_index, ctx.positions,
+                                               cache.page_size, *args)
             n_pools = ctx.decode_pools(self.kpool)
             pooled = self._pooled(ctx, ctx.seq_index, n_pools)
             return index_select(q, w, pooled, ctx.positions, *args)
@@ -137,7 +143,7 @@ class DSAttention(nn.Module):
         w_uk, w_uv = absorb_weights(self.kv_b_proj.weight, self.H, self.qk, self.v)
         ctx.dsa_attend(self)
         if ctx.rows_as_queries:
-            out = sparse_mla(q, flat, cache_rows(ctx, ctx.seq_index, selection), w_uk, w_uv, self.scale)
+            out = self._attend_decode(q, flat, selection, w_uk, w_uv, ctx)
         else:
             out = q.new_full((q.shape[0], self.H, self.v), float("nan"))
             for b in range(len(ctx.query_lens)):
@@ -150,3 +156,14 @@ class DSAttention(nn.Module):
                     rows = cache_rows(ctx, ctx.seq_index[r], selection[r])
                     out[r] = sparse_mla(q[r], flat, rows, w_uk, w_uv, self.scale)
         return self.o_proj(out.reshape(q.shape[0], -1)), selection
+
+    def _attend_decode(self, q, flat, selection, w_uk, w_uv, ctx):
+        """Each decode query against its selected tokens: one native op over the cache rows in place
+        (float32 or quantised) where it can run, else `sparse_mla` on the gathered rows."""
+        storage = mla.cache_storage(flat)
+        if storage is None or not mla.can(q, w_uk, w_uv):
+            return sparse_mla(q, flat, cache_rows(ctx, ctx.seq_index, selection), w_uk, w_uv, self.scale)
+        q_lat = torch.einsum("nhd,hdr->nhr", q, w_uk) * self.scale      # as sparse_mla absorbs it
+        o_lat = mla.sparse_mla_decode(q_lat, *storage, GROUP, selection, ctx.page_table, ctx.seq_index,
+                                      ctx.cache.page_size)
+        return torch.einsum("nhr,hvr->nhv", o_lat, w_uv)

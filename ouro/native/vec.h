@@ -225,4 +225,88 @@ inline void sigmoid_row(float* y, const float* x, int64_t n) {
     for (; i < n; ++i) y[i] = sigmoid(x[i]);
 }
 
+// y[i] = e^x[i] for x[i] <= 0 (softmax weights once the max is subtracted; y may be x): exp_nonpos's
+// polynomial on every lane, a short tail padded, so a value's result does not depend on where it
+// sits; std::exp on the portable path
+inline void exp_nonpos_row(float* y, const float* x, int64_t n) {
+    int64_t i = 0;
+    if (!portable()) {
+#if defined(__AVX512F__)
+        for (; i < n; i += 16) {
+            const __mmask16 k = n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
+            _mm512_mask_storeu_ps(y + i, k, exp_nonpos512(_mm512_maskz_loadu_ps(k, x + i)));
+        }
+#elif defined(__AVX2__) && defined(__FMA__)
+        for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, exp_nonpos256(_mm256_loadu_ps(x + i)));
+        if (i < n) {
+            float pad[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+            for (int64_t j = i; j < n; ++j) pad[j - i] = x[j];
+            _mm256_storeu_ps(pad, exp_nonpos256(_mm256_loadu_ps(pad)));
+            for (int64_t j = i; j < n; ++j) y[j] = pad[j - i];
+            i = n;
+        }
+#endif
+    }
+    for (; i < n; ++i) y[i] = std::exp(x[i]);
+}
+
+// y[j][i] = a[j] * y[j][i] + sum_k c[j][k] * x[k][i] for j < 4, k < m, summed in order of k: four
+// weighted sums of the same rows (four heads' softmax weights over one tile of values, each rescaling
+// what it summed before), each row loaded once for all four; a sum's order is the same whichever slot
+// it sits in. A repeated y[j] (a short group padded with repeats) gets the same value twice.
+inline void rescale_lincomb_4(float* const y[4], const float a[4], const float* const c[4], const float* const* x,
+                              int64_t m, int64_t n) {
+    int64_t i = 0;
+    if (!portable()) {
+#if defined(__AVX512F__)
+        for (; i + 16 <= n; i += 16) {
+            __m512 acc[4];
+            for (int j = 0; j < 4; ++j) acc[j] = _mm512_mul_ps(_mm512_set1_ps(a[j]), _mm512_loadu_ps(y[j] + i));
+            for (int64_t k = 0; k < m; ++k) {
+                const __m512 v = _mm512_loadu_ps(x[k] + i);
+                for (int j = 0; j < 4; ++j) acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(c[j][k]), v, acc[j]);
+            }
+            for (int j = 0; j < 4; ++j) _mm512_storeu_ps(y[j] + i, acc[j]);
+        }
+#elif defined(__AVX2__) && defined(__FMA__)
+        for (; i + 16 <= n; i += 16) {          // eight independent sums hide the FMA latency
+            __m256 acc[8];
+            for (int j = 0; j < 4; ++j) {
+                const __m256 va = _mm256_set1_ps(a[j]);
+                acc[j] = _mm256_mul_ps(va, _mm256_loadu_ps(y[j] + i));
+                acc[4 + j] = _mm256_mul_ps(va, _mm256_loadu_ps(y[j] + i + 8));
+            }
+            for (int64_t k = 0; k < m; ++k) {
+                const __m256 v0 = _mm256_loadu_ps(x[k] + i), v1 = _mm256_loadu_ps(x[k] + i + 8);
+                for (int j = 0; j < 4; ++j) {
+                    const __m256 vc = _mm256_set1_ps(c[j][k]);
+                    acc[j] = _mm256_fmadd_ps(vc, v0, acc[j]);
+                    acc[4 + j] = _mm256_fmadd_ps(vc, v1, acc[4 + j]);
+                }
+            }
+            for (int j = 0; j < 4; ++j) {
+                _mm256_storeu_ps(y[j] + i, acc[j]);
+                _mm256_storeu_ps(y[j] + i + 8, acc[4 + j]);
+            }
+        }
+        for (; i + 8 <= n; i += 8) {
+            __m256 acc[4];
+            for (int j = 0; j < 4; ++j) acc[j] = _mm256_mul_ps(_mm256_set1_ps(a[j]), _mm256_loadu_ps(y[j] + i));
+            for (int64_t k = 0; k < m; ++k) {
+                const __m256 v = _mm256_loadu_ps(x[k] + i);
+                for (int j = 0; j < 4; ++j) acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(c[j][k]), v, acc[j]);
+            }
+            for (int j = 0; j < 4; ++j) _mm256_storeu_ps(y[j] + i, acc[j]);
+        }
+#endif
+    }
+    for (; i < n; ++i) {
+        float s[4];
+        for (int j = 0; j < 4; ++j) s[j] = a[j] * y[j][i];
+        for (int64_t k = 0; k < m; ++k)
+            for (int j = 0; j < 4; ++j) s[j] += c[j][k] * x[k][i];
+        for (int j = 0; j < 4; ++j) y[j][i] = s[j];
+    }
+}
+
 }  // namespace ouro

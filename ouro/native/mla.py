@@ -1,0 +1,50 @@
+"""DSA decode as native ops (`mla.cpp`): the indexer's pool scores and top-k, and the sparse absorbed
+MLA over the paged latent cache, both reading cache rows in place through the page table."""
+
+from __future__ import annotations
+
+import torch
+
+from .kernels import ops, register_fakes, usable
+
+FAMILY = "mla"
+KINDS = ("int8", "fp8_e4m3")
+
+
+def can(*tensors) -> bool:
+    return usable(FAMILY, *tensors)
+
+
+def cache_storage(rows):
+    """A cache layer viewed flat (a float32 tensor [R, r], or the cache's `QuantisedRows`) -> (the
+    storage the op reads, its kind: '' or a quantised kind); None where the op cannot read it."""
+    if isinstance(rows, torch.Tensor):
+        return (rows, "") if rows.dtype == torch.float32 and rows.device.type == "cpu" else None
+    flat, kind = getattr(rows, "flat", None), getattr(rows, "kind", None)
+    if isinstance(flat, torch.Tensor) and flat.device.type == "cpu" and kind in KINDS:
+        return flat, kind
+    return None
+
+
+def sparse_mla_decode(q_lat, storage, kind: str, group: int, tokens, page_table, seq, page_size: int):
+    """q_lat [n, H, r] (absorbed through W_uk and scaled); storage/kind from `cache_storage` (quantised
+    rows in groups of `group` values); tokens [n, W] positions of sequence seq[n] (a page_table row), -1
+    unused. Returns the attended latent [n, H, r] (NaN for a row that selects nothing)."""
+    return ops(FAMILY).sparse_mla_decode(q_lat, storage, kind, group, tokens, page_table, seq, page_size)
+
+
+def index_select_decode(q, weights, pooled, page_table, seq, positions, page_size: int, select_k: int, kpool: int,
+                        scale: float, width: int):
+    """`ops.dsa.index_select` for decode queries, the pool keys read from the cache's pool rows
+    (`pooled` [pages * page_size / kpool, d]) through page_table[seq]. Returns [n, width] int64."""
+    return ops(FAMILY).index_select_decode(q, weights, pooled, page_table, seq, positions, page_size, select_k,
+                                           kpool, scale, width)
+
+
+@register_fakes(FAMILY)
+def _fakes():
+    torch.library.register_fake("ouro_native::sparse_mla_decode")(
+        lambda q_lat, *rest: q_lat.new_empty(q_lat.shape))
+    torch.library.register_fake("ouro_native::index_select_decode")(
+        lambda q, weights, pooled, page_table, seq, positions, page_size, select_k, kpool, scale, width:
+        q.new_empty((q.shape[0], width), dtype=torch.long))
