@@ -14,6 +14,7 @@ import torch
 import ouro.layers.dsa as dsa_layer
 import ouro.layers.kda as kda_layer
 from hf_compare import TOL, compare, reference_run
+from ouro.native.kernels import eager_only
 
 PROMPT, DECODE = 300, 6
 
@@ -154,7 +155,9 @@ def test_mutation_is_caught(tiny, name, monkeypatch):
     assert model.config.num_attention_heads == H and model.config.linear_num_heads == HK
     mutant = copy.deepcopy(model)
     MUTATIONS[name](mutant, monkeypatch)
-    result = compare(mutant, ref)
+    # the decode-only mutations break the eager KDA step's functions: the fused op has its own tests
+    with eager_only(name in DECODE_ONLY):
+        result = compare(mutant, ref)
     assert not result.passes(), f"{name!r} not caught: {result}"
     if name in DECODE_ONLY:  # only the decode steps can see these
         assert result.prefill <= TOL and (result.decode > TOL or not result.tokens_match), str(result)
