@@ -3,13 +3,17 @@ into a copy of the package (its own build), and `numerics --a fused=off --b fuse
 names the op or the module that ran it."""
 
 import tempfile
+from pathlib import Path
 
 import pytest
 
 from ouro.lab.fault_patch import Fault, FaultDoesNotApply, applied_in_process, find_cpp_function, patch_source
 from ouro.lab.fault_suite import run_fault
 from ouro.lab.faults import all_faults
-from ouro.lab.run_configs import parse_config
+from ouro.lab.fused_taps import FUSED_OPS
+from ouro.lab.numerics import compare, make_prompt
+from ouro.lab.run_configs import parse_config, run_config
+from ouro.models.resolve import resolve_model
 
 CPP = """// a comment naming route(x) is not it
 int helper(int a);
@@ -58,8 +62,30 @@ def test_fused_is_a_numerics_configuration_key():
         parse_config("fused=maybe")
 
 
-def test_every_fused_family_has_a_planted_fault():
-    assert {f.file.rsplit("/", 1)[1] for f in NATIVE_FAULTS} >= {"kda.cpp", "mhc.cpp", "experts.cpp", "norms.cpp"}
+def test_every_fused_op_has_a_planted_fault_that_names_it():
+    named = {spec.get("op") for f in NATIVE_FAULTS for spec in f.localised}
+    ops = {op for _, op, _, _ in FUSED_OPS}
+    assert ops - {"hc_post"} <= named       # hc_post is hc_post_pre's first half (`Mix::token`), one fault for both
+    assert {f.file.rsplit("/", 1)[1] for f in NATIVE_FAULTS} == {p.name for p in Path("ouro/native").glob("*.cpp")}
+
+
+def test_the_fused_ops_are_compared_where_the_eager_path_records_their_work():
+    """fused=on against fused=off: every fused op's rows are compared with the eager code's (under the
+    module, method or op key that did the work there) and agree; each row knows the op that made it."""
+    model_dir = resolve_model("tiny", progress=False)
+    prompt = make_prompt(model_dir, 48, 0)
+    ra, rb = (run_config(model_dir, parse_config(c), prompt) for c in ("fused=off,mode=decode", "fused=on,mode=decode"))
+    rows = {r["key"]: r for r in compare(ra, rb, "float32")}
+    seen = {}
+    for key, at in rb.fused_at.items():
+        assert key in rows, f"{key} ({set(at.values())}) is recorded by the fused run only: nothing compares it"
+        assert not rows[key]["diverges"], (key, rows[key]["worst"])
+        for op in at.values():
+            seen.setdefault(op, set()).add(key)
+    assert set(seen) == {op for _, op, _, _ in FUSED_OPS}, set(seen)
+    assert seen["hc_post_pre"] >= {"layers.0.attn_hc.mix", "layers.0.ffn_hc", "layers.0.ffn_hc.comb", "layers.1.attn_hc"}
+    assert seen["sparse_mla_decode"] == {"layers.3.self_attn.attention_core"}
+    assert "layers.0.self_attn.o_norm" in seen["kda_decode"] & seen["gated_rms_norm"]   # decode / prefill rows
 
 
 def _check(name):

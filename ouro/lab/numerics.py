@@ -286,6 +286,9 @@ def _divergence(ra, rb, rows, i, col, ctx, label) -> Finding:
     real = ours.op_at.get(op_key, {}).get(bad[0]) if op_key else None
     if real:    # one role, several ops (the chunked kernel and the recurrent step): the one that ran there
         op, src = real, ours.op_sources.get(real, src)
+    fused = ours.fused_at.get(key, {}).get(bad[0])
+    if fused:   # the row came out of a fused native op (`fused_taps`): that op is where to look
+        op, src = fused, ours.op_sources.get(fused, src)
     worst = r["worst"]
     bound = ERROR_FACTOR * r["tol"] if r["tol"] > 0 else 0.05
     severity = "error" if not math.isfinite(worst) or worst > bound else "warning"

@@ -19,7 +19,7 @@ from torch.utils.flop_counter import flop_registry
 from ..layers.merged import merged_sources
 from ..layers.watch import passive
 from .call_trace import repo_path
-from .native_cost import NATIVE_BYTES, NATIVE_WEIGHT_READS
+from .native_cost import NATIVE_BYTES, NATIVE_FLOPS, NATIVE_WEIGHT_READS
 
 STACK_DEPTH = 8
 DIGEST_MAX_NUMEL = 1 << 18      # larger mutable tensors are named by storage + version instead
@@ -292,6 +292,9 @@ def _bytes(name, args, kwargs, out) -> float:
 
 
 def _flops(func, name, args, kwargs, out):
+    if name in NATIVE_FLOPS:     # a fused native op: the products inside it (torch sees one opaque call)
+        f = float(NATIVE_FLOPS[name](args, out))
+        return f, f
     counter = flop_registry.get(func._overloadpacket)
     if counter is not None:
         try:

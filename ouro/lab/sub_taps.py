@@ -44,12 +44,8 @@ import torch.nn.functional as F
 METHODS = (("ouro.layers.kda", "KDAttention", "forget_gate"), ("ouro.layers.mhc", "HyperConnection", "mix"))
 # ouro: op functions that play one role under one name (a decode run's recurrent step lines up with
 # a prefill run's chunked kernel, and both with the reference's attention)
-OP_ROLES = {"kda_chunk": "attention_core", "kda_recurrent_step": "attention_core", "sparse_mla": "attention_core",
-            "kda_decode": "o_norm"}
-# ouro: fused native ops (`ouro.native`) that stand in for a submodule the eager path runs: recorded
-# under that submodule's key (OP_ROLES) with the op's name, so `numerics --a fused=off --b fused=on`
-# names the fused op where it diverges, not the next module that ran
-FUSED_OPS = (("ouro.native.kda", "kda_decode"),)
+OP_ROLES = {"kda_chunk": "attention_core", "kda_recurrent_step": "attention_core", "sparse_mla": "attention_core"}
+# ouro: the fused native ops (`ouro.native`) are recorded where their eager counterparts are: `fused_taps`
 # parts of a module's tuple output recorded under their own key: class -> ((key suffix, index), ...)
 OURO_PARTS = {"HyperConnection": (("post", 1), ("comb", 2))}
 HF_PARTS = {"HyperConnection": (("post", 0), ("comb", 1))}

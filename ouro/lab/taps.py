@@ -24,7 +24,8 @@ import torch
 from ..layers.context import ForwardContext
 from ..layers.watch import passive
 from . import sub_taps
-from .sub_taps import DERIVED, FUSED_OPS, OP_ROLES, OURO_PARTS, parts, wrap_methods
+from .fused_taps import FUSED_OPS
+from .sub_taps import DERIVED, OP_ROLES, OURO_PARTS, parts, wrap_methods
 from .tolerances import kind_of_module, kind_of_op
 
 # op functions that return no per-token rows (weights, per-pool keys, KCP summaries, conv windows),
@@ -49,6 +50,7 @@ class Recording:
     ops: set = field(default_factory=set)        # keys that are op taps
     op_at: dict = field(default_factory=dict)    # op key -> {position: the op that computed it} (OP_ROLES)
     op_sources: dict = field(default_factory=dict)   # op name -> (file, function, line)
+    fused_at: dict = field(default_factory=dict)  # key -> {position: the fused native op that computed it}
     forward_index: int = 0
     _events: int = 0
 
@@ -86,6 +88,8 @@ class Recording:
                     getattr(self, name).setdefault(k, v)
             for k, at in part.op_at.items():
                 self.op_at.setdefault(k, {}).update(at)
+            for k, at in part.fused_at.items():
+                self.fused_at.setdefault(k, {}).update(at)
             self.ops |= part.ops
         self.forward_index = max([self.forward_index, *(p.forward_index for p in parts)])
 
@@ -201,6 +205,7 @@ class OuroTaps:
         self.model, self.rec, self.slots = model, rec, slots
         self.passive_hooks = passive_hooks     # keep every fused op on (`ouro.layers.watch`)
         self.names = {id(m): n for n, m in model.named_modules() if n}
+        self.modules = set(self.names.values())
         self.handles, self.patched = [], []
 
     def __enter__(self):
@@ -260,11 +265,11 @@ class OuroTaps:
                 if callable(fn) and name in ops and name not in NOT_PER_TOKEN:
                     self.patched.append((module, name, fn))
                     setattr(module, name, self._op_wrapper(name, fn))
-        for module_name, op in FUSED_OPS:
+        for module_name, op, emit, like in FUSED_OPS:
             module = importlib.import_module(module_name)
             fn = getattr(module, op)
             self.patched.append((module, op, fn))
-            setattr(module, op, self._op_wrapper(op, fn))
+            setattr(module, op, self._fused_wrapper(op, fn, emit, like))
         for module_name, op, local_names, suffix, derive in DERIVED:
             module = importlib.import_module(module_name)
             fn = getattr(module, op)
@@ -276,6 +281,33 @@ class OuroTaps:
             out = fn(*args, **kwargs)
             owner = _find_local("self", torch.nn.Module, depth=3)   # a CP hook calls ops 2 frames below the layer
             self._record_op(owner, op, OP_ROLES.get(op, op), fn, out)
+            return out
+        return wrapped
+
+    def _fused_wrapper(self, op, fn, emit, like):
+        """A fused native op (`fused_taps.FUSED_OPS`): its output recorded under the keys the eager
+        path records it, each of its rows noted as this op's (`Recording.fused_at`)."""
+        def wrapped(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            caller = sys._getframe(1).f_locals
+            name = self.names.get(id(_find_local("self", torch.nn.Module, depth=3)))
+            ctx = _find_local("ctx", ForwardContext, start=2)
+            if name is None or ctx is None:
+                return out
+            self.rec.op_sources[op] = source_of(fn)
+            with torch.no_grad():
+                for key, t in emit(name, caller, out, self.names):
+                    if t is None:      # the module's own hook records this output
+                        got = probed_rows(canonical(out, self.rec.n_experts), ctx, set(self.slots()))
+                        pos = None if got is None else got[1]
+                    else:
+                        self.rec.kinds.setdefault(key, kind_of_op(like or op))
+                        if key not in self.modules:      # an op's or a method's key, as the eager path records it
+                            self.rec.ops.add(key)
+                        self.rec.sources.setdefault(key, source_of(fn))
+                        pos = self._record(key, t, ctx)
+                    if pos is not None:
+                        self.rec.fused_at.setdefault(key, {}).update(dict.fromkeys(pos.tolist(), op))
             return out
         return wrapped
 

@@ -6,7 +6,7 @@ FAULT = Fault(
                 "outputs (every odd hidden channel a copy of the even one before it)",
     file="ouro/native/experts.cpp", function="moe_experts",
     replace=[("yp[(r + i) * D + d2] = s[4 + i];", "yp[(r + i) * D + d2] = s[i];  // FAULT: the pair's second row")],
-    localised=[{"module": r"layers\.\d+\.mlp\.experts$"}],
+    localised=[{"op": "moe_experts", "module": r"layers\.\d+\.mlp\.experts$"}],
     probes=[["numerics", "--model", "tiny", "--a", "fused=off,mode=decode", "--b", "fused=on,mode=decode"]],
     symptom="decoded text is wrong in the sparse layers; dense layers and attention agree",
 )

@@ -6,7 +6,7 @@ FAULT = Fault(
     file="ouro/native/norms.cpp", function="rms_norm",
     replace=[("const float inv = 1.f / std::sqrt(ouro::sumsq(row, D) / static_cast<float>(D) + e);",
               "const float inv = 1.f / (std::sqrt(ouro::sumsq(row, D) / static_cast<float>(D)) + e);  // FAULT")],
-    localised=[{"module": r"(layers\.\d+\.(input_layernorm|post_attention_layernorm|self_attn\.(q_a|kv_a)_layernorm)|norm)$"}],
+    localised=[{"op": "rms_norm", "module": r"(layers\.\d+\.(input_layernorm|post_attention_layernorm|self_attn\.(q_a|kv_a)_layernorm)|norm)$"}],
     probes=[["numerics", "--model", "tiny", "--a", "fused=off", "--b", "fused=on"]],
     symptom="every norm's output is off by a small relative amount that grows as rows get small",
 )

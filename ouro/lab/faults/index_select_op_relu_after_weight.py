@@ -1,0 +1,13 @@
+from ..fault_patch import Fault
+
+FAULT = Fault(
+    name="index_select_op_relu_after_weight",
+    description="the fused indexer applies the ReLU after the head weight (relu(w * q.k)) for even heads, "
+                "not to the score alone (w * relu(q.k)): negatively weighted heads stop counting against a pool",
+    file="ouro/native/mla.cpp", function="index_select_decode",
+    replace=[("acc[k] += wi[h] * std::max(dots[k] * sc, 0.f);",
+              "acc[k] += std::max(wi[h] * dots[k] * sc, 0.f);  // FAULT: ReLU of the weighted score")],
+    localised=[{"op": "index_select_decode", "layer": "dsa"}],
+    probes=[["numerics", "--model", "tiny", "--a", "fused=off,mode=decode", "--b", "fused=on,mode=decode"]],
+    symptom="long-context recall is worse in decode; prefill attends to the right tokens",
+)
