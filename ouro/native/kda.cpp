@@ -3,12 +3,17 @@
 // `lower_bound * sigmoid(exp(A_log) * (f + dt_bias))` (a scale, not a clamp; `-exp(A_log) *
 // softplus(f + dt_bias)` where the config has no bound), beta, the gated delta-rule update of the
 // state in place in its slot, and the gated RMSNorm of the output. Each norm and gate is computed
-// once per (token, head); torch ran ~60 ops for this per layer.
+// once per (token, head), a head's exponentials (SiLU, gates) as vector rows; torch ran ~60 ops
+// for this per layer.
 //
-// The state S [dk, dv] of a head is read and written in two passes, both over rows of dv floats
-// (16 KB for 64 x 64: L1-resident between them): pass 1 decays row i by exp(g_i) and accumulates
-// pred = sum_i k_i S_i; then u = beta (v - pred); pass 2 adds k_i u to row i and accumulates the
-// output o = sum_i q_i S_i from the updated rows, in the eager code's order of operations.
+// State order. S [dk, dv] (key rows of dv floats, as the eager code's [N, H, dk, dv]); per key row i:
+// S_i *= exp(g_i); pred = sum_i k_i S_i; u = beta (v - pred); S_i += k_i u; o = sum_i q_i S_i. The
+// update needs u, u needs pred, and pred needs every decayed row, so no row can be finished before all
+// were read: one sweep cannot do it (each value column alone could, but a column is strided by dv).
+// Two sweeps over the rows (`rows_scale_tdot`, `rows_rank1_tdot` in vec.h, the column sums in
+// registers): 1) decay row i and add k_i S_i to pred; 2) add k_i u to row i and q_i S_i to o, the
+// output read from the updated rows as the eager code does. The head's state (16 KB at 64 x 64) stays
+// in L1 between the sweeps, so it moves to and from memory once per step.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -22,6 +27,21 @@
 namespace {
 
 inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); }   // torch's threshold
+
+// out[j] = sum_m win[j][m] w[j][m] + x[j] w[j][W] for n channels (windows [n, W], weights [n, W + 1]),
+// then each window drops its oldest input and takes x[j]. WF > 0: the window's length known here.
+template <int WF>
+void conv_step(float* __restrict win, const float* __restrict w, const float* __restrict x, float* __restrict out,
+               int64_t n, int64_t W_run) {
+    const int64_t W = WF > 0 ? WF : W_run;
+    for (int64_t j = 0; j < n; ++j, win += W, w += W + 1) {
+        float acc = 0.f;
+        for (int64_t m = 0; m < W; ++m) acc += win[m] * w[m];
+        out[j] = acc + x[j] * w[W];
+        for (int64_t m = 0; m + 1 < W; ++m) win[m] = win[m + 1];
+        if (W > 0) win[W - 1] = x[j];
+    }
+}
 
 void check(const at::Tensor& t, const char* what, at::ScalarType dtype = at::kFloat, bool rows = false) {
     TORCH_CHECK(t.scalar_type() == dtype, "kda_decode: ", what, " has dtype ", t.scalar_type());
@@ -58,61 +78,54 @@ at::Tensor kda_decode(const at::Tensor& mixed, const at::Tensor& f, const at::Te
     const int64_t xs = mixed.stride(0), fs = f.stride(0), bs = b.stride(0), gs = gate.stride(0);
     float *cs = conv_state.data_ptr<float>(), *rs = rec_state.data_ptr<float>(), *op = out.data_ptr<float>();
     const bool bounded = !std::isnan(lower_bound);
+    TORCH_CHECK(!(lower_bound > 0), "kda_decode: lower_bound ", lower_bound, " > 0 (the gate is a log-decay)");
     const float lb = static_cast<float>(lower_bound), e = static_cast<float>(eps), qscale = 1.f / std::sqrt(float(dk));
 
     // a (token, head) task is ~4 dk dv flops: a thread takes at least ~16 of them
     at::parallel_for(0, T * H, 16, [&](int64_t i0, int64_t i1) {
-        std::vector<float> q(dk), k(dk), v(dv), g(dk), pred(dv), o(dv);
+        std::vector<float> buf(8 * dk);
+        float *q = buf.data(), *k = q + dk, *v = k + dk, *g = v + dk, *pred = g + dk, *o = pred + dk;
+        float *tmp = o + dk, *raw = tmp + dk;
         for (int64_t i = i0; i < i1; ++i) {
             const int64_t t = i / H, h = i % H, slot = sl[t];
             float* Sh = rs + ((slot * H) + h) * dk * dv;
             if (fr[t]) std::fill(Sh, Sh + dk * dv, 0.f);
-            // conv step of this head's q, k and v channels; the window rolled in place
-            float* parts[3] = {q.data(), k.data(), v.data()};
+            // conv step of this head's q, k and v channels (dk of each, contiguous), then SiLU
+            float* parts[3] = {q, k, v};
             for (int p = 0; p < 3; ++p) {
-                for (int64_t j = 0; j < dk; ++j) {
-                    const int64_t c = p * C + h * dk + j;
-                    float* win = cs + (slot * C3 + c) * W;
-                    if (fr[t]) std::fill(win, win + W, 0.f);
-                    const float* wc = wp + c * K;
-                    const float x = xp[t * xs + c];
-                    float acc = 0.f;
-                    for (int64_t m = 0; m < W; ++m) acc += win[m] * wc[m];
-                    acc += x * wc[W];
-                    for (int64_t m = 0; m + 1 < W; ++m) win[m] = win[m + 1];
-                    if (W > 0) win[W - 1] = x;
-                    parts[p][j] = ouro::silu(acc);
-                }
+                const int64_t c0 = p * C + h * dk;
+                float* win = cs + (slot * C3 + c0) * W;
+                if (fr[t]) std::fill(win, win + dk * W, 0.f);
+                if (W == 3) conv_step<3>(win, wp + c0 * K, xp + t * xs + c0, parts[p], dk, W);   // K = 4
+                else conv_step<0>(win, wp + c0 * K, xp + t * xs + c0, parts[p], dk, W);
+                ouro::sigmoid_row(tmp, parts[p], dk);
+                for (int64_t j = 0; j < dk; ++j) parts[p][j] *= tmp[j];
             }
-            const float qn = 1.f / std::sqrt(ouro::sumsq(q.data(), dk) + 1e-6f) * qscale;
-            const float kn = 1.f / std::sqrt(ouro::sumsq(k.data(), dk) + 1e-6f);
+            const float qn = 1.f / std::sqrt(ouro::sumsq(q, dk) + 1e-6f) * qscale;
+            const float kn = 1.f / std::sqrt(ouro::sumsq(k, dk) + 1e-6f);
             for (int64_t j = 0; j < dk; ++j) { q[j] *= qn; k[j] *= kn; }
+            // forget gate: the log-decay (<= 0: lower_bound <= 0, softplus >= 0), then its exp
             const float rate = std::exp(ap[h]);
-            for (int64_t j = 0; j < dk; ++j) {
-                const float raw = fp[t * fs + h * dk + j] + dtp[h * dk + j];
-                g[j] = std::exp(bounded ? lb * ouro::sigmoid(rate * raw) : -rate * softplus(raw));
+            for (int64_t j = 0; j < dk; ++j) raw[j] = fp[t * fs + h * dk + j] + dtp[h * dk + j];
+            if (bounded) {
+                for (int64_t j = 0; j < dk; ++j) g[j] = rate * raw[j];
+                ouro::sigmoid_row(g, g, dk);
+                for (int64_t j = 0; j < dk; ++j) g[j] *= lb;
+            } else {
+                for (int64_t j = 0; j < dk; ++j) g[j] = -rate * softplus(raw[j]);
             }
+            ouro::exp_nonpos_row(g, g, dk);
             const float beta = ouro::sigmoid(bp[t * bs + h]);
-            // pass 1: decay each key row, recall pred = k^T S
-            std::fill(pred.begin(), pred.end(), 0.f);
-            for (int64_t r = 0; r < dk; ++r) {
-                float* row = Sh + r * dv;
-                for (int64_t c = 0; c < dv; ++c) row[c] *= g[r];
-                ouro::axpy(pred.data(), k[r], row, dv);
-            }
+            // sweep 1: decay each key row, recall pred = k^T S
+            ouro::rows_scale_tdot(Sh, dk, dv, dv, g, k, pred);
             for (int64_t c = 0; c < dv; ++c) pred[c] = beta * (v[c] - pred[c]);      // u
-            // pass 2: the rank-1 update, and the output from the updated rows
-            std::fill(o.begin(), o.end(), 0.f);
-            for (int64_t r = 0; r < dk; ++r) {
-                float* row = Sh + r * dv;
-                ouro::axpy(row, k[r], pred.data(), dv);
-                ouro::axpy(o.data(), q[r], row, dv);
-            }
+            // sweep 2: the rank-1 update, and the output from the updated rows
+            ouro::rows_rank1_tdot(Sh, dk, dv, dv, k, pred, q, o);
             // gated RMSNorm: weight * (o * rsqrt(mean(o^2) + eps)) * sigmoid(gate)
-            const float inv = 1.f / std::sqrt(ouro::sumsq(o.data(), dv) / float(dv) + e);
+            const float inv = 1.f / std::sqrt(ouro::sumsq(o, dv) / float(dv) + e);
             float* y = op + t * C + h * dv;
-            const float* gt = gp + t * gs + h * dv;
-            for (int64_t c = 0; c < dv; ++c) y[c] = nw[c] * (o[c] * inv) * ouro::sigmoid(gt[c]);
+            ouro::sigmoid_row(tmp, gp + t * gs + h * dv, dv);
+            for (int64_t c = 0; c < dv; ++c) y[c] = nw[c] * (o[c] * inv) * tmp[c];
         }
     });
     return out;

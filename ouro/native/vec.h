@@ -309,4 +309,91 @@ inline void rescale_lincomb_4(float* const y[4], const float a[4], const float* 
     }
 }
 
+// Two sweeps over a [rows, n] tile X (row stride ld), the column sums kept in registers across the
+// rows (blocks of 4 vectors of columns, then single vectors, then a scalar tail), each y[i] summed in
+// row order from zero by the same FMAs whichever block it falls in:
+//   rows_scale_tdot:  X[r] *= a[r];      y = sum_r b[r] X[r]
+//   rows_rank1_tdot:  X[r] += a[r] u;    y = sum_r b[r] X[r]
+// (the gated delta rule's decay-and-recall and update-and-read of a state, `kda.cpp`)
+#if defined(__AVX512F__)
+template <int NB, bool RANK1>
+inline int64_t rows_tdot_512(float* x, int64_t rows, int64_t n, int64_t ld, const float* a, const float* u,
+                             const float* b, float* y, int64_t i) {
+    for (; i + NB * 16 <= n; i += NB * 16) {
+        __m512 acc[NB], uv[NB];
+        for (int j = 0; j < NB; ++j) {
+            acc[j] = _mm512_setzero_ps();
+            uv[j] = RANK1 ? _mm512_loadu_ps(u + i + j * 16) : acc[j];
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+            float* xr = x + r * ld + i;
+            const __m512 va = _mm512_set1_ps(a[r]), vb = _mm512_set1_ps(b[r]);
+            for (int j = 0; j < NB; ++j) {
+                const __m512 old = _mm512_loadu_ps(xr + j * 16);
+                const __m512 v = RANK1 ? _mm512_fmadd_ps(va, uv[j], old) : _mm512_mul_ps(old, va);
+                _mm512_storeu_ps(xr + j * 16, v);
+                acc[j] = _mm512_fmadd_ps(vb, v, acc[j]);
+            }
+        }
+        for (int j = 0; j < NB; ++j) _mm512_storeu_ps(y + i + j * 16, acc[j]);
+    }
+    return i;
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+template <int NB, bool RANK1>
+inline int64_t rows_tdot_256(float* x, int64_t rows, int64_t n, int64_t ld, const float* a, const float* u,
+                             const float* b, float* y, int64_t i) {
+    for (; i + NB * 8 <= n; i += NB * 8) {
+        __m256 acc[NB], uv[NB];
+        for (int j = 0; j < NB; ++j) {
+            acc[j] = _mm256_setzero_ps();
+            uv[j] = RANK1 ? _mm256_loadu_ps(u + i + j * 8) : acc[j];
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+            float* xr = x + r * ld + i;
+            const __m256 va = _mm256_set1_ps(a[r]), vb = _mm256_set1_ps(b[r]);
+            for (int j = 0; j < NB; ++j) {
+                const __m256 old = _mm256_loadu_ps(xr + j * 8);
+                const __m256 v = RANK1 ? _mm256_fmadd_ps(va, uv[j], old) : _mm256_mul_ps(old, va);
+                _mm256_storeu_ps(xr + j * 8, v);
+                acc[j] = _mm256_fmadd_ps(vb, v, acc[j]);
+            }
+        }
+        for (int j = 0; j < NB; ++j) _mm256_storeu_ps(y + i + j * 8, acc[j]);
+    }
+    return i;
+}
+#endif
+
+template <bool RANK1>
+inline void rows_tdot(float* x, int64_t rows, int64_t n, int64_t ld, const float* a, const float* u, const float* b,
+                      float* y) {
+    int64_t i = 0;
+    if (!portable()) {
+#if defined(__AVX512F__)
+        i = rows_tdot_512<1, RANK1>(x, rows, n, ld, a, u, b, y, rows_tdot_512<4, RANK1>(x, rows, n, ld, a, u, b, y, 0));
+#elif defined(__AVX2__) && defined(__FMA__)
+        i = rows_tdot_256<1, RANK1>(x, rows, n, ld, a, u, b, y, rows_tdot_256<4, RANK1>(x, rows, n, ld, a, u, b, y, 0));
+#endif
+    }
+    for (; i < n; ++i) {
+        float s = 0.f;
+        for (int64_t r = 0; r < rows; ++r) {
+            float& v = x[r * ld + i];
+            v = RANK1 ? std::fma(a[r], u[i], v) : v * a[r];
+            s = std::fma(b[r], v, s);
+        }
+        y[i] = s;
+    }
+}
+
+inline void rows_scale_tdot(float* x, int64_t rows, int64_t n, int64_t ld, const float* a, const float* b, float* y) {
+    rows_tdot<false>(x, rows, n, ld, a, nullptr, b, y);
+}
+
+inline void rows_rank1_tdot(float* x, int64_t rows, int64_t n, int64_t ld, const float* a, const float* u,
+                            const float* b, float* y) {
+    rows_tdot<true>(x, rows, n, ld, a, u, b, y);
+}
+
 }  // namespace ouro
