@@ -124,10 +124,7 @@ at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& weights_in, con
     return out;
 }
 
-std::string experts_isa(int64_t force_portable) {
-    if (force_portable >= 0) ouro::portable() = force_portable != 0;
-    return ouro::isa();
-}
+std::string experts_isa(int64_t force_portable) { return ouro::isa_switch(force_portable); }
 
 }  // namespace
 

@@ -131,10 +131,7 @@ at::Tensor kda_decode(const at::Tensor& mixed, const at::Tensor& f, const at::Te
     return out;
 }
 
-std::string kda_isa(int64_t force_portable) {
-    if (force_portable >= 0) ouro::portable() = force_portable != 0;
-    return ouro::isa();
-}
+std::string kda_isa(int64_t force_portable) { return ouro::isa_switch(force_portable); }
 
 }  // namespace
 

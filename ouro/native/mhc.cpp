@@ -236,10 +236,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hc_post_pre(
     return {y, x, p, c};
 }
 
-std::string mhc_isa(int64_t force_portable) {
-    if (force_portable >= 0) ouro::portable() = force_portable != 0;
-    return ouro::isa();
-}
+std::string mhc_isa(int64_t force_portable) { return ouro::isa_switch(force_portable); }
 
 }  // namespace
 

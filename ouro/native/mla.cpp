@@ -313,10 +313,7 @@ at::Tensor index_select_decode(const at::Tensor& q_in, const at::Tensor& w_in, c
     return out;
 }
 
-std::string mla_isa(int64_t force_portable) {
-    if (force_portable >= 0) ouro::portable() = force_portable != 0;
-    return ouro::isa();
-}
+std::string mla_isa(int64_t force_portable) { return ouro::isa_switch(force_portable); }
 
 }  // namespace
 

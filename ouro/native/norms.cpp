@@ -99,10 +99,7 @@ at::Tensor clamped_swiglu(const at::Tensor& gate, const at::Tensor& up, double l
     return y;
 }
 
-std::string norms_isa(int64_t force_portable) {
-    if (force_portable >= 0) ouro::portable() = force_portable != 0;
-    return ouro::isa();
-}
+std::string norms_isa(int64_t force_portable) { return ouro::isa_switch(force_portable); }
 
 }  // namespace
 

@@ -110,10 +110,7 @@ std::tuple<at::Tensor, at::Tensor> route(const at::Tensor& x, const at::Tensor& 
     return {weights, experts};
 }
 
-std::string router_isa(int64_t force_portable) {
-    if (force_portable >= 0) ouro::portable() = force_portable != 0;
-    return ouro::isa();
-}
+std::string router_isa(int64_t force_portable) { return ouro::isa_switch(force_portable); }
 
 }  // namespace
 

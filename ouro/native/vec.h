@@ -16,6 +16,14 @@ namespace ouro {
 
 inline bool& portable() { static bool on = false; return on; }
 
+std::string isa();
+
+// each family's `<family>_isa(force_portable)` op: force (1) or release (0) the portable loops, -1 reads
+inline std::string isa_switch(int64_t force_portable) {
+    if (force_portable >= 0) portable() = force_portable != 0;
+    return isa();
+}
+
 inline std::string isa() {
     if (portable()) return "portable";
 #if defined(__AVX512F__)
