@@ -151,7 +151,8 @@ def add_quantization_flag(p) -> None:
                         "e4m3 (torch._scaled_mm, the fp8 tensor cores of a GPU)")
     p.add_argument("--quantization-ignore", default=None, metavar="PATTERNS",
                    help="with --quantization: comma-separated module name patterns kept unquantised, replacing the "
-                        "default (lm_head,*.indexer.weights_proj,*.kv_b_proj), e.g. 'lm_head,layers.3.*'")
+                        "default (lm_head,*.indexer.weights_proj,*.kv_b_proj), e.g. 'lm_head,layers.3.*'; *.kv_b_proj "
+                        "is always kept (MLA absorbs it into the attention: it never runs as a product)")
 
 
 def add_kv_cache_flags(p) -> None:

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from ouro import LLM, SamplingParams
 from ouro.quant.w8a8 import W8A8Experts, W8A8Linear
@@ -103,3 +104,37 @@ def test_disaggregated_workers_get_the_same_quantisation():
         assert argv[argv.index("--quantization") + 1] == "w8a8"
     plain = build_parser().parse_args(["serve", "--model", "tiny", "--disagg", "1P1D"])
     assert "--quantization" not in worker_argv(plain, "prefill", 30000)
+
+
+@pytest.mark.parametrize("method", ["w8a8", "fp8"])
+def test_kv_b_proj_stays_in_the_engine_dtype_whatever_the_ignore_list_says(checkpoint, method):
+    """MLA absorbs kv_b_proj into the attention (its matrix is read, never run as a product): an
+    ignore list without it still keeps it, so every other projection, the head included, is
+    quantised and the engine runs."""
+    if method == "fp8" and not hasattr(torch, "float8_e4m3fn"):
+        pytest.skip("no float8 in this torch")
+    llm = LLM(str(checkpoint), max_memory=64 << 20, page_size=16, quantization=method,
+              quantization_ignore=("*.indexer.weights_proj",))
+    model = llm.engine.model
+    kv_b = [m for n, m in model.named_modules() if n.endswith("kv_b_proj")]
+    assert kv_b and all(not isinstance(m, W8A8Linear) and m.weight.dtype == torch.float32 for m in kv_b)
+    assert isinstance(model.lm_head, W8A8Linear)
+    out = llm.generate([[1, 2, 3, 4, 5, 6]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert len(out[0].token_ids) == 4
+
+
+def test_bench_offline_passes_quantization_ignore_on(tmp_path):
+    """`ouro bench offline --quantization-ignore` reaches the engine: what it kept is what was asked
+    (with kv_b_proj, which is always kept)."""
+    import json
+
+    from ouro.cli import main
+    out = tmp_path / "r.json"
+    code = main(["bench", "offline", "--model", "tiny", "--num-prompts", "2", "--input-len", "12", "--output-len", "2",
+                 "--max-concurrency", "2", "--quantization", "w8a8", "--quantization-ignore", "lm_head",
+                 "--output-json", str(out)])
+    r = json.loads(out.read_text())
+    assert code == 0 and r["engine_fields"]["quantization_ignore"] == ["lm_head"]
+    assert "lm_head" in r["kept_unquantised"]
+    assert not any("indexer.weights_proj" in n for n in r["kept_unquantised"])
+    assert r["kept_unquantised"] and all(n == "lm_head" or n.endswith("kv_b_proj") for n in r["kept_unquantised"])

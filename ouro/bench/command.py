@@ -31,11 +31,22 @@ def add_bench_serve_options(bench) -> None:
                    help="torch threads (default: OURO_NUM_THREADS, else torch's: the server engine's rule)")
 
 
+def offline_fields(args) -> dict | None:
+    """EngineConfig fields beyond bench_offline's own arguments: `--quantization-ignore`, then a
+    config file's fields over it (a config file states a whole configuration)."""
+    from ..config.engine import split_patterns
+    from ..config.file import load_config_file
+    fields = {}
+    if getattr(args, "quantization_ignore", None):
+        fields["quantization_ignore"] = split_patterns(args.quantization_ignore)
+    fields.update(load_config_file(args.config) if args.config else {})
+    return fields or None
+
+
 def run_bench(args) -> int:
     """`ouro bench offline|prefill|serve`."""
     import json
     from ..config import EngineConfig, speculative_args
-    from ..config.file import load_config_file
     from ..models.resolve import BENCH_MODEL, resolve_model
     EngineConfig(device=args.device, dtype=args.dtype).check_device()
     if args.kind == "serve" and args.compare_base_url:
@@ -56,6 +67,7 @@ def run_bench(args) -> int:
                  "--device", args.device, "--dtype", dtype]
         extra = ["--compile", "--torch-compile-max-bs", str(args.torch_compile_max_bs)] if args.compile else []
         extra += ["--quantization", args.quantization] if args.quantization else []
+        extra += ["--quantization-ignore", args.quantization_ignore] if args.quantization_ignore else []
         extra += ["--config", args.config] if args.config else []
         r = bench_baseline(args.baseline, str(resolve_model(args.model)), flags, args.repeats, current_extra=extra)
         print(format_baseline(r))
@@ -66,7 +78,7 @@ def run_bench(args) -> int:
                           compile=args.compile, compile_max_bs=args.torch_compile_max_bs,
                           quantization=args.quantization, speculative=speculative_args(args),
                           deterministic=args.enable_deterministic_inference,
-                          engine_fields=load_config_file(args.config) if args.config else None)
+                          engine_fields=offline_fields(args))
         print(format_offline(r))
     if args.kind == "prefill" and args.cp > 1:
         from .prefill_cp import bench_prefill_cp, format_prefill_cp

@@ -130,6 +130,7 @@ def bench_offline(model_dir, num_prompts=64, input_len=256, output_len=64, concu
     r = {"seed": seed, "num_prompts": num_prompts, "input_len": input_len, "output_len": output_len,
          "concurrency": concurrency, "device": device, "compile": engine.config.compile,
          "quantization": engine.config.quantization, "engine_fields": engine_fields or None,
+         "kept_unquantised": (getattr(engine, "quantized", None) or {}).get("kept"),
          "speculative": speculative or None,
          "dtype": str(model.embed_tokens.weight.dtype).replace("torch.", ""), "waves": waves,
          "ouro": _throughput(sum(w["ouro_s"] for w in waves), num_prompts * input_len, outs),

@@ -193,6 +193,9 @@ def _run_ouro(model_dir, cfg, prompt, rec, seed, device):
     engine = LLMEngine(model, None, ec, enable_prefix_caching=cfg.prefix == "hit", verbose=False, model_dir=model_dir)
     if engine.speculator is not None:
         engine.speculator.probe_reject_last = True
+    # NaN-filled: a read of never-written memory (a row, a scale, a state) shows, whatever the
+    # allocator happened to hand back (a freed cache of an earlier run holds plausible values)
+    engine.runner.cache.poison()
     probed = []
 
     def params(forced):

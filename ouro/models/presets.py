@@ -61,7 +61,7 @@ TRAINED = {"tiny-py"}     # shipped trained; `make_model` writes only random-ini
 BUILTIN_DIR = Path(__file__).parent / "builtin"
 # bumped whenever what make_model writes changes (weights, tokenizer, template): cached presets
 # of another format are rebuilt
-PRESET_FORMAT = 4
+PRESET_FORMAT = 5    # 5: config.json carries the original GLM keys (linear_attn_config, mhc, ...)
 
 
 def parameter_count(config: ModelConfig) -> int:

@@ -38,6 +38,9 @@ from .int8_native import native
 METHODS = ("w8a8", "fp8")
 QUANTIZERS = {"w8a8": quantize_rows, "fp8": quantize_rows_fp8}
 UNQUANTISED = ("lm_head", "*.indexer.weights_proj", "*.kv_b_proj")
+# kept whatever the patterns say: MLA absorbs kv_b_proj's matrix into the query and output
+# (`ops.dsa.sparse_mla.absorb_weights`), so it is read as a weight, never run as a product
+ALWAYS_KEPT = ("*.kv_b_proj",)
 
 
 # owner module -> {weight name: (key of the int8 weight packed, its packed copy)}: outside the
@@ -237,7 +240,7 @@ def _ignored(name: str, patterns, n_layers: int) -> bool:
     parts = name.split(".")
     if len(parts) > 1 and parts[0] == "layers" and parts[1].isdigit() and int(parts[1]) >= n_layers:
         return True                                           # the MTP block
-    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+    return any(fnmatch.fnmatchcase(name, p) for p in (*patterns, *ALWAYS_KEPT))
 
 
 def quantize_model(model: nn.Module, method: str = "w8a8", ignore=None, reference: bool = False) -> dict:
