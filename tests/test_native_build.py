@@ -68,3 +68,41 @@ def test_fused_ops_are_one_call_in_a_compiled_graph():
         assert float((got - ref).norm() / ref.norm()) <= 1e-6
     finally:
         torch.set_grad_enabled(True)
+
+
+def test_every_family_source_is_listed():
+    from pathlib import Path
+
+    from ouro.native import kernels
+    on_disk = {p.stem for p in Path(kernels.HERE).glob("*.cpp")}
+    assert set(kernels.FAMILIES) == on_disk
+
+
+def test_a_graph_traced_before_any_eager_step_holds_the_fused_ops(tmp_path):
+    """A fresh process whose first forward is the compiled decode graph's warm-up: the graph loads
+    every family before its trace (a build inside a trace fails it), and a trace that meets an
+    unloaded family says what to call."""
+    code = textwrap.dedent("""
+        import torch
+        from ouro.engine.decode_graph import DecodeGraph
+        from ouro.engine.simple_runner import SimpleRunner
+        from ouro.models.loader import load_model
+        from ouro.models.resolve import resolve_model
+        from ouro.native import kernels
+        from ouro.layers.norm import RMSNorm
+        torch.set_grad_enabled(False)
+        norm = RMSNorm(8, 1e-6)
+        try:
+            torch.compile(norm, fullgraph=True, backend="eager")(torch.randn(2, 8))
+        except Exception as e:
+            print("REFUSED", "load_all()" in str(e))
+        model = load_model(resolve_model("tiny"))
+        runner = SimpleRunner(model, 2, 32)
+        graph = DecodeGraph(model, runner.cache, 1, int(runner.page_table[1, 0]), max_bs=1, backend="eager")
+        graph.warm_up(progress=False)
+        print("LOADED", all(kernels.load(f) for f in kernels.FAMILIES))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                         cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "REFUSED True" in out.stdout and "LOADED True" in out.stdout, out.stdout + out.stderr[-2000:]

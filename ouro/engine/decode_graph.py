@@ -23,6 +23,7 @@ import types
 import torch
 
 from ..layers.context import GraphContext, ModelCache
+from ..native.kernels import load_all
 from ..ops.opaque import opaque_key
 
 
@@ -68,6 +69,7 @@ class DecodeGraph:
         # the indexer scores pools: a table at least this wide has more pools than it keeps, so
         # every width takes the same branch (the selection is the same either way)
         self.min_width = _next_pow2(c.index_topk // cache.page_size + 1) if c.indexer_layers else 1
+        load_all()     # the fused kernels built before the trace reads whether they are there
         for m in model.modules():
             if hasattr(m, "eager_shape"):
                 opaque_key(m)

@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
 HEADERS = (HERE / "vec.h",)
+FAMILIES = ("norms", "mhc", "router", "experts", "kda", "mla")   # one `<family>.cpp` each
 _STATE: dict = {"eager_only": False}
 _LOADED: dict[str, str | None] = {}      # family -> None when loaded, else why it is not
 _FAKES: dict[str, object] = {}           # family -> function registering its fake implementations
@@ -39,6 +40,9 @@ def register_fakes(family: str):
 def load(family: str) -> bool:
     """Builds and loads `<family>.cpp` once; True when its ops are in `torch.ops.ouro_native`."""
     if family not in _LOADED:
+        if torch.compiler.is_compiling():
+            raise RuntimeError(f"ouro's fused {family} kernels are loaded inside a graph trace: call "
+                               "ouro.native.kernels.load_all() before compiling (a build cannot be traced)")
         if os.environ.get("OURO_FUSED", "1") == "0":
             _LOADED[family] = "OURO_FUSED=0"
         else:
@@ -90,6 +94,12 @@ def eager_only(on: bool = True):
 def fused_off() -> bool:
     """Inside `eager_only()`: every fused path (native ops and merged products) is off."""
     return _STATE["eager_only"]
+
+
+def load_all() -> dict[str, bool]:
+    """Every family built and loaded (or its reason recorded): before a graph is traced, so the
+    trace reads each family's state and never starts a build."""
+    return {f: load(f) for f in FAMILIES}
 
 
 def isa(family: str) -> str:
