@@ -12,6 +12,7 @@ dtype choice (`$OURO_CACHE/gemm_pick.json`). `OURO_GEMM_PICK=linear|transposed|p
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -198,9 +199,14 @@ def form_for(forms: list[str], rows: int, grid: tuple = ROWS) -> str:
     """The decision of the measured row count (of `grid`) nearest to `rows` in log scale (ties to
     the smaller): 256 rows follow 512's decision, not 64's (the fp32 experts' prefill ran the
     per-expert packed loop 1.5x faster at 256 rows than the path chosen at 64)."""
-    x = math.log2(max(rows, 1))
-    i = min(range(len(grid)), key=lambda j: (abs(math.log2(grid[j]) - x), j))
-    return forms[i]
+    return forms[_nearest(max(rows, 1), grid)]
+
+
+@functools.lru_cache(maxsize=4096)
+def _nearest(rows: int, grid: tuple) -> int:
+    # once per (row count, grid): every product of every step asks
+    x = math.log2(rows)
+    return min(range(len(grid)), key=lambda j: (abs(math.log2(grid[j]) - x), j))
 
 
 def available_forms(weight) -> tuple[str, ...]:
