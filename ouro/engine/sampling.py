@@ -168,7 +168,8 @@ class Sampler:
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         if greedy:
             # torch.argmax returns the first maximum, i.e. ties go to the lowest id.
-            picks = logits[torch.tensor(greedy, device=logits.device)].argmax(dim=-1).tolist()
+            rows = logits if len(greedy) == len(params) else logits[torch.tensor(greedy, device=logits.device)]
+            picks = rows.argmax(dim=-1).tolist()
             for i, t in zip(greedy, picks):
                 token_ids[i] = t
         if sampled:
