@@ -143,6 +143,7 @@ def test_owners_are_contiguous_blocks():
     assert layer_split.owners(5, 2) == [0, 0, 0, 1, 1] and layer_split.owners(4, 3) == [0, 0, 1, 2]
 
 
+@pytest.mark.slow      # 32 s; the default run keeps test_a_rank_reading_its_stale_scratch_changes_the_output
 def test_the_lab_finds_a_stale_scratch_read_at_the_remote_layer(tmp_path):
     """The planted fault (a helper attends before its scratch holds the layer's rows) in a patched
     copy, through `ouro lab faults`: detected, and the top finding is a DSA layer the helper does not own."""
