@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "by_expert.h"
 #include "vec.h"
 
 namespace {
@@ -51,20 +52,9 @@ at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& weights_in, con
                 "moe_experts: gate_up must be [E, 2I, D] and down [E, D, I]");
     const int64_t N = T * k;
     const int64_t* exp = ex.data_ptr<int64_t>();
-    // counting sort of the (token, choice) pairs by expert, stable: pair n = token * k + choice
-    std::vector<int64_t> start(E + 1, 0), pos(N), token_row(N);
-    for (int64_t n = 0; n < N; ++n) {
-        TORCH_CHECK(exp[n] >= 0 && exp[n] < E, "moe_experts: expert id ", exp[n], " outside [0, ", E, ")");
-        ++start[exp[n] + 1];
-    }
-    for (int64_t e = 0; e < E; ++e) start[e + 1] += start[e];
-    {
-        std::vector<int64_t> fill(start.begin(), start.end() - 1);
-        for (int64_t n = 0; n < N; ++n) {
-            pos[n] = fill[exp[n]]++;
-            token_row[pos[n]] = n / k;
-        }
-    }
+    // the (token, choice) pairs by expert, stable (`by_expert.h`)
+    const ouro::ExpertOrder order = ouro::order_by_expert(exp, N, k, E, "moe_experts");
+    const std::vector<int64_t>&start = order.start, &pos = order.pos, &token_row = order.token;
     std::vector<int64_t> active;
     for (int64_t e = 0; e < E; ++e)
         if (start[e + 1] > start[e]) active.push_back(e);

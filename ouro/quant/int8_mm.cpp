@@ -15,7 +15,13 @@
 // With AVX-VNNI / AVX512-VNNI: KG = 4, vpdpbusd with the sign trick (|x| unsigned, w * sign(x)).
 // Elsewhere: scalar loops over the same layout. Threads split (expert, channel-block groups, row
 // chunks) with at::parallel_for: torch's own pool.
+//
+// `w8a8_experts` runs W8A8Experts whole (both products, the clamped SwiGLU between them, the
+// weighted sum) in one call: a decode step's routed experts ran as a dozen torch ops and two
+// kernel calls per layer before, each call quantising its rows separately.
 #include <torch/extension.h>
+
+#include "by_expert.h"
 #include <ATen/Parallel.h>
 
 #include <cfloat>
@@ -29,6 +35,13 @@
 
 #if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
 #define OURO_VNNI 1
+#endif
+
+#if defined(__AVX2__)
+// torch's own vectorised e^x (SLEEF, inside libtorch_cpu): the routed experts' SiLU below then has
+// torch's bits wherever torch's CPU kernel runs its vector loop. Weak: a torch without the symbol
+// leaves it null and the scalar loop (std::exp, torch's loop tail) runs instead.
+extern "C" __m256 Sleef_expf8_u10(__m256) __attribute__((weak));
 #endif
 
 namespace {
@@ -49,56 +62,56 @@ int64_t grain_for(int64_t K) { return std::max<int64_t>(1, (int64_t(1) << 18) / 
 
 // per-row symmetric quantisation, the same arithmetic as ouro.ops.quant.quantize_rows:
 // scale = amax / 127 (float32), q = round-half-even(x / max(scale, FLT_MIN)) clamped to [-127, 127]
-// (NaN -> 0, the row's scale NaN); rows written with stride `qs` (>= K; the padding stays as the
-// caller zeroed it)
+// (NaN -> 0, the row's scale NaN); one row of K values into `out` (its padding past K untouched)
+inline void quantize_row(const float* row, int64_t K, XT* out, float* scale) {
+    float amax = 0.f;
+    bool nan = false;
+    int64_t k = 0;
+#if defined(__AVX2__)
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 vmax = _mm256_setzero_ps(), vnan = _mm256_setzero_ps();
+    for (; k + 8 <= K; k += 8) {
+        const __m256 v = _mm256_and_ps(_mm256_loadu_ps(row + k), absmask);
+        vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        vmax = _mm256_max_ps(vmax, v);
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, vmax);
+    for (float l : lanes) amax = l > amax ? l : amax;
+    nan = _mm256_movemask_ps(vnan) != 0;
+#endif
+    for (; k < K; ++k) {
+        const float a = std::fabs(row[k]);
+        nan |= std::isnan(a);
+        amax = a > amax ? a : amax;
+    }
+    const float s = nan ? NAN : amax / 127.f;
+    *scale = s;
+    const float d = s > FLT_MIN ? s : FLT_MIN;
+    k = 0;
+#if defined(__AVX2__)
+    const __m256 vd = _mm256_set1_ps(d), hi = _mm256_set1_ps(127.f), lo = _mm256_set1_ps(-127.f);
+    for (; k + 8 <= K; k += 8) {
+        const __m256 v = _mm256_loadu_ps(row + k);
+        __m256 r = _mm256_round_ps(_mm256_div_ps(v, vd), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        r = _mm256_min_ps(_mm256_max_ps(r, lo), hi);                       // NaN -> lo (max returns its 2nd)
+        r = _mm256_andnot_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q), r);        // NaN inputs -> 0
+        alignas(32) int32_t iv[8];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(iv), _mm256_cvtps_epi32(r));
+        for (int j = 0; j < 8; ++j) out[k + j] = static_cast<XT>(iv[j]);
+    }
+#endif
+    for (; k < K; ++k) {
+        float v = std::nearbyint(row[k] / d);
+        v = v > 127.f ? 127.f : (v < -127.f ? -127.f : v);
+        out[k] = static_cast<XT>(std::isnan(v) ? 0.f : v);
+    }
+}
+
+// M rows (x: stride K) written with stride `qs` (>= K; the padding stays as the caller zeroed it)
 void quantize_rows(const float* x, int64_t M, int64_t K, XT* q, int64_t qs, float* scale) {
     at::parallel_for(0, M, std::max<int64_t>(1, 4096 / std::max<int64_t>(1, K)), [&](int64_t m0, int64_t m1) {
-        for (int64_t m = m0; m < m1; ++m) {
-            const float* row = x + m * K;
-            XT* out = q + m * qs;
-            float amax = 0.f;
-            bool nan = false;
-            int64_t k = 0;
-#if defined(__AVX2__)
-            const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-            __m256 vmax = _mm256_setzero_ps(), vnan = _mm256_setzero_ps();
-            for (; k + 8 <= K; k += 8) {
-                const __m256 v = _mm256_and_ps(_mm256_loadu_ps(row + k), absmask);
-                vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-                vmax = _mm256_max_ps(vmax, v);
-            }
-            alignas(32) float lanes[8];
-            _mm256_store_ps(lanes, vmax);
-            for (float l : lanes) amax = l > amax ? l : amax;
-            nan = _mm256_movemask_ps(vnan) != 0;
-#endif
-            for (; k < K; ++k) {
-                const float a = std::fabs(row[k]);
-                nan |= std::isnan(a);
-                amax = a > amax ? a : amax;
-            }
-            const float s = nan ? NAN : amax / 127.f;
-            scale[m] = s;
-            const float d = s > FLT_MIN ? s : FLT_MIN;
-            k = 0;
-#if defined(__AVX2__)
-            const __m256 vd = _mm256_set1_ps(d), hi = _mm256_set1_ps(127.f), lo = _mm256_set1_ps(-127.f);
-            for (; k + 8 <= K; k += 8) {
-                const __m256 v = _mm256_loadu_ps(row + k);
-                __m256 r = _mm256_round_ps(_mm256_div_ps(v, vd), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-                r = _mm256_min_ps(_mm256_max_ps(r, lo), hi);                       // NaN -> lo (max returns its 2nd)
-                r = _mm256_andnot_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q), r);        // NaN inputs -> 0
-                alignas(32) int32_t iv[8];
-                _mm256_store_si256(reinterpret_cast<__m256i*>(iv), _mm256_cvtps_epi32(r));
-                for (int j = 0; j < 8; ++j) out[k + j] = static_cast<XT>(iv[j]);
-            }
-#endif
-            for (; k < K; ++k) {
-                float v = std::nearbyint(row[k] / d);
-                v = v > 127.f ? 127.f : (v < -127.f ? -127.f : v);
-                out[k] = static_cast<XT>(std::isnan(v) ? 0.f : v);
-            }
-        }
+        for (int64_t m = m0; m < m1; ++m) quantize_row(x + m * K, K, q + m * qs, scale + m);
     });
 }
 
@@ -238,6 +251,86 @@ void check_offsets(const torch::Tensor& offsets, int64_t E, int64_t R) {
 
 at::ScalarType x_dtype() { return sizeof(XT) == 2 ? torch::kShort : torch::kChar; }
 
+// grouped's emit for a float32 product: y[m][n] = float(acc) * x_scale[m] * w_scale[e][n], the
+// reference's order of operations (ouro.ops.quant.dequantize); y and w_scale have N columns
+struct Dequantise {
+    const float* xs;
+    const float* ws;
+    float* y;
+    int64_t N;
+    void operator()(int64_t e, int64_t m, int64_t n0, const int32_t* a, int64_t count) const {
+        const float xm = xs[m];
+        const float* w = ws + e * N + n0;
+        float* out = y + m * N + n0;
+        for (int64_t j = 0; j < count; ++j) out[j] = float(a[j]) * xm * w[j];
+    }
+};
+
+// h = silu(min(gate, lim)) * clamp(up, -lim, lim), ouro.ops.moe.clamped_swiglu's operations in its
+// order: only gate's upper side is clamped, up's both; torch's clamp keeps a NaN (so do min_ps and
+// max_ps with the value as their 2nd operand, and std::min / std::max with it first); silu(g) =
+// g / (1 + e^-g), torch's formula in its vector loop and its tail
+inline void swiglu_row(const float* gate, const float* up, int64_t n, float lim, float* h) {
+    int64_t i = 0;
+#if defined(__AVX2__)
+    if (Sleef_expf8_u10 != nullptr) {
+        const __m256 hi = _mm256_set1_ps(lim), lo = _mm256_set1_ps(-lim), one = _mm256_set1_ps(1.f);
+        const __m256 sign = _mm256_set1_ps(-0.f);
+        for (; i < n; i += 8) {
+            const int64_t c = std::min<int64_t>(8, n - i);
+            alignas(32) float gb[8] = {}, ub[8] = {}, hb[8];
+            const float *g = gate + i, *u = up + i;
+            if (c < 8) {                    // the tail through the same vector arithmetic
+                std::memcpy(gb, g, c * sizeof(float));
+                std::memcpy(ub, u, c * sizeof(float));
+                g = gb;
+                u = ub;
+            }
+            const __m256 gv = _mm256_min_ps(hi, _mm256_loadu_ps(g));
+            const __m256 uv = _mm256_min_ps(hi, _mm256_max_ps(lo, _mm256_loadu_ps(u)));
+            const __m256 silu = _mm256_div_ps(gv, _mm256_add_ps(one, Sleef_expf8_u10(_mm256_xor_ps(gv, sign))));
+            const __m256 r = _mm256_mul_ps(silu, uv);
+            if (c == 8) {
+                _mm256_storeu_ps(h + i, r);
+            } else {
+                _mm256_store_ps(hb, r);
+                std::memcpy(h + i, hb, c * sizeof(float));
+            }
+        }
+        return;
+    }
+#endif
+    for (; i < n; ++i) {
+        const float g = std::min(gate[i], lim);
+        h[i] = g / (1.f + std::exp(-g)) * std::min(std::max(up[i], -lim), lim);
+    }
+}
+
+// out[d] = sum_j w[j] * rows[j][d] in choice order, each product rounded before its add: torch's
+// einsum over a token's k outputs (measured; a multiply fused into its add would round once)
+inline void weighted_sum(float* out, const float* w, const float* const* rows, int64_t k, int64_t D) {
+    int64_t d = 0;
+#if defined(__AVX2__)
+    for (; d + 8 <= D; d += 8) {
+        __m256 acc = _mm256_mul_ps(_mm256_set1_ps(w[0]), _mm256_loadu_ps(rows[0] + d));
+        for (int64_t j = 1; j < k; ++j) {
+            __m256 p = _mm256_mul_ps(_mm256_set1_ps(w[j]), _mm256_loadu_ps(rows[j] + d));
+            asm("" : "+x"(p));      // the product stays a value: no fused multiply-add
+            acc = _mm256_add_ps(acc, p);
+        }
+        _mm256_storeu_ps(out + d, acc);
+    }
+#endif
+    for (; d < D; ++d) {
+        float acc = w[0] * rows[0][d];
+        for (int64_t j = 1; j < k; ++j) {
+            volatile float p = w[j] * rows[j][d];
+            acc = acc + p;
+        }
+        out[d] = acc;
+    }
+}
+
 }  // namespace
 
 // int8 w [E, N, K] -> the packed layout [E, ceil(N/8), ceil(K/KG), 8, KG] (zeros past N and K)
@@ -279,16 +372,101 @@ torch::Tensor w8a8_packed(torch::Tensor x, torch::Tensor p, torch::Tensor w_scal
     auto sc = torch::empty({R}, x.options());
     quantize_rows(x.data_ptr<float>(), R, K, static_cast<XT*>(q.data_ptr()), xs, sc.data_ptr<float>());
     auto out = torch::empty({R, N}, x.options());
-    const float* XS = sc.data_ptr<float>();
-    const float* WS = w_scale.data_ptr<float>();
-    float* Y = out.data_ptr<float>();
     grouped(static_cast<const XT*>(q.data_ptr()), xs, p.data_ptr<int8_t>(), E, NB, KGN, N, offsets.data_ptr<int64_t>(),
-            [&](int64_t e, int64_t m, int64_t n0, const int32_t* a, int64_t count) {
-                const float xm = XS[m];
-                const float* ws = WS + e * N + n0;
-                float* y = Y + m * N + n0;
-                for (int64_t j = 0; j < count; ++j) y[j] = float(a[j]) * xm * ws[j];
-            });
+            Dequantise{sc.data_ptr<float>(), w_scale.data_ptr<float>(), out.data_ptr<float>(), N});
+    return out;
+}
+
+// The routed experts of W8A8Experts in one call: x float32 [T, D], each token's k choices (experts
+// int64 [T, k], weights float32 [T, k]), gate_up and down packed by pack_weight from int8 [E, 2I, D]
+// and [E, D, I] with float32 per-channel scales [E, 2I] and [E, D] -> float32 [T, D]. The eager
+// path's steps and arithmetic: the (token, choice) pairs grouped by expert in by_expert's order,
+// each row quantised per row, gate_up (exact int32 sums, scaled as w8a8_packed scales them), the
+// clamped SwiGLU, h quantised per row, down, and each token's k outputs weighted and summed in
+// choice order (combine). Threads split (expert, channel blocks, row chunks) as `grouped` does, and
+// rows elsewhere: no result depends on the thread count or on the other tokens of the batch.
+torch::Tensor w8a8_experts(torch::Tensor x, torch::Tensor weights, torch::Tensor experts, torch::Tensor gate_up,
+                           torch::Tensor gate_up_scale, torch::Tensor down, torch::Tensor down_scale, int64_t I,
+                           double limit) {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.device().is_cpu(),
+                "w8a8_experts: float32 CPU x [T, D]");
+    TORCH_CHECK(experts.dim() == 2 && experts.scalar_type() == torch::kLong && experts.size(0) == x.size(0),
+                "w8a8_experts: int64 experts [T, k]");
+    TORCH_CHECK(weights.scalar_type() == torch::kFloat && weights.sizes() == experts.sizes(),
+                "w8a8_experts: float32 weights [T, k], the shape of experts");
+    for (const auto& p : {gate_up, down})
+        TORCH_CHECK(p.dim() == 5 && p.scalar_type() == torch::kChar && p.size(3) == LANES && p.size(4) == KG,
+                    "w8a8_experts: the weights must come from pack_weight");
+    const int64_t T = x.size(0), D = x.size(1), k = experts.size(1), E = gate_up.size(0), I2 = 2 * I;
+    const int64_t NB1 = gate_up.size(1), KGN1 = gate_up.size(2), NB2 = down.size(1), KGN2 = down.size(2);
+    TORCH_CHECK(I > 0 && down.size(0) == E && NB1 == (I2 + LANES - 1) / LANES && KGN1 == (D + KG - 1) / KG &&
+                NB2 == (D + LANES - 1) / LANES && KGN2 == (I + KG - 1) / KG,
+                "w8a8_experts: x has ", D, " columns and I is ", I,
+                ", but the packed weights were made for other shapes");
+    TORCH_CHECK(gate_up_scale.scalar_type() == torch::kFloat && gate_up_scale.numel() == E * I2 &&
+                down_scale.scalar_type() == torch::kFloat && down_scale.numel() == E * D,
+                "w8a8_experts: float32 scales [E, 2I] and [E, D]");
+    x = x.contiguous();
+    weights = weights.contiguous();
+    experts = experts.contiguous();
+    gate_up = gate_up.contiguous();
+    down = down.contiguous();
+    gate_up_scale = gate_up_scale.contiguous();
+    down_scale = down_scale.contiguous();
+    const int64_t R = T * k;
+    if (R == 0) return torch::zeros({T, D}, x.options());
+    // the pairs n = t * k + j by expert, stable (by_expert's argsort(stable=True), `by_expert.h`):
+    // rows off[e] .. off[e+1] are expert e's; pos[n]: pair n's row; tok[r]: row r's token
+    const ouro::ExpertOrder order = ouro::order_by_expert(experts.data_ptr<int64_t>(), R, k, E, "w8a8_experts");
+    const std::vector<int64_t>&off = order.start, &pos = order.pos, &tok = order.token;
+    // each token quantised once, its values and scale copied to each of its rows (a row's
+    // quantisation depends on the row alone)
+    const int64_t xs1 = KGN1 * KG, xs2 = KGN2 * KG;
+    auto qt = torch::zeros({T, xs1}, x.options().dtype(x_dtype()));
+    auto st = torch::empty({T}, x.options());
+    quantize_rows(x.data_ptr<float>(), T, D, static_cast<XT*>(qt.data_ptr()), xs1, st.data_ptr<float>());
+    auto q1 = torch::empty({R, xs1}, qt.options());
+    auto s1 = torch::empty({R}, x.options());
+    const XT* QT = static_cast<const XT*>(qt.data_ptr());
+    XT* Q1 = static_cast<XT*>(q1.data_ptr());
+    const float* ST = st.data_ptr<float>();
+    float* S1 = s1.data_ptr<float>();
+    for (int64_t r = 0; r < R; ++r) {
+        std::memcpy(Q1 + r * xs1, QT + tok[r] * xs1, xs1 * sizeof(XT));
+        S1[r] = ST[tok[r]];
+    }
+    auto g = torch::empty({R, I2}, x.options());
+    float* G = g.data_ptr<float>();
+    grouped(Q1, xs1, gate_up.data_ptr<int8_t>(), E, NB1, KGN1, I2, off.data(),
+            Dequantise{S1, gate_up_scale.data_ptr<float>(), G, I2});
+    // the clamped SwiGLU of each row's gate and up halves, h quantised per row
+    auto q2 = torch::zeros({R, xs2}, qt.options());
+    auto s2 = torch::empty({R}, x.options());
+    XT* Q2 = static_cast<XT*>(q2.data_ptr());
+    float* S2 = s2.data_ptr<float>();
+    const float lim = static_cast<float>(limit);
+    at::parallel_for(0, R, std::max<int64_t>(1, 4096 / I), [&](int64_t r0, int64_t r1) {
+        std::vector<float> h(I);
+        for (int64_t r = r0; r < r1; ++r) {
+            swiglu_row(G + r * I2, G + r * I2 + I, I, lim, h.data());
+            quantize_row(h.data(), I, Q2 + r * xs2, S2 + r);
+        }
+    });
+    auto y = torch::empty({R, D}, x.options());
+    const float* Y = y.data_ptr<float>();
+    grouped(Q2, xs2, down.data_ptr<int8_t>(), E, NB2, KGN2, D, off.data(),
+            Dequantise{S2, down_scale.data_ptr<float>(), y.data_ptr<float>(), D});
+    // back in token order: each token's k outputs weighted, in choice order
+    auto out = torch::empty({T, D}, x.options());
+    float* O = out.data_ptr<float>();
+    const float* W = weights.data_ptr<float>();
+    at::parallel_for(0, T, std::max<int64_t>(1, 16384 / (D * k)), [&](int64_t t0, int64_t t1) {
+        std::vector<const float*> rows(k);
+        for (int64_t t = t0; t < t1; ++t) {
+            for (int64_t j = 0; j < k; ++j) rows[j] = Y + pos[t * k + j] * D;
+            weighted_sum(O + t * D, W + t * k, rows.data(), k, D);
+        }
+    });
     return out;
 }
 
@@ -325,6 +503,8 @@ std::string features() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("pack_weight", &pack_weight, "int8 w [E, N, K] -> the packed layout w8a8_packed runs");
     m.def("w8a8_packed", &w8a8_packed, "float32 x [R, K], packed w, float32 w_scale [E, N], int64 offsets [E+1], N");
+    m.def("w8a8_experts", &w8a8_experts, "W8A8Experts' routed experts in one call: float32 x [T, D], weights [T, k], "
+          "int64 experts [T, k], packed gate_up, its scales [E, 2I], packed down, its scales [E, D], I, limit");
     m.def("int8_mm", &int8_mm, "int8 [M, K] x int8 [N, K] -> int32 [M, N] (x @ w.T), exact");
     m.def("features", &features, "the instruction set this build uses");
 }

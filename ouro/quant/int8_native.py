@@ -19,6 +19,7 @@ from ..native.build import compile_native
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("int8_mm.cpp")
+BY_EXPERT = Path(__file__).parent.parent / "native" / "by_expert.h"    # the routed pairs' order, shared
 _STATE: dict = {}
 
 
@@ -41,4 +42,4 @@ def why_not() -> str | None:
 def _load():
     if os.environ.get("OURO_INT8_NATIVE", "1") == "0":
         return None, "OURO_INT8_NATIVE=0"
-    return compile_native("int8_mm", SOURCE)
+    return compile_native("int8_mm", SOURCE, (BY_EXPERT,))

@@ -27,6 +27,7 @@ from torch import nn
 from ..gemm_pick import best_time, form_for
 from ..layers.linear import Linear
 from ..layers.moe import Experts
+from ..native.kernels import fused_off
 from ..ops.capture import reads_host
 from ..ops.moe import clamped_swiglu
 from ..ops.moe.experts import by_expert, combine, padded_by_expert
@@ -187,25 +188,42 @@ class W8A8Experts(nn.Module):
     def eager_shape(self, x, weights, experts):
         return x.shape, x.dtype
 
+    def fused(self, x, experts) -> bool:
+        """Whether the routed experts run as one native call (`int8_mm.cpp`'s `w8a8_experts`): float32
+        host rows, int8 weights, ouro's kernel the form for the rows an expert gets, fused kernels on
+        (not `kernels.eager_only()`, the reference) and no autograd."""
+        E = self.gate_up_proj_q.shape[0]
+        rows = max(1, experts.numel() // max(1, min(E, experts.numel())))
+        return (x.dtype == torch.float32 and self.gate_up_proj_q.dtype == torch.int8 and reads_host(x) and
+                not torch.is_grad_enabled() and not fused_off() and _form(self.int8_forms, rows) == "native"
+                and native() is not None)
+
     def eager(self, x, weights, experts):
         T, k = experts.shape
         E = self.gate_up_proj_q.shape[0]
+        # (int8 weight, per-channel scales) of both products, read by every path below
+        parts = {"gate_up_proj": (self.gate_up_proj_q, self.gate_up_proj_scale),
+                 "down_proj": (self.down_proj_q, self.down_proj_scale)}
+        (gate_up_q, gate_up_scale), (down_q, down_scale) = parts["gate_up_proj"], parts["down_proj"]
+        if self.fused(x, experts):     # one native call (packed copies shared with w8a8_grouped's)
+            return native().w8a8_experts(x, weights.float(), experts.long(), packed_for(self, gate_up_q, "gate_up"),
+                                         gate_up_scale, packed_for(self, down_q, "down"), down_scale, down_q.shape[2],
+                                         float(self.limit))
         flat, order, counts, x_sorted = by_expert(x, experts, E)
         if not reads_host(x):
             # capturable (an accelerator, a graph): every expert runs T rows, zero-padded; a zero row
             # quantises to zeros on its own, so the padding changes no real row's result
             def each(name):
-                q, s = getattr(self, f"{name}_q"), getattr(self, f"{name}_scale")
+                q, s = parts[name]
                 return lambda h: torch.stack([w8a8_product(h[e], q[e], s[e], self.int8_forms, self, f"{name}.{e}")
                                               for e in range(E)])
             y_sorted = padded_by_expert(x_sorted, flat[order], counts, T, E, each("gate_up_proj"), each("down_proj"),
                                         self.limit).to(x.dtype)
             return combine(y_sorted, order, weights, T, k, x.dtype)
-        gate, up = w8a8_grouped(x_sorted, self.gate_up_proj_q, self.gate_up_proj_scale, counts,
-                                self.int8_forms, self, "gate_up").chunk(2, dim=-1)
+        gate, up = w8a8_grouped(x_sorted, gate_up_q, gate_up_scale, counts, self.int8_forms, self,
+                                "gate_up").chunk(2, dim=-1)
         h = clamped_swiglu(gate, up, self.limit)
-        y_sorted = w8a8_grouped(h, self.down_proj_q, self.down_proj_scale, counts, self.int8_forms, self,
-                                "down").to(x.dtype)
+        y_sorted = w8a8_grouped(h, down_q, down_scale, counts, self.int8_forms, self, "down").to(x.dtype)
         return combine(y_sorted, order, weights, T, k, x.dtype)
 
 
