@@ -42,4 +42,4 @@ def why_not() -> str | None:
 def _load():
     if os.environ.get("OURO_INT8_NATIVE", "1") == "0":
         return None, "OURO_INT8_NATIVE=0"
-    return compile_native("int8_mm", SOURCE, (BY_EXPERT,))
+    return compile_native("int8_mm", SOURCE, (SOURCE.with_name("int8_products.h"), BY_EXPERT))

@@ -1,0 +1,218 @@
+// The int8 product kernel of `int8_mm.cpp` (its text says how the layout and the tiles work):
+// row quantisation, the packed tile, rows against channel blocks, and the grouped sweep over
+// experts that every public op of the file runs.
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+#define OURO_VNNI 1
+#endif
+
+namespace {
+
+#if defined(__AVX2__) && !defined(OURO_VNNI)
+#define OURO_WIDE 1
+constexpr int64_t KG = 2;                 // k per group: two int16 products per 32-bit lane
+using XT = int16_t;                       // quantised activations as int16
+#else
+constexpr int64_t KG = 4;                 // k per group: four int8 products per 32-bit lane
+using XT = int8_t;
+#endif
+constexpr int64_t ROW_CHUNK = 32;        // rows whose quantised activations stay in L2 while weights stream
+constexpr int64_t LANES = 8;              // channels per block
+
+// a thread's share should be worth waking it: at least ~256 KB of weights
+int64_t grain_for(int64_t K) { return std::max<int64_t>(1, (int64_t(1) << 18) / std::max<int64_t>(1, K)); }
+
+// per-row symmetric quantisation, the same arithmetic as ouro.ops.quant.quantize_rows:
+// scale = amax / 127 (float32), q = round-half-even(x / max(scale, FLT_MIN)) clamped to [-127, 127]
+// (NaN -> 0, the row's scale NaN); one row of K values into `out` (its padding past K untouched)
+inline void quantize_row(const float* row, int64_t K, XT* out, float* scale) {
+    float amax = 0.f;
+    bool nan = false;
+    int64_t k = 0;
+#if defined(__AVX2__)
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 vmax = _mm256_setzero_ps(), vnan = _mm256_setzero_ps();
+    for (; k + 8 <= K; k += 8) {
+        const __m256 v = _mm256_and_ps(_mm256_loadu_ps(row + k), absmask);
+        vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        vmax = _mm256_max_ps(vmax, v);
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, vmax);
+    for (float l : lanes) amax = l > amax ? l : amax;
+    nan = _mm256_movemask_ps(vnan) != 0;
+#endif
+    for (; k < K; ++k) {
+        const float a = std::fabs(row[k]);
+        nan |= std::isnan(a);
+        amax = a > amax ? a : amax;
+    }
+    const float s = nan ? NAN : amax / 127.f;
+    *scale = s;
+    const float d = s > FLT_MIN ? s : FLT_MIN;
+    k = 0;
+#if defined(__AVX2__)
+    const __m256 vd = _mm256_set1_ps(d), hi = _mm256_set1_ps(127.f), lo = _mm256_set1_ps(-127.f);
+    for (; k + 8 <= K; k += 8) {
+        const __m256 v = _mm256_loadu_ps(row + k);
+        __m256 r = _mm256_round_ps(_mm256_div_ps(v, vd), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        r = _mm256_min_ps(_mm256_max_ps(r, lo), hi);                       // NaN -> lo (max returns its 2nd)
+        r = _mm256_andnot_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q), r);        // NaN inputs -> 0
+        alignas(32) int32_t iv[8];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(iv), _mm256_cvtps_epi32(r));
+        for (int j = 0; j < 8; ++j) out[k + j] = static_cast<XT>(iv[j]);
+    }
+#endif
+    for (; k < K; ++k) {
+        float v = std::nearbyint(row[k] / d);
+        v = v > 127.f ? 127.f : (v < -127.f ? -127.f : v);
+        out[k] = static_cast<XT>(std::isnan(v) ? 0.f : v);
+    }
+}
+
+// M rows (x: stride K) written with stride `qs` (>= K; the padding stays as the caller zeroed it)
+void quantize_rows(const float* x, int64_t M, int64_t K, XT* q, int64_t qs, float* scale) {
+    at::parallel_for(0, M, std::max<int64_t>(1, 4096 / std::max<int64_t>(1, K)), [&](int64_t m0, int64_t m1) {
+        for (int64_t m = m0; m < m1; ++m) quantize_row(x + m * K, K, q + m * qs, scale + m);
+    });
+}
+
+#if defined(OURO_VNNI)
+inline __m256i dot4(__m256i acc, __m256i ax, __m256i xb, __m256i w) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, ax, _mm256_sign_epi8(w, xb));
+#else
+    return _mm256_dpbusd_avx_epi32(acc, ax, _mm256_sign_epi8(w, xb));
+#endif
+}
+#endif
+
+// rows X[0..R) (stride xs, K padded to K_G*KG with zeros) x channel blocks nb0..nb0+B of P;
+// out[r][b][j]: the int32 sum of channel (nb0 + b) * 8 + j
+template <int R, int B>
+inline void packed_tile(const XT* X, int64_t xs, const int8_t* P, int64_t KGN, int64_t nb0, int32_t out[][B][LANES]) {
+    const int8_t* pb[B];
+    for (int b = 0; b < B; ++b) pb[b] = P + (nb0 + b) * KGN * LANES * KG;
+#if defined(OURO_WIDE)
+    __m256i acc[R][B];
+    for (int r = 0; r < R; ++r)
+        for (int b = 0; b < B; ++b) acc[r][b] = _mm256_setzero_si256();
+    for (int64_t g = 0; g < KGN; ++g) {
+        __m256i w[B];
+        for (int b = 0; b < B; ++b)
+            w[b] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pb[b] + g * LANES * KG)));
+        for (int r = 0; r < R; ++r) {
+            int32_t two;
+            std::memcpy(&two, X + r * xs + g * KG, 4);
+            const __m256i xb = _mm256_set1_epi32(two);
+            for (int b = 0; b < B; ++b) acc[r][b] = _mm256_add_epi32(acc[r][b], _mm256_madd_epi16(xb, w[b]));
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int b = 0; b < B; ++b) _mm256_storeu_si256(reinterpret_cast<__m256i*>(out[r][b]), acc[r][b]);
+#elif defined(OURO_VNNI)
+    __m256i acc[R][B];
+    for (int r = 0; r < R; ++r)
+        for (int b = 0; b < B; ++b) acc[r][b] = _mm256_setzero_si256();
+    for (int64_t g = 0; g < KGN; ++g) {
+        __m256i w[B];
+        for (int b = 0; b < B; ++b) w[b] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb[b] + g * LANES * KG));
+        for (int r = 0; r < R; ++r) {
+            int32_t four;
+            std::memcpy(&four, X + r * xs + g * KG, 4);
+            const __m256i xb = _mm256_set1_epi32(four);
+            const __m256i ax = _mm256_sign_epi8(xb, xb);
+            for (int b = 0; b < B; ++b) acc[r][b] = dot4(acc[r][b], ax, xb, w[b]);
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int b = 0; b < B; ++b) _mm256_storeu_si256(reinterpret_cast<__m256i*>(out[r][b]), acc[r][b]);
+#else
+    for (int r = 0; r < R; ++r)
+        for (int b = 0; b < B; ++b)
+            for (int64_t j = 0; j < LANES; ++j) {
+                int32_t s = 0;
+                const int8_t* pw = pb[b] + j * KG;
+                for (int64_t g = 0; g < KGN; ++g)
+                    for (int64_t t = 0; t < KG; ++t)
+                        s += int32_t(X[r * xs + g * KG + t]) * int32_t(pw[g * LANES * KG + t]);
+                out[r][b][j] = s;
+            }
+#endif
+}
+
+// tile shape: TR rows x TB channel blocks of accumulators (16 ymm registers hold TR*TB + TB + 1)
+constexpr int TR = 4, TB = 2;
+
+// rows [r0, r1) of X against channel blocks [nbA, nbB) of one packed weight P;
+// emit(m, n0, acc, count): the int32 sums of channels n0 .. n0 + count (count <= 8, n0 + count <= N)
+template <typename Emit>
+void packed_rows(const XT* X, int64_t xs, const int8_t* P, int64_t KGN, int64_t N, int64_t r0, int64_t r1,
+                 int64_t nbA, int64_t nbB, Emit emit) {
+    int32_t out[TR][TB][LANES];
+    auto put = [&](int64_t m, int rows, int64_t nb0, int blocks, int32_t (*o)[TB][LANES]) {
+        for (int r = 0; r < rows; ++r)
+            for (int b = 0; b < blocks; ++b) {
+                const int64_t n0 = (nb0 + b) * LANES;
+                emit(m + r, n0, o[r][b], std::min<int64_t>(LANES, N - n0));
+            }
+    };
+    for (int64_t c0 = r0; c0 < r1; c0 += ROW_CHUNK) {
+        const int64_t c1 = std::min(r1, c0 + ROW_CHUNK);
+        int64_t nb = nbA;
+        for (; nb + TB <= nbB; nb += TB) {
+            int64_t m = c0;
+            for (; m + TR <= c1; m += TR) {
+                packed_tile<TR, TB>(X + m * xs, xs, P, KGN, nb, out);
+                put(m, TR, nb, TB, out);
+            }
+            for (; m < c1; ++m) {
+                packed_tile<1, TB>(X + m * xs, xs, P, KGN, nb, out);
+                put(m, 1, nb, TB, out);
+            }
+        }
+        for (; nb < nbB; ++nb)
+            for (int64_t m = c0; m < c1; ++m) {
+                int32_t one[1][1][LANES];
+                packed_tile<1, 1>(X + m * xs, xs, P, KGN, nb, one);
+                emit(m, nb * LANES, one[0][0], std::min<int64_t>(LANES, N - nb * LANES));
+            }
+    }
+}
+
+// every (expert, group of channel blocks, chunk of ROW_CHUNK rows) with rows, split over torch's
+// threads: a decode step splits the channels, a prefill the rows as well (a 512-channel weight is
+// one group, and a 2,048-row prefill through it ran on one thread before)
+template <typename Emit>
+void grouped(const XT* X, int64_t xs, const int8_t* P, int64_t E, int64_t NB, int64_t KGN, int64_t N,
+             const int64_t* off, Emit emit) {
+    const int64_t per = std::max<int64_t>(TB, grain_for(KGN * KG) / LANES / TB * TB);
+    const int64_t groups = (NB + per - 1) / per;
+    struct Item { int64_t e, g, r0, r1; };
+    std::vector<Item> items;
+    for (int64_t e = 0; e < E; ++e)
+        for (int64_t r0 = off[e]; r0 < off[e + 1]; r0 += ROW_CHUNK)
+            for (int64_t g = 0; g < groups; ++g) items.push_back({e, g, r0, std::min(off[e + 1], r0 + ROW_CHUNK)});
+    at::parallel_for(0, int64_t(items.size()), 1, [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; ++i) {
+            const Item& it = items[i];
+            packed_rows(X, xs, P + it.e * NB * KGN * LANES * KG, KGN, N, it.r0, it.r1, it.g * per,
+                        std::min(NB, (it.g + 1) * per),
+                        [&](int64_t m, int64_t n0, const int32_t* a, int64_t count) { emit(it.e, m, n0, a, count); });
+        }
+    });
+}
+}  // namespace
