@@ -12,15 +12,15 @@ from ..config import EngineConfig
 from ..measure.spans import span
 from ..parallel import cp_prefill
 from ..quant.w8a8 import quantize_model
+from .admission import checked_request
 from .detokenizer import IncrementalDetokenizer
 from .memory import cache_budget, plan_memory
 from .model_runner import ModelRunner
 from .page_pool import PagePool, SlotPool
 from .prefix_checkpoints import checkpoint_batch, drop_checkpoints
 from .grammar_queue import GrammarQueue
-from .multimodal import split_images
 from .options import check_engine_options
-from .request import Request, RequestFailed, RequestOutput, prompt_token_ids
+from .request import Request, RequestFailed, RequestOutput
 from .sampling import Sampler, SamplingParams, make_generator
 from . import tp_workers
 from .scheduler import Scheduler
@@ -158,39 +158,8 @@ class LLMEngine:
         return self._checked(prompt, params, request_id)[:2]
 
     def _checked(self, prompt, params, request_id):
-        """`check_request`, also returning the prompt's images (decoded once)."""
-        params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        params.validate()   # fields may have been changed since construction
-        if params.n != 1:
-            raise ValueError(f"an engine request is one sequence (n=1), got n={params.n}; "
-                             "fan out with SamplingParams.child(i) as LLM.generate does")
-        if request_id is not None and (not isinstance(request_id, str) or not request_id):
-            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
-        if request_id is not None and request_id in self.requests:
-            raise ValueError(f"duplicate request id {request_id!r}")
-        prompt, images = split_images(prompt)
-        ids = prompt_token_ids(prompt, self.tokenizer)
-        if images:
-            ids = self.image_encoder().expand(ids, images)
-        if not ids:
-            raise ValueError("the prompt is empty")
-        bad = [t for t in ids if not 0 <= t < self.model.config.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids out of range [0, {self.model.config.vocab_size}): {bad[:5]}")
-        total = len(ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds the "
-                             f"model's context length {self.max_model_len}")
-        if total > self.plan.max_tokens:
-            raise ValueError(f"prompt + max_tokens = {total} tokens exceeds the cache's total capacity "
-                             f"{self.plan.max_tokens} tokens; raise --max-memory or lower max_tokens")
-        if params.forced_prefix_ids and max(params.forced_prefix_ids) >= self.model.config.vocab_size:
-            raise ValueError(f"forced_prefix_ids out of range [0, {self.model.config.vocab_size})")
-        if self.tokenizer is None and params.stop_list:
-            raise ValueError("stop strings need a tokenizer; this checkpoint has none (use stop_token_ids)")
-        return ids, params, images
+        """`check_request`, also returning the prompt's images (decoded once): `admission.py`."""
+        return checked_request(self, prompt, params, request_id)
 
     def image_encoder(self):
         """The checkpoint's image processor and vision tower, loaded at the first image."""

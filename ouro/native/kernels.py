@@ -22,7 +22,7 @@ from .build import compile_native
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-HEADERS = (HERE / "vec.h", HERE / "by_expert.h")
+HEADERS = (HERE / "vec.h", HERE / "tiles.h", HERE / "by_expert.h")
 FAMILIES = ("norms", "mhc", "router", "experts", "kda", "mla")   # one `<family>.cpp` each
 _STATE: dict = {"eager_only": False}
 _LOADED: dict[str, str | None] = {}      # family -> None when loaded, else why it is not

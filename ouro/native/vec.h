@@ -4,6 +4,8 @@
 // reference. Sums accumulate in lanes (float32), which orders additions differently from torch's
 // reductions: results agree to float32 rounding, not bit for bit. A row's result depends only on
 // that row (never on how many rows share a call), which keeps deterministic mode batch-invariant.
+// The register tiles written in these (several rows against several in one pass) are `tiles.h`,
+// included at the end.
 #pragma once
 #include <cmath>
 #include <cstdint>
@@ -97,46 +99,6 @@ inline void scale_mul(float* y, const float* x, float alpha, const float* w, int
 
 inline float sigmoid(float x) { return 1.f / (1.f + std::exp(-x)); }
 inline float silu(float x) { return x / (1.f + std::exp(-x)); }
-
-// out[r * 4 + k] = sum_i a[r][i] * b[k][i] for r < 2, k < 4: two rows against four, eight
-// independent sums (enough to hide the FMA latency), each row loaded once. Each output is summed in
-// the same order whichever slot it sits in, so a caller that always goes through dot_2x4 (padding a
-// short group with repeats) gets a row's result independent of its neighbours.
-inline void dot_2x4(const float* const a[2], const float* const b[4], int64_t n, float out[8]) {
-    int64_t i = 0;
-    float s[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    if (!portable()) {
-#if defined(__AVX512F__)
-        __m512 acc[8];
-        for (int k = 0; k < 8; ++k) acc[k] = _mm512_setzero_ps();
-        for (; i + 16 <= n; i += 16) {
-            const __m512 a0 = _mm512_loadu_ps(a[0] + i), a1 = _mm512_loadu_ps(a[1] + i);
-            for (int k = 0; k < 4; ++k) {
-                const __m512 vb = _mm512_loadu_ps(b[k] + i);
-                acc[k] = _mm512_fmadd_ps(a0, vb, acc[k]);
-                acc[4 + k] = _mm512_fmadd_ps(a1, vb, acc[4 + k]);
-            }
-        }
-        for (int k = 0; k < 8; ++k) s[k] = _mm512_reduce_add_ps(acc[k]);
-#elif defined(__AVX2__) && defined(__FMA__)
-        __m256 acc[8];
-        for (int k = 0; k < 8; ++k) acc[k] = _mm256_setzero_ps();
-        for (; i + 8 <= n; i += 8) {
-            const __m256 a0 = _mm256_loadu_ps(a[0] + i), a1 = _mm256_loadu_ps(a[1] + i);
-            for (int k = 0; k < 4; ++k) {
-                const __m256 vb = _mm256_loadu_ps(b[k] + i);
-                acc[k] = _mm256_fmadd_ps(a0, vb, acc[k]);
-                acc[4 + k] = _mm256_fmadd_ps(a1, vb, acc[4 + k]);
-            }
-        }
-        for (int k = 0; k < 8; ++k) s[k] = hsum256(acc[k]);
-#endif
-    }
-    for (; i < n; ++i)
-        for (int r = 0; r < 2; ++r)
-            for (int k = 0; k < 4; ++k) s[r * 4 + k] += a[r][i] * b[k][i];
-    for (int k = 0; k < 8; ++k) out[k] = s[k];
-}
 
 // y[i] = sum_k c[k] * x[k][i] for k < m (m >= 1), summed in order of k: a weighted sum of rows in one pass
 inline void lincomb(float* y, const float* c, const float* const* x, int64_t m, int64_t n) {
@@ -258,150 +220,6 @@ inline void exp_nonpos_row(float* y, const float* x, int64_t n) {
     for (; i < n; ++i) y[i] = std::exp(x[i]);
 }
 
-// y[j][i] = a[j] * y[j][i] + sum_k c[j][k] * x[k][i] for j < 4, k < m, summed in order of k: four
-// weighted sums of the same rows (four heads' softmax weights over one tile of values, each rescaling
-// what it summed before), each row loaded once for all four; a sum's order is the same whichever slot
-// it sits in. A repeated y[j] (a short group padded with repeats) gets the same value twice.
-inline void rescale_lincomb_4(float* const y[4], const float a[4], const float* const c[4], const float* const* x,
-                              int64_t m, int64_t n) {
-    int64_t i = 0;
-    if (!portable()) {
-#if defined(__AVX512F__)
-        for (; i + 16 <= n; i += 16) {
-            __m512 acc[4];
-            for (int j = 0; j < 4; ++j) acc[j] = _mm512_mul_ps(_mm512_set1_ps(a[j]), _mm512_loadu_ps(y[j] + i));
-            for (int64_t k = 0; k < m; ++k) {
-                const __m512 v = _mm512_loadu_ps(x[k] + i);
-                for (int j = 0; j < 4; ++j) acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(c[j][k]), v, acc[j]);
-            }
-            for (int j = 0; j < 4; ++j) _mm512_storeu_ps(y[j] + i, acc[j]);
-        }
-#elif defined(__AVX2__) && defined(__FMA__)
-        for (; i + 16 <= n; i += 16) {          // eight independent sums hide the FMA latency
-            __m256 acc[8];
-            for (int j = 0; j < 4; ++j) {
-                const __m256 va = _mm256_set1_ps(a[j]);
-                acc[j] = _mm256_mul_ps(va, _mm256_loadu_ps(y[j] + i));
-                acc[4 + j] = _mm256_mul_ps(va, _mm256_loadu_ps(y[j] + i + 8));
-            }
-            for (int64_t k = 0; k < m; ++k) {
-                const __m256 v0 = _mm256_loadu_ps(x[k] + i), v1 = _mm256_loadu_ps(x[k] + i + 8);
-                for (int j = 0; j < 4; ++j) {
-                    const __m256 vc = _mm256_set1_ps(c[j][k]);
-                    acc[j] = _mm256_fmadd_ps(vc, v0, acc[j]);
-                    acc[4 + j] = _mm256_fmadd_ps(vc, v1, acc[4 + j]);
-                }
-            }
-            for (int j = 0; j < 4; ++j) {
-                _mm256_storeu_ps(y[j] + i, acc[j]);
-                _mm256_storeu_ps(y[j] + i + 8, acc[4 + j]);
-            }
-        }
-        for (; i + 8 <= n; i += 8) {
-            __m256 acc[4];
-            for (int j = 0; j < 4; ++j) acc[j] = _mm256_mul_ps(_mm256_set1_ps(a[j]), _mm256_loadu_ps(y[j] + i));
-            for (int64_t k = 0; k < m; ++k) {
-                const __m256 v = _mm256_loadu_ps(x[k] + i);
-                for (int j = 0; j < 4; ++j) acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(c[j][k]), v, acc[j]);
-            }
-            for (int j = 0; j < 4; ++j) _mm256_storeu_ps(y[j] + i, acc[j]);
-        }
-#endif
-    }
-    for (; i < n; ++i) {
-        float s[4];
-        for (int j = 0; j < 4; ++j) s[j] = a[j] * y[j][i];
-        for (int64_t k = 0; k < m; ++k)
-            for (int j = 0; j < 4; ++j) s[j] += c[j][k] * x[k][i];
-        for (int j = 0; j < 4; ++j) y[j][i] = s[j];
-    }
-}
-
-// Two sweeps over a [rows, n] tile X (row stride ld), the column sums kept in registers across the
-// rows (blocks of 4 vectors of columns, then single vectors, then a scalar tail), each y[i] summed in
-// row order from zero by the same FMAs whichever block it falls in:
-//   rows_scale_tdot:  X[r] *= a[r];      y = sum_r b[r] X[r]
-//   rows_rank1_tdot:  X[r] += a[r] u;    y = sum_r b[r] X[r]
-// (the gated delta rule's decay-and-recall and update-and-read of a state, `kda.cpp`)
-#if defined(__AVX512F__)
-template <int NB, bool RANK1>
-inline int64_t rows_tdot_512(float* x, int64_t rows, int64_t n, int64_t ld, const float* a, const float* u,
-                             const float* b, float* y, int64_t i) {
-    for (; i + NB * 16 <= n; i += NB * 16) {
-        __m512 acc[NB], uv[NB];
-        for (int j = 0; j < NB; ++j) {
-            acc[j] = _mm512_setzero_ps();
-            uv[j] = RANK1 ? _mm512_loadu_ps(u + i + j * 16) : acc[j];
-        }
-        for (int64_t r = 0; r < rows; ++r) {
-            float* xr = x + r * ld + i;
-            const __m512 va = _mm512_set1_ps(a[r]), vb = _mm512_set1_ps(b[r]);
-            for (int j = 0; j < NB; ++j) {
-                const __m512 old = _mm512_loadu_ps(xr + j * 16);
-                const __m512 v = RANK1 ? _mm512_fmadd_ps(va, uv[j], old) : _mm512_mul_ps(old, va);
-                _mm512_storeu_ps(xr + j * 16, v);
-                acc[j] = _mm512_fmadd_ps(vb, v, acc[j]);
-            }
-        }
-        for (int j = 0; j < NB; ++j) _mm512_storeu_ps(y + i + j * 16, acc[j]);
-    }
-    return i;
-}
-#elif defined(__AVX2__) && defined(__FMA__)
-template <int NB, bool RANK1>
-inline int64_t rows_tdot_256(float* x, int64_t rows, int64_t n, int64_t ld, const float* a, const float* u,
-                             const float* b, float* y, int64_t i) {
-    for (; i + NB * 8 <= n; i += NB * 8) {
-        __m256 acc[NB], uv[NB];
-        for (int j = 0; j < NB; ++j) {
-            acc[j] = _mm256_setzero_ps();
-            uv[j] = RANK1 ? _mm256_loadu_ps(u + i + j * 8) : acc[j];
-        }
-        for (int64_t r = 0; r < rows; ++r) {
-            float* xr = x + r * ld + i;
-            const __m256 va = _mm256_set1_ps(a[r]), vb = _mm256_set1_ps(b[r]);
-            for (int j = 0; j < NB; ++j) {
-                const __m256 old = _mm256_loadu_ps(xr + j * 8);
-                const __m256 v = RANK1 ? _mm256_fmadd_ps(va, uv[j], old) : _mm256_mul_ps(old, va);
-                _mm256_storeu_ps(xr + j * 8, v);
-                acc[j] = _mm256_fmadd_ps(vb, v, acc[j]);
-            }
-        }
-        for (int j = 0; j < NB; ++j) _mm256_storeu_ps(y + i + j * 8, acc[j]);
-    }
-    return i;
-}
-#endif
-
-template <bool RANK1>
-inline void rows_tdot(float* x, int64_t rows, int64_t n, int64_t ld, const float* a, const float* u, const float* b,
-                      float* y) {
-    int64_t i = 0;
-    if (!portable()) {
-#if defined(__AVX512F__)
-        i = rows_tdot_512<1, RANK1>(x, rows, n, ld, a, u, b, y, rows_tdot_512<4, RANK1>(x, rows, n, ld, a, u, b, y, 0));
-#elif defined(__AVX2__) && defined(__FMA__)
-        i = rows_tdot_256<1, RANK1>(x, rows, n, ld, a, u, b, y, rows_tdot_256<4, RANK1>(x, rows, n, ld, a, u, b, y, 0));
-#endif
-    }
-    for (; i < n; ++i) {
-        float s = 0.f;
-        for (int64_t r = 0; r < rows; ++r) {
-            float& v = x[r * ld + i];
-            v = RANK1 ? std::fma(a[r], u[i], v) : v * a[r];
-            s = std::fma(b[r], v, s);
-        }
-        y[i] = s;
-    }
-}
-
-inline void rows_scale_tdot(float* x, int64_t rows, int64_t n, int64_t ld, const float* a, const float* b, float* y) {
-    rows_tdot<false>(x, rows, n, ld, a, nullptr, b, y);
-}
-
-inline void rows_rank1_tdot(float* x, int64_t rows, int64_t n, int64_t ld, const float* a, const float* u,
-                            const float* b, float* y) {
-    rows_tdot<true>(x, rows, n, ld, a, u, b, y);
-}
-
 }  // namespace ouro
+
+#include "tiles.h"   // the register tiles written in these primitives

@@ -4,7 +4,7 @@ FAULT = Fault(
     name="kv_row_scale_not_rewritten",
     description="a quantised KV-cache row's values are written but its scales are not: the row decodes with "
                 "whatever scale its page held before (a previous owner's, or none)",
-    file="ouro/layers/context.py", function="QuantisedRows.__setitem__",
+    file="ouro/layers/model_cache.py", function="QuantisedRows.__setitem__",
     replace=[("self.flat[idx] = encode_rows(values.reshape(-1, self.d), self.kind).view(*values.shape[:-1], -1)",
               "rows = encode_rows(values.reshape(-1, self.d), self.kind).view(*values.shape[:-1], -1)\n"
               "self.flat[idx, :self.d] = rows[..., :self.d]  # FAULT: the scale bytes are left as they were")],

@@ -1,0 +1,178 @@
+// Register tiles: several rows against several others in one pass over their length, every partial
+// sum held in its own vector register, so each row is loaded once for the whole tile and enough
+// independent FMA chains are in flight to hide their latency. Each tile is written once over
+// `Lanes` (one register of float32 lanes: 16 on AVX-512, 8 on AVX2) plus the portable loop; a sum's
+// order is the same whichever slot of a tile it sits in, so a row's result never depends on its
+// neighbours. Included at the end of vec.h: every kernel that includes vec.h has these too.
+#pragma once
+#include "vec.h"
+
+namespace ouro {
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define OURO_LANES 1
+#if defined(__AVX512F__)
+#define OURO_PS(op) _mm512_##op##_ps
+#else
+#define OURO_PS(op) _mm256_##op##_ps
+#endif
+// one register of float32 lanes at this CPU's width and the operations the tiles use
+struct Lanes {
+#if defined(__AVX512F__)
+    using T = __m512;
+    static constexpr int W = 16;
+    static float sum(T v) { return _mm512_reduce_add_ps(v); }
+#else
+    using T = __m256;
+    static constexpr int W = 8;
+    static float sum(T v) { return hsum256(v); }
+#endif
+    static T zero() { return OURO_PS(setzero)(); }
+    static T set1(float a) { return OURO_PS(set1)(a); }
+    static T load(const float* p) { return OURO_PS(loadu)(p); }
+    static void store(float* p, T v) { OURO_PS(storeu)(p, v); }
+    static T mul(T a, T b) { return OURO_PS(mul)(a, b); }
+    static T fma(T a, T b, T c) { return OURO_PS(fmadd)(a, b, c); }
+};
+#undef OURO_PS
+
+// rescale_lincomb_4's vector part from element i on, NV registers per head at a time; returns where it stopped
+template <int NV>
+inline int64_t rescale_lincomb_4_lanes(float* const y[4], const float a[4], const float* const c[4],
+                                       const float* const* x, int64_t m, int64_t n, int64_t i) {
+    using L = Lanes;
+    for (; i + NV * L::W <= n; i += NV * L::W) {
+        L::T acc[NV][4];
+        for (int j = 0; j < 4; ++j) {
+            const L::T va = L::set1(a[j]);
+            for (int v = 0; v < NV; ++v) acc[v][j] = L::mul(va, L::load(y[j] + i + v * L::W));
+        }
+        for (int64_t k = 0; k < m; ++k) {
+            L::T xv[NV];
+            for (int v = 0; v < NV; ++v) xv[v] = L::load(x[k] + i + v * L::W);
+            for (int j = 0; j < 4; ++j) {
+                const L::T vc = L::set1(c[j][k]);
+                for (int v = 0; v < NV; ++v) acc[v][j] = L::fma(vc, xv[v], acc[v][j]);
+            }
+        }
+        for (int j = 0; j < 4; ++j)
+            for (int v = 0; v < NV; ++v) L::store(y[j] + i + v * L::W, acc[v][j]);
+    }
+    return i;
+}
+
+// rows_tdot's vector part from column i on, NB registers of columns at a time; returns where it stopped
+template <int NB, bool RANK1>
+inline int64_t rows_tdot_lanes(float* x, int64_t rows, int64_t n, int64_t ld, const float* a, const float* u,
+                               const float* b, float* y, int64_t i) {
+    using L = Lanes;
+    for (; i + NB * L::W <= n; i += NB * L::W) {
+        L::T acc[NB], uv[NB];
+        for (int j = 0; j < NB; ++j) {
+            acc[j] = L::zero();
+            uv[j] = RANK1 ? L::load(u + i + j * L::W) : acc[j];
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+            float* xr = x + r * ld + i;
+            const L::T va = L::set1(a[r]), vb = L::set1(b[r]);
+            for (int j = 0; j < NB; ++j) {
+                const L::T old = L::load(xr + j * L::W);
+                const L::T v = RANK1 ? L::fma(va, uv[j], old) : L::mul(old, va);
+                L::store(xr + j * L::W, v);
+                acc[j] = L::fma(vb, v, acc[j]);
+            }
+        }
+        for (int j = 0; j < NB; ++j) L::store(y + i + j * L::W, acc[j]);
+    }
+    return i;
+}
+#endif
+
+// out[r * 4 + k] = sum_i a[r][i] * b[k][i] for r < 2, k < 4: two rows against four, eight
+// independent sums (enough to hide the FMA latency), each row loaded once. Each output is summed in
+// the same order whichever slot it sits in, so a caller that always goes through dot_2x4 (padding a
+// short group with repeats) gets a row's result independent of its neighbours.
+inline void dot_2x4(const float* const a[2], const float* const b[4], int64_t n, float out[8]) {
+    int64_t i = 0;
+    float s[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#if defined(OURO_LANES)
+    if (!portable()) {
+        using L = Lanes;
+        L::T acc[8];
+        for (int k = 0; k < 8; ++k) acc[k] = L::zero();
+        for (; i + L::W <= n; i += L::W) {
+            const L::T a0 = L::load(a[0] + i), a1 = L::load(a[1] + i);
+            for (int k = 0; k < 4; ++k) {
+                const L::T vb = L::load(b[k] + i);
+                acc[k] = L::fma(a0, vb, acc[k]);
+                acc[4 + k] = L::fma(a1, vb, acc[4 + k]);
+            }
+        }
+        for (int k = 0; k < 8; ++k) s[k] = L::sum(acc[k]);
+    }
+#endif
+    for (; i < n; ++i)
+        for (int r = 0; r < 2; ++r)
+            for (int k = 0; k < 4; ++k) s[r * 4 + k] += a[r][i] * b[k][i];
+    for (int k = 0; k < 8; ++k) out[k] = s[k];
+}
+
+// y[j][i] = a[j] * y[j][i] + sum_k c[j][k] * x[k][i] for j < 4, k < m, summed in order of k: four
+// weighted sums of the same rows (four heads' softmax weights over one tile of values, each rescaling
+// what it summed before), each row loaded once for all four; a sum's order is the same whichever slot
+// it sits in. A repeated y[j] (a short group padded with repeats) gets the same value twice.
+inline void rescale_lincomb_4(float* const y[4], const float a[4], const float* const c[4], const float* const* x,
+                              int64_t m, int64_t n) {
+    int64_t i = 0;
+#if defined(OURO_LANES)
+    if (!portable()) {
+        // blocks of 16 columns per head (two registers each on AVX2: eight independent sums hide the
+        // FMA latency), then single registers
+        i = rescale_lincomb_4_lanes<16 / Lanes::W>(y, a, c, x, m, n, 0);
+        if (Lanes::W < 16) i = rescale_lincomb_4_lanes<1>(y, a, c, x, m, n, i);
+    }
+#endif
+    for (; i < n; ++i) {
+        float s[4];
+        for (int j = 0; j < 4; ++j) s[j] = a[j] * y[j][i];
+        for (int64_t k = 0; k < m; ++k)
+            for (int j = 0; j < 4; ++j) s[j] += c[j][k] * x[k][i];
+        for (int j = 0; j < 4; ++j) y[j][i] = s[j];
+    }
+}
+
+// Two sweeps over a [rows, n] tile X (row stride ld), the column sums kept in registers across the
+// rows (blocks of 4 vectors of columns, then single vectors, then a scalar tail), each y[i] summed in
+// row order from zero by the same FMAs whichever block it falls in:
+//   rows_scale_tdot:  X[r] *= a[r];      y = sum_r b[r] X[r]
+//   rows_rank1_tdot:  X[r] += a[r] u;    y = sum_r b[r] X[r]
+// (the gated delta rule's decay-and-recall and update-and-read of a state, `kda.cpp`)
+template <bool RANK1>
+inline void rows_tdot(float* x, int64_t rows, int64_t n, int64_t ld, const float* a, const float* u, const float* b,
+                      float* y) {
+    int64_t i = 0;
+#if defined(OURO_LANES)
+    if (!portable())
+        i = rows_tdot_lanes<1, RANK1>(x, rows, n, ld, a, u, b, y, rows_tdot_lanes<4, RANK1>(x, rows, n, ld, a, u, b, y, 0));
+#endif
+    for (; i < n; ++i) {
+        float s = 0.f;
+        for (int64_t r = 0; r < rows; ++r) {
+            float& v = x[r * ld + i];
+            v = RANK1 ? std::fma(a[r], u[i], v) : v * a[r];
+            s = std::fma(b[r], v, s);
+        }
+        y[i] = s;
+    }
+}
+
+inline void rows_scale_tdot(float* x, int64_t rows, int64_t n, int64_t ld, const float* a, const float* b, float* y) {
+    rows_tdot<false>(x, rows, n, ld, a, nullptr, b, y);
+}
+
+inline void rows_rank1_tdot(float* x, int64_t rows, int64_t n, int64_t ld, const float* a, const float* u,
+                            const float* b, float* y) {
+    rows_tdot<true>(x, rows, n, ld, a, u, b, y);
+}
+
+}  // namespace ouro
