@@ -10,7 +10,7 @@
 // S_i *= exp(g_i); pred = sum_i k_i S_i; u = beta (v - pred); S_i += k_i u; o = sum_i q_i S_i. The
 // update needs u, u needs pred, and pred needs every decayed row, so no row can be finished before all
 // were read: one sweep cannot do it (each value column alone could, but a column is strided by dv).
-// Two sweeps over the rows (`rows_scale_tdot`, `rows_rank1_tdot` in vec.h, the column sums in
+// Two sweeps over the rows (`rows_scale_tdot`, `rows_rank1_tdot` in tiles.h, the column sums in
 // registers): 1) decay row i and add k_i S_i to pred; 2) add k_i u to row i and q_i S_i to o, the
 // output read from the updated rows as the eager code does. The head's state (16 KB at 64 x 64) stays
 // in L1 between the sweeps, so it moves to and from memory once per step.
