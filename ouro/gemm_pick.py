@@ -1,13 +1,16 @@
 """Which way an `x @ W.T` product runs fastest on this machine, per weight shape and row count.
 
-The same products, three ways: `F.linear` (BLAS, MKL on x86 builds of torch), `(W @ x.T).T` (the
-same BLAS, another kernel), and `packed`: oneDNN's matmul on a weight reordered once into its
-blocked layout (`torch.ops.mkldnn`, what inductor uses for frozen weights on a CPU). On one
+The same products, four ways: `F.linear` (BLAS, MKL on x86 builds of torch), `(W @ x.T).T` (the
+same BLAS, another kernel), `packed`: oneDNN's matmul on a weight reordered once into its
+blocked layout (`torch.ops.mkldnn`, what inductor uses for frozen weights on a CPU), and `gemv`:
+ouro's native float32 kernel for a few rows (`ouro.native.gemv`, up to `GEMV_ROWS` rows: the
+weight streamed once for all of them; on an AVX2 Zen 3 oneDNN's packed product read a decode
+step's [512, 512] weights at 12-17 GB/s of the ~25 the memory gives). On one
 development CPU (AMD EPYC, MKL 2024, 2 threads) `packed` ran a [16, 512] x [512, 16384] product
 at 139 GFLOP/s against F.linear's 38, and [2048, 512] x [512, 512] at 180 against 102; on another
 machine the order may be the reverse. So it is measured: every form timed at a few row counts, the
 fastest kept where it beats `F.linear` by `GAIN`, cached per machine and weight shape next to the
-dtype choice (`$OURO_CACHE/gemm_pick.json`). `OURO_GEMM_PICK=linear|transposed|packed` pins it
+dtype choice (`$OURO_CACHE/gemm_pick.json`). `OURO_GEMM_PICK=linear|transposed|packed|gemv` pins it
 (the test suite pins `packed` where oneDNN is there; tests/test_gemm_pick.py checks every form)."""
 
 from __future__ import annotations
@@ -24,14 +27,17 @@ import torch.nn.functional as F
 
 from . import machine_cache
 from .machine_cache import machine_key
+from .native import gemv as native_gemv
+from .native import kernels as native_kernels
 
 log = logging.getLogger(__name__)
 
-FORMS = ("linear", "transposed", "packed")
+FORMS = ("linear", "transposed", "packed", "gemv")
 GAIN = 1.15
 ROWS = (1, 4, 16, 64, 512)
+GEMV_ROWS = native_gemv.MAX_ROWS     # the gemv form is offered (and timed) only up to this many rows
 FILE = "gemm_pick.json"
-FORMAT = 4          # bumped when the forms, rows or timing change: older cache entries are measured again
+FORMAT = 5          # bumped when the forms, rows or timing change: older cache entries are measured again
 ROUNDS = 2          # interleaved rounds of timing per choice
 
 
@@ -57,6 +63,18 @@ def packable(weight) -> bool:
     return (weight.device.type == "cpu" and weight.dim() == 2 and weight.dtype in (torch.float32, torch.bfloat16)
             and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
             and form_runs("packed", weight.dtype, str(weight.device)) is None)
+
+
+def gemv_runs(weight) -> bool:
+    """ouro's native gemv runs this weight: a 2-D float32 CPU tensor, with the `gemv` family built
+    here (not turned off by `OURO_FUSED=0`) and agreeing with a float64 product (`form_runs`)."""
+    return (weight.device.type == "cpu" and weight.dim() == 2 and weight.dtype == torch.float32
+            and native_kernels.load("gemv") and form_runs("gemv", weight.dtype, str(weight.device)) is None)
+
+
+def offers(form: str, rows: int) -> bool:
+    """Whether `form` takes part at `rows` rows (gemv: only up to GEMV_ROWS; every other form: always)."""
+    return form != "gemv" or rows <= GEMV_ROWS
 
 
 # (form, dtype, device) -> None where the form runs here and agrees with a float64 product, else why not
@@ -137,7 +155,10 @@ def row_bucket(rows: int) -> int:
 
 def product(x, weight, form: str, packed=None):
     """x [M, K] @ weight.T, computed as `form` says (contiguous either way: callers may .view() it).
-    `packed`: `pack(weight)`, needed by the packed form (rows padded to `row_bucket`)."""
+    `packed`: `pack(weight)`, needed by the packed form (rows padded to `row_bucket`); gemv beyond
+    GEMV_ROWS rows runs F.linear."""
+    if form == "gemv":
+        return native_gemv.gemv(x, weight) if x.shape[0] <= GEMV_ROWS else F.linear(x, weight)
     if form == "packed":
         rows = x.shape[0]
         padded = row_bucket(rows)
@@ -211,8 +232,10 @@ def _nearest(rows: int, grid: tuple) -> int:
 
 def available_forms(weight) -> tuple[str, ...]:
     """The forms offered for `weight`: `linear` (the fallback), and every other form that runs and
-    agrees with a reference here (`form_runs`; `packed` needs oneDNN too)."""
-    return tuple(f for f in FORMS if f == "linear" or (packable(weight) if f == "packed" else
+    agrees with a reference here (`form_runs`; `packed` needs oneDNN too, `gemv` a float32 CPU
+    weight and ouro's native build)."""
+    special = {"packed": packable, "gemv": gemv_runs}
+    return tuple(f for f in FORMS if f == "linear" or (special[f](weight) if f in special else
                                                         form_runs(f, weight.dtype, str(weight.device)) is None))
 
 
@@ -226,7 +249,7 @@ def pick_forms(weight, timer=None, label: str = "") -> list[str]:
     if pinned:
         if pinned not in FORMS:
             raise ValueError(f"OURO_GEMM_PICK must be one of {', '.join(FORMS)}, got {pinned!r}")
-        return [pinned if pinned in forms else "linear"] * len(ROWS)
+        return [pinned if pinned in forms and offers(pinned, r) else "linear" for r in ROWS]
     key = f"{machine_key(str(weight.device))}|{label}{tuple(weight.shape)}|{weight.dtype}"
     cache = machine_cache.read(FILE)
     hit = cache.get(key, {})
@@ -236,13 +259,16 @@ def pick_forms(weight, timer=None, label: str = "") -> list[str]:
     timer = timer or (lambda f, r: time_form(f, weight, r))
     # rounds of every form at every row count, interleaved, best kept: a burst of load on a shared
     # machine then slows one round of all forms, not one form (measured all of one form first, the
-    # fp32 experts kept `linear` at 64 rows where the packed loop ran 1.3x faster)
+    # fp32 experts kept `linear` at 64 rows where the packed loop ran 1.3x faster); a form not
+    # offered at a row count (`offers`) is not timed there and cannot win it
     times = {f: [float("inf")] * len(ROWS) for f in forms}
     for _ in range(ROUNDS):
         for i, r in enumerate(ROWS):
             for f in forms:
-                times[f][i] = min(times[f][i], timer(f, r))
-    cache[key] = {"forms": choose(times), "ms": {f: [round(1e3 * t, 3) for t in v] for f, v in times.items()},
+                if offers(f, r):
+                    times[f][i] = min(times[f][i], timer(f, r))
+    cache[key] = {"forms": choose(times),
+                  "ms": {f: [None if math.isinf(t) else round(1e3 * t, 3) for t in v] for f, v in times.items()},
                   "rows": list(ROWS), "format": FORMAT}
     machine_cache.write(FILE, cache)
     return cache[key]["forms"]

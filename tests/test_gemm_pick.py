@@ -75,6 +75,22 @@ def test_a_form_that_computes_wrongly_here_is_not_offered(monkeypatch):
     assert gemm_pick.form_runs("linear", torch.float32) is None
 
 
+def test_a_gemv_that_gives_every_row_the_first_rows_product_is_not_offered(monkeypatch):
+    """The native few-row product checked as every form is: a kernel mixing up its rows (the bug a
+    planted C++ fault would be) is refused before any layer runs it."""
+    if "gemv" not in gemm_pick.available_forms(torch.zeros(8, 4)):
+        pytest.skip("the gemv kernel is not built here")
+    real = gemm_pick.product
+
+    def first_row(x, weight, form, packed=None):
+        out = real(x, weight, form, packed)
+        return out[:1].expand_as(out).contiguous() if form == "gemv" else out
+    monkeypatch.setattr(gemm_pick, "_RUNS", {})
+    monkeypatch.setattr(gemm_pick, "product", first_row)
+    assert "wrong result" in gemm_pick.form_runs("gemv", torch.float32)
+    assert "gemv" not in gemm_pick.available_forms(torch.zeros(8, 4))
+
+
 def test_packed_copy_follows_in_place_weight_changes():
     if "packed" not in FORMS:
         pytest.skip("this torch has no oneDNN")
@@ -133,6 +149,7 @@ def test_measured_once_per_shape_and_pinned(monkeypatch, tmp_path):
     monkeypatch.delenv("OURO_GEMM_PICK", raising=False)
     monkeypatch.setenv("OURO_CACHE", str(tmp_path))
     monkeypatch.setattr(gemm_pick, "packable", lambda w: True)
+    monkeypatch.setattr(gemm_pick, "gemv_runs", lambda w: False)     # three forms, at every row count
     calls = []
 
     def fake(form, weight, rows, budget_s=0.03):

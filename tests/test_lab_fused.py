@@ -66,8 +66,11 @@ def test_every_fused_op_has_a_planted_fault_that_names_it():
     named = {spec.get("op") for f in NATIVE_FAULTS for spec in f.localised}
     ops = {op for _, op, _, _ in FUSED_OPS}
     assert ops - {"hc_post"} <= named       # hc_post is hc_post_pre's first half (`Mix::token`), one fault for both
-    # every C++ source of the package (the fused families and the int8 kernel) has a planted fault
-    assert {f.file for f in NATIVE_FAULTS} == {p.as_posix() for p in Path("ouro").rglob("*.cpp")}
+    # every C++ source of the package (the fused families and the int8 kernel) has a planted fault,
+    # but gemv: gemm_pick checks each form against a float64 product before offering it, so a wrong
+    # gemv is refused with a warning and never runs (a planted one was: tests/test_gemm_pick.py)
+    checked_at_selection = {"ouro/native/gemv.cpp"}
+    assert {f.file for f in NATIVE_FAULTS} == {p.as_posix() for p in Path("ouro").rglob("*.cpp")} - checked_at_selection
 
 
 def test_the_fused_ops_are_compared_where_the_eager_path_records_their_work():

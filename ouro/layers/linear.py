@@ -1,13 +1,16 @@
 """`Linear`: an `nn.Linear` whose product runs the way this machine runs it fastest for the row
 count at hand (`forms`, one per row count in `ouro.gemm_pick.ROWS`, set by the engine from a
 measurement; None: always `F.linear`). Same parameters, same state dict, same hooks as
-`nn.Linear`. The packed form uses a oneDNN copy of the weight (`gemm_pick.packed_for`)."""
+`nn.Linear`. The packed form uses a oneDNN copy of the weight (`gemm_pick.packed_for`); the gemv
+form is ouro's native kernel, a fused path like the others: `F.linear` runs instead wherever
+`ouro.native.gemv.can` says no (inside `eager_only()`, the reference; autograd; not float32)."""
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..gemm_pick import form_for, packed_for, pick_forms, product
+from ..native import gemv
 from ..ops import batch_invariant
 from ..ops.opaque import call_opaque
 
@@ -25,7 +28,7 @@ class Linear(nn.Linear):
             return F.linear(x, self.weight, self.bias)
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         form = form_for(self.forms, rows)
-        if form == "linear" or rows == 0:
+        if form == "linear" or rows == 0 or (form == "gemv" and not gemv.can(x, self.weight)):
             return F.linear(x, self.weight)
         flat = x.reshape(rows, x.shape[-1])
         packed = packed_for(self, self.packed_weights())[0] if form == "packed" else None

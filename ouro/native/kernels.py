@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
 HEADERS = (HERE / "vec.h", HERE / "tiles.h", HERE / "by_expert.h")
-FAMILIES = ("norms", "mhc", "router", "experts", "kda", "mla")   # one `<family>.cpp` each
+FAMILIES = ("norms", "mhc", "router", "experts", "kda", "mla", "gemv")   # one `<family>.cpp` each
 _STATE: dict = {"eager_only": False}
 _LOADED: dict[str, str | None] = {}      # family -> None when loaded, else why it is not
 _FAKES: dict[str, object] = {}           # family -> function registering its fake implementations

@@ -1,0 +1,33 @@
+"""The float32 product of a few rows with a weight, `x [M, K] @ w [N, K].T` (`gemv.cpp`): the weight
+streamed once for all rows, every output summed in one fixed order (the same at any thread count and
+whatever rows share the call). `ouro.gemm_pick` offers it as the `gemv` form for up to `MAX_ROWS`
+rows and keeps it where it measures fastest."""
+
+from __future__ import annotations
+
+import torch
+
+from .kernels import ops, register_fakes, usable
+
+FAMILY = "gemv"
+MAX_ROWS = 8          # the row counts it is meant for (decode); more rows re-read each weight block per 4
+
+
+def can(*tensors) -> bool:
+    return usable(FAMILY, *tensors)
+
+
+def gemv(x, w):
+    """x [M, K] @ w [N, K].T as a new contiguous [M, N] tensor (float32 CPU tensors)."""
+    return ops(FAMILY).gemv(x, w)
+
+
+@register_fakes(FAMILY)
+def _fakes():
+    torch.library.register_fake("ouro_native::gemv")(lambda x, w: x.new_empty(x.shape[0], w.shape[0]))
+    # FLOPs for torch's FlopCounterMode (the bench's dispatched FLOPs), as for a matmul: 2 * M * N * K
+    from torch.utils.flop_counter import flop_registry, register_flop_formula
+    op = torch.ops.ouro_native.gemv
+    if op not in flop_registry:
+        register_flop_formula(op)(lambda x_shape, w_shape, *args, out_shape=None, **kwargs:
+                                  2 * x_shape[0] * x_shape[1] * w_shape[0])
