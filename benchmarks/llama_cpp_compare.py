@@ -42,8 +42,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 # (label, GGUF type, ouro's flags); q8_0 quantises the output matrix too, as the third row's ouro does
-PAIRS = (("float32", "f32", []), ("W8A8 / q8_0", "q8_0", ["--quantization", "w8a8"]),
-         ("W8A8 + head / q8_0", "q8_0", ["--quantization", "w8a8", "--quantization-ignore", "*.kv_b_proj"]))
+PAIRS = (("float32", "f32", ()), ("W8A8 / q8_0", "q8_0", ("--quantization", "w8a8")),
+         ("W8A8 + head / q8_0", "q8_0", ("--quantization", "w8a8", "--quantization-ignore", "*.kv_b_proj")))
 
 # the converter, run with one adjustment: ouro's presets ship a random test tokenizer whose
 # pre-tokenizer hash llama.cpp does not know; it is written as "gpt-2" (no effect on decode speed)
@@ -98,13 +98,13 @@ def llama_tok_s(bin_dir: Path, gguf: Path, batch: int, a) -> float:
     return rows[-1]["speed_tg"]
 
 
-def ouro_tok_s(model: str, batch: int, flags: list[str], a) -> float:
+def ouro_tok_s(model: str, batch: int, flags: tuple[str, ...], a) -> float:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "r.json"
         cmd = [sys.executable, "-m", "ouro.cli", "bench", "offline", "--model", model, "--dtype", "float32",
                "--input-len", str(a.input_len), "--output-len", str(a.output_len), "--num-prompts", str(batch),
                "--max-concurrency", str(batch), "--disable-tqdm", "--output-json", str(path)]
-        cmd += flags
+        cmd += list(flags)
         env = dict(os.environ, OMP_NUM_THREADS=str(a.threads),
                    PYTHONPATH=os.pathsep.join([str(ROOT)] + os.environ.get("PYTHONPATH", "").split(os.pathsep)))
         subprocess.run(cmd, check=True, capture_output=True, text=True, env=env, cwd=ROOT)
@@ -154,7 +154,7 @@ def main() -> int:
     for c in cases:
         label, kind, q, b = c
         ll, ou = statistics.median(got[c]["llama.cpp"]), statistics.median(got[c]["ouro"])
-        rows.append({"precision": label, "gguf": kind, "ouro_flags": q, "batch": b, "llama_cpp_tok_s": ll,
+        rows.append({"precision": label, "gguf": kind, "ouro_flags": list(q), "batch": b, "llama_cpp_tok_s": ll,
                      "ouro_tok_s": ou, "ratio": ou / ll, "rounds": got[c]})
         print(f"| {label} | {b} | {ll:.1f} | {ou:.1f} | {ou / ll:.2f}x |")
     if a.output_json:
