@@ -54,3 +54,25 @@ def test_sides_run_as_a_users_own_bench(monkeypatch, tmp_path):
     assert base["OURO_CACHE"] == str(tmp_path / "own") and "OURO_GEMM_PICK" not in base
     monkeypatch.delenv("OURO_SET_OMP_WAIT_POLICY")           # the user chose PASSIVE: kept
     assert side_env(tmp_path)["OMP_WAIT_POLICY"] == "PASSIVE"
+
+
+def test_an_older_tree_gets_the_layer_types_in_the_spelling_it_knows(tmp_path):
+    """Presets write the GLM checkpoint's "deepseek_sparse_attention"; the first engine knew only
+    "indexed_attention": its side reads a linked copy whose config says so, nothing else changed."""
+    import json
+
+    from ouro.bench.baseline import older_checkpoint
+    src = tmp_path / "ckpt"
+    src.mkdir()
+    config = {"model_type": "glm5_next", "text_config": {
+        "model_type": "glm5_next_text", "layer_types": ["linear_attention", "deepseek_sparse_attention"], "x": 1}}
+    (src / "config.json").write_text(json.dumps(config))
+    (src / "model.safetensors").write_bytes(b"weights")
+    out = older_checkpoint(src, tmp_path / "older")
+    got = json.loads((out / "config.json").read_text())
+    assert got["text_config"]["layer_types"] == ["linear_attention", "indexed_attention"]
+    assert got["text_config"]["x"] == 1 and (out / "model.safetensors").read_bytes() == b"weights"
+    assert json.loads((src / "config.json").read_text()) == config          # the original untouched
+    config["text_config"]["layer_types"] = ["linear_attention", "indexed_attention"]
+    (src / "config.json").write_text(json.dumps(config))
+    assert older_checkpoint(src, tmp_path / "again") == src                 # nothing to respell: as it is

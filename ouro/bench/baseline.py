@@ -81,6 +81,25 @@ def run_side(tree: Path, model_dir: str, flags: list[str], out_json: Path, timeo
             "decode_step_s": r["ouro"].get("decode_step_s"), "dtype": r.get("dtype")}
 
 
+def older_checkpoint(model_dir: Path, out: Path) -> Path:
+    """The checkpoint as an older tree reads it: the same files (linked), its config.json with the
+    layer types in the canonical spelling (a GLM checkpoint's "deepseek_sparse_attention", which
+    presets now write, is "indexed_attention" to every ouro; the first engine knew only that)."""
+    from ..config.model import LAYER_TYPE_SPELLINGS
+    config = json.loads((model_dir / "config.json").read_text())
+    text = config.get("text_config") or config
+    types = text.get("layer_types")
+    if not types or not any(t in LAYER_TYPE_SPELLINGS for t in types):
+        return model_dir
+    text["layer_types"] = [LAYER_TYPE_SPELLINGS.get(t, t) for t in types]
+    out.mkdir(parents=True)
+    for f in model_dir.iterdir():
+        if f.name != "config.json":
+            (out / f.name).symlink_to(f.resolve())
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
 def bench_baseline(ref: str, model_dir: str, flags: list[str], repeats: int = 3, timeout_s: float = 1800,
                    progress: bool = True, current_extra: list[str] = ()) -> dict:
     """flags: the offline workload's flags (--num-prompts ... --dtype D), the same for both sides;
@@ -94,11 +113,12 @@ def bench_baseline(ref: str, model_dir: str, flags: list[str], repeats: int = 3,
     try:
         from ..machine_cache import cache_root
         own = str(cache_root() / f"baseline-{commit[:12]}")
-        order = [("baseline", tree, [], own), ("current", SOURCE_ROOT, list(current_extra), None)]
+        older = older_checkpoint(Path(model_dir), work / "checkpoint")
+        order = [("baseline", tree, [], own, older), ("current", SOURCE_ROOT, list(current_extra), None, model_dir)]
         bar = tqdm(total=2 * repeats, desc=f"baseline {commit[:7]} vs current", disable=not progress)
         for i in range(repeats):
-            for name, root, extra, cache in (order if i % 2 == 0 else order[::-1]):
-                sides[name].append(run_side(root, model_dir, flags + extra, work / f"{name}-{i}.json", timeout_s, cache))
+            for name, root, extra, cache, ckpt in (order if i % 2 == 0 else order[::-1]):
+                sides[name].append(run_side(root, str(ckpt), flags + extra, work / f"{name}-{i}.json", timeout_s, cache))
                 bar.update(1)
         bar.close()
     finally:
