@@ -281,6 +281,9 @@ def build_parser(argv=None) -> argparse.ArgumentParser:
                        "rank in the same run (each rank gets cores / ranks threads)")
     bench.add_argument("--cp-precision", default="fp32", choices=["fp32", "tf32", "tf32x3"],
                        help="prefill --cp: precision of the KDA state chain")
+    bench.add_argument("--breakdown", action="store_true",
+                       help="prefill: the engine's prefill of --num-prompts x --input-len, time by part against each "
+                            "part's floor (--quantization, --config apply)")
     add_compile_flag(bench)
     bench.add_argument("--baseline", default=None, metavar="REF",
                        help="offline: also run the same workload on git ref REF of this repository (a temporary "

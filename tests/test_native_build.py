@@ -106,3 +106,21 @@ def test_a_graph_traced_before_any_eager_step_holds_the_fused_ops(tmp_path):
                          cwd=os.path.dirname(os.path.dirname(__file__)))
     assert out.returncode == 0, out.stderr[-3000:]
     assert "REFUSED True" in out.stdout and "LOADED True" in out.stdout, out.stdout + out.stderr[-2000:]
+
+
+def test_a_cache_reached_through_a_link_reuses_the_build(tmp_path, monkeypatch):
+    """A fresh $OURO_CACHE whose `ext/` links the machine's (as the preset-cache tests do) finds the
+    build done: the build file names the real directory, so it is neither rewritten nor rebuilt
+    (it named the link once, and each side then rebuilt every family: two minutes of the suite)."""
+    from ouro.native import kernels
+    from ouro.machine_cache import cache_root
+    assert kernels.load("norms")
+    built, why = compile_native("fused_norms", kernels.HERE / "norms.cpp", kernels.HEADERS, python_module=False)
+    assert why is None
+    ninja = os.path.join(os.path.dirname(built), "build.ninja")
+    before = (open(ninja, "rb").read(), os.stat(built).st_mtime_ns)
+    (tmp_path / "ext").symlink_to((cache_root() / "ext").resolve())
+    monkeypatch.setenv("OURO_CACHE", str(tmp_path))
+    again, why = compile_native("fused_norms", kernels.HERE / "norms.cpp", kernels.HEADERS, python_module=False)
+    assert why is None and os.path.realpath(again) == os.path.realpath(built)
+    assert (open(ninja, "rb").read(), os.stat(built).st_mtime_ns) == before

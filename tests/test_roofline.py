@@ -158,3 +158,27 @@ def test_part_floors_split_the_step_floor_without_gaps_or_overlaps(quantised):
     assert sum(floors.values()) == pytest.approx(compute.compute_s(cost.flops, low), rel=1e-9)
     memory = Roofline(flops_per_s=1e30, bytes_per_s=1000.0)
     assert sum(part_floors(model, 7, 3, memory).values()) == pytest.approx(cost.bytes / 1000.0, rel=1e-9)
+
+
+@pytest.mark.parametrize("quantised", [False, True])
+def test_prefill_part_floors_split_the_prefill_floor(quantised):
+    """A prefill's parts: the head runs one row per sequence, every other weight every token; the
+    parts add up to `step_cost` of the same prefill in compute and in memory."""
+    from ouro.measure.step_breakdown import ROWS, step_part_floors
+    from ouro.measure.step_cost import step_cost
+    from ouro.quant.w8a8 import quantize_model
+    torch.manual_seed(0)
+    model = Glm5NextModel(CONFIG)
+    if quantised:
+        quantize_model(model)
+    lens = [9, 5]
+    cost = step_cost(model, lens, [0, 0])
+    compute = Roofline(flops_per_s=1000.0, bytes_per_s=1e30, low_flops_per_s=3000.0)
+    floors = step_part_floors(model, compute, lens, [0, 0])
+    assert set(floors) <= set(ROWS) and floors["DSA without indexer"] > 0
+    assert sum(floors.values()) == pytest.approx(compute.compute_s(cost.flops, cost.parts["low_precision_flops"]),
+                                                 rel=1e-9)
+    head = step_part_floors(model, compute, lens, [0, 0], logits_rows=14)["embedding + head"]
+    assert head > floors["embedding + head"]          # 14 logits rows cost more than 2
+    memory = Roofline(flops_per_s=1e30, bytes_per_s=1000.0)
+    assert sum(step_part_floors(model, memory, lens, [0, 0]).values()) == pytest.approx(cost.bytes / 1000.0, rel=1e-9)

@@ -222,3 +222,27 @@ def test_the_gap_report_splits_an_engine_step_by_part():
     assert set(rows) == set(ROWS) and b["batch"] == 3 and not eng.has_unfinished()
     assert rows["routed experts"]["floor_ms"] > 0 and rows["KDA"]["ms"] > 0 and rows["KDA"]["floor_ms"] > 0
     assert b["floor_ms"] > 0 and b["plain_step_ms"] > 0 and "over target" in format_breakdown(b)
+
+
+def test_the_prefill_breakdown_splits_an_engine_prefill_by_part():
+    """`ouro bench prefill --breakdown`: the engine's prefill of new prompts, hooked runs
+    interleaved with plain ones, each part against its floor, and nothing left in the engine."""
+    from ouro.config import EngineConfig
+    from ouro.engine.llm_engine import LLMEngine
+    from ouro.engine.sampling import SamplingParams
+    from ouro.measure.roofline import Roofline
+    from ouro.measure.step_breakdown import ROWS, format_breakdown, prefill_breakdown
+    from ouro.models.loader import load_model
+    d = resolve_model("tiny")
+    eng = LLMEngine(load_model(d), None, EngineConfig(max_memory=32 << 20, page_size=16, max_num_seqs=3,
+                                                      max_num_batched_tokens=32), verbose=False)
+    roof = Roofline(flops_per_s=1e10, bytes_per_s=1e10)
+    sets = [[[s + 3 + i for i in range(20)], [s + 5 + i for i in range(20)]] for s in range(4)]
+    b = prefill_breakdown(eng, sets, roof, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    rows = {r["part"]: r for r in b["rows"]}
+    assert set(rows) == set(ROWS) and b["batch"] == 2 and b["tokens"] == 40 and not eng.has_unfinished()
+    assert b["steps"] == 2          # 40 tokens at 32 a step
+    assert rows["routed experts"]["floor_ms"] > 0 and rows["KDA"]["ms"] > 0 and rows["KDA"]["floor_ms"] > 0
+    assert sum(r["ms"] for r in b["rows"]) == pytest.approx(b["hooked_step_ms"], rel=1e-6)
+    text = format_breakdown(b)
+    assert text.startswith("prefill of 2 x 20 tokens (2 engine steps)") and "over target" in text

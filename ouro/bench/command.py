@@ -85,6 +85,14 @@ def run_bench(args) -> int:
         dtype = EngineConfig(device=args.device, dtype=args.dtype).torch_dtype()
         r = bench_prefill_cp(resolve_model(args.model), args.input_len, args.cp, args.repeats, args.cp_precision, dtype)
         print(format_prefill_cp(r))
+    elif args.kind == "prefill" and args.breakdown:
+        from ..measure.step_breakdown import format_breakdown
+        from .prefill import bench_prefill_breakdown
+        r = bench_prefill_breakdown(resolve_model(args.model), args.num_prompts, args.input_len, args.repeats,
+                                    args.device, args.dtype, args.quantization, offline_fields(args))
+        print(f"{args.model}, {args.device}, {r['threads']} threads, {r['dtype']}, quantization {r['quantization']}, "
+              f"max_num_batched_tokens {r['max_num_batched_tokens']}; medians of {args.repeats} prefills")
+        print(format_breakdown(r))
     elif args.kind == "prefill":
         from .prefill import bench_prefill, format_prefill
         r = bench_prefill(resolve_model(args.model), args.input_len, args.repeats, args.compare == "transformers")

@@ -85,3 +85,36 @@ def format_prefill(r: dict) -> str:
                  f"{r['copy_bytes_per_s'] / 1e9:.1f} GB/s measured); ouro is {r['ouro_over_floor']:.1f}x the floor "
                  f"(it dispatches {r['dispatched_flops'] / 1e9:.1f} GFLOP)")
     return "\n".join(lines)
+
+
+def bench_prefill_breakdown(model_dir, num_prompts: int, input_len: int, repeats: int = 3, device: str = "cpu",
+                            dtype: str = "auto", quantization: str | None = None, engine_fields: dict | None = None,
+                            seed: int = 0) -> dict:
+    """`ouro bench prefill --breakdown`: the engine's prefill of `num_prompts` x `input_len` new
+    prompts (first token only), `repeats` plain runs interleaved with as many hooked ones, by part
+    against each part's floor (`ouro.measure.step_breakdown.prefill_breakdown`)."""
+    from ..config import EngineConfig
+    from ..engine.sampling import SamplingParams
+    from ..measure.step_breakdown import prefill_breakdown
+    from ..models.loader import load_model
+    from .offline import low_precision_rate, make_engine, make_prompts
+    torch_dtype = EngineConfig(device=device, dtype=dtype).torch_dtype()
+    model = load_model(model_dir, device=device, dtype=torch_dtype)
+    engine = make_engine(model, None, input_len, 1, num_prompts, device=device, quantization=quantization,
+                         model_dir=model_dir, engine_fields=engine_fields)
+    roof = Roofline.measure(device, model.embed_tokens.weight.dtype)
+    low_precision_rate(engine.model, roof)
+    V = model.config.vocab_size
+    # the first set warms up (kernel builds, allocator); then plain and hooked sets alternate
+    sets = [make_prompts(num_prompts, input_len, V, seed + i) for i in range(2 * repeats + 1)]
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    for p in sets[0]:
+        engine.add_request({"prompt_token_ids": p}, params)
+    while engine.has_unfinished():
+        engine.step()
+    r = prefill_breakdown(engine, sets[1:], roof, params)
+    r.update({"threads": torch.get_num_threads(), "dtype": str(torch_dtype).replace("torch.", ""),
+              "max_num_batched_tokens": engine.config.max_num_batched_tokens,
+              "quantization": engine.config.quantization})
+    engine.close()
+    return r

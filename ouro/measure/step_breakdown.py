@@ -18,7 +18,7 @@ from collections import defaultdict
 
 import torch
 
-from .step_cost import LOW_PRECISION, ROUTED, SCALE, decode_cost, weight_tensors
+from .step_cost import LOW_PRECISION, ROUTED, SCALE, decode_cost, step_cost, weight_tensors
 
 # "outside the timed modules": the engine (scheduling, metadata, sampling) and the model's own glue
 ROWS = ["routed experts", "router", "MoE combine", "shared expert + dense MLP", "KDA", "DSA without indexer",
@@ -90,11 +90,19 @@ class Timer:
 
 
 def part_floors(model, context: int, batch: int, roof) -> dict:
-    """{row: floor seconds} of a decode step of `batch` sequences at `context` tokens. A weight
-    belongs to the innermost timed module holding it; routed experts count the expected distinct
-    experts' bytes and `num_experts_per_tok` experts' FLOPs per token (as `step_cost` does)."""
+    """{row: floor seconds} of a decode step of `batch` sequences at `context` tokens."""
+    return step_part_floors(model, roof, [1] * batch, [context - 1] * batch)
+
+
+def step_part_floors(model, roof, query_lens: list[int], start_pos: list[int], logits_rows: int | None = None) -> dict:
+    """{row: floor seconds} of one step (`step_cost`'s arguments). A weight belongs to the innermost
+    timed module holding it; routed experts count the expected distinct experts' bytes and
+    `num_experts_per_tok` experts' FLOPs per token (as `step_cost` does); the head runs its
+    `logits_rows` rows (one per sequence unless told), every other weight every new token."""
     c = model.config
-    cost = decode_cost(model, context, batch)
+    cost = step_cost(model, query_lens, start_pos, logits_rows)
+    tokens = sum(query_lens)
+    rows = len(query_lens) if logits_rows is None else logits_rows
     rows_of = {id(m): row for m, row in parts(model)}
     prefixes = sorted(((name, rows_of[id(m)]) for name, m in model.named_modules() if id(m) in rows_of),
                       key=lambda x: -len(x[0]))
@@ -107,10 +115,10 @@ def part_floors(model, context: int, batch: int, roof) -> dict:
         nbytes = w.numel() * w.element_size()
         n = 0 if name.endswith(SCALE) else w.numel()
         if w is emb:
-            nbytes, n = min(batch, c.vocab_size) * emb.shape[1] * emb.element_size(), 0
+            nbytes, n = min(tokens, c.vocab_size) * emb.shape[1] * emb.element_size(), 0
         elif name.removesuffix(SCALE).endswith(ROUTED):
             nbytes, n = nbytes * distinct / E, n * k / E
-        flops = 2.0 * batch * n
+        flops = 2.0 * (rows if name.startswith("lm_head.") else tokens) * n
         work[row][0] += flops
         work[row][1] += flops if w.dtype in LOW_PRECISION else 0.0
         work[row][2] += nbytes
@@ -172,12 +180,50 @@ def decode_breakdown(engine, prompts: list[list[int]], steps: int, roof, params)
                       "floor_ms": 1e3 * floors.get(row, 0.0)} for row in ROWS]}
 
 
+def prefill_breakdown(engine, prompt_sets: list[list[list[int]]], roof, params) -> dict:
+    """The engine's prefill of each set of prompts (one set per repeat, distinct prompts so no prefix
+    is cached; `params` with max_tokens=1): the steps until every request of the set has its first
+    token. Sets alternate plain (the engine as it runs) and hooked; per row the median milliseconds
+    of a whole prefill and its floor (the prefill of every prompt in one step, one logits row each)."""
+    model = engine.model
+    plain, hooked, per_row, steps = [], [], defaultdict(list), []
+    for i, prompts in enumerate(prompt_sets):
+        timer = Timer(model, engine.config.device) if i % 2 else None
+        for p in prompts:
+            engine.add_request({"prompt_token_ids": p}, params)
+        t, n = time.perf_counter(), 0
+        while engine.has_unfinished():
+            engine.step()
+            n += 1
+        total = time.perf_counter() - t
+        if timer is None:
+            plain.append(total)
+            steps.append(n)
+            continue
+        timer.remove()
+        hooked.append(total)
+        timer.seconds["outside the timed modules"] = total - sum(timer.seconds.values())
+        for row in ROWS:
+            per_row[row].append(timer.seconds.get(row, 0.0))
+    lens = [len(p) for p in prompt_sets[0]]
+    floors = step_part_floors(model, roof, lens, [0] * len(lens))
+    cost = step_cost(model, lens, [0] * len(lens))
+    return {"kind": "prefill", "batch": len(lens), "tokens": sum(lens), "input_len": max(lens),
+            "steps": statistics.median(steps), "compiled": False,
+            "plain_step_ms": 1e3 * statistics.median(plain), "hooked_step_ms": 1e3 * statistics.median(hooked),
+            "floor_ms": 1e3 * roof.floor_s(cost.flops, cost.bytes, cost.parts["low_precision_flops"]),
+            "rows": [{"part": row, "ms": 1e3 * statistics.median(per_row[row]),
+                      "floor_ms": 1e3 * floors.get(row, 0.0)} for row in ROWS]}
+
+
 def format_breakdown(b: dict, target_over_floor: float = 3.0) -> str:
     """The table, and the parts that keep the step from `target_over_floor` x its floor, largest first."""
-    lines = [f"decode step at batch {b['batch']}, context {b['context']}: {b['plain_step_ms']:.1f} ms as run"
+    what = (f"prefill of {b['batch']} x {b['input_len']} tokens ({b['steps']:g} engine steps)" if b.get("kind") == "prefill"
+            else f"decode step at batch {b['batch']}, context {b['context']}")
+    lines = [f"{what}: {b['plain_step_ms']:.1f} ms as run"
              f"{' (compiled)' if b['compiled'] else ''} against a floor of {b['floor_ms']:.2f} ms "
              f"({b['plain_step_ms'] / b['floor_ms']:.1f}x; target {target_over_floor:g}x = "
-             f"{target_over_floor * b['floor_ms']:.1f} ms). Eager step with hooks {b['hooked_step_ms']:.1f} ms, by part:",
+             f"{target_over_floor * b['floor_ms']:.1f} ms). Eager, with hooks {b['hooked_step_ms']:.1f} ms, by part:",
              "| part | ms | its floor, ms | x its floor | over target x floor, ms |", "|---|---|---|---|---|"]
     for r in sorted(b["rows"], key=lambda r: -(r["ms"] - target_over_floor * r["floor_ms"])):
         x = f"{r['ms'] / r['floor_ms']:.1f}" if r["floor_ms"] > 0 else "no floor (element-wise)"

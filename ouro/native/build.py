@@ -39,6 +39,9 @@ def compile_native(name: str, source: Path, headers: tuple[Path, ...] = (), pyth
         key = build_key(files)
         directory = cache_root() / "ext" / f"{name}_{key}"
         directory.mkdir(parents=True, exist_ok=True)
+        # the real path: build.ninja names it, and a cache reached through a link (a test's fresh
+        # $OURO_CACHE linking the machine's `ext/`) must write the same file, or ninja rebuilds all
+        directory = directory.resolve()
         # compiled from copies inside the build directory: another checkout of the same sources (the
         # fault suite's patched copies, a worktree) then finds the build done instead of redoing it
         for f in files:
