@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from ouro.ops.dsa import (absorb_weights, index_select, index_select_naive, pool_keys, sparse_mla,
-                          sparse_mla_naive, stable_topk_mask)
+                          sparse_mla_chunk, sparse_mla_naive, stable_topk_mask)
 
 
 from numerics import assert_close, rel_rms  # noqa: F401
@@ -280,6 +280,34 @@ def test_sparse_mla_causal_dense(n, L, block):
     dense = sparse_mla(q, latents, None, w_uk, w_uv, scale, block=block)
     assert_close(dense, sparse_mla_naive(q, latents, full, kv_b, scale))
     assert_close(dense, sparse_mla(q, latents, full, w_uk, w_uv, scale, block=block))
+
+
+@pytest.mark.parametrize("widths", [0, 4, 1000])      # gathered rows only, the default, masked only
+@pytest.mark.parametrize("block", [3, 256])
+@pytest.mark.parametrize("n,L,W", [(10, 30, 12), (1, 40, 7), (7, 7, 5), (20, 20, 3)])
+def test_sparse_mla_chunk_matches_naive(n, L, W, block, widths, monkeypatch):
+    """A prefill chunk against the sequence's latents: the masked dense product and the gathered
+    rows both equal the naive expansion (a NaN-poisoned output row left unwritten fails)."""
+    import sys
+    monkeypatch.setattr(sys.modules["ouro.ops.dsa.sparse_mla"], "MASKED_WIDTHS", widths)
+    gen = torch.Generator().manual_seed(n * 100 + L + W + 1)
+    q, latents, kv_b, w_uk, w_uv, scale = mla_setup(n, L, gen)
+    sel = random_selection(n, L, W, gen)
+    got = sparse_mla_chunk(q, latents, sel, w_uk, w_uv, scale, block=block)
+    assert got.shape == (n, 4, 6) and not got.isnan().any()
+    assert_close(got, sparse_mla_naive(q, latents, sel, kv_b, scale))
+    # the same rows through the cache-wide form (rows of `latents` as the cache)
+    assert_close(got, sparse_mla(q, latents, sel, w_uk, w_uv, scale, block=block))
+
+
+def test_sparse_mla_chunk_ignores_unused_slots_and_keeps_token_zero():
+    """-1 slots go to a spare column: a row whose only token is 0 beside unused slots attends to it
+    (a scatter of -1 onto column 0 would have masked token 0 out and made the row NaN)."""
+    gen = torch.Generator().manual_seed(3)
+    q, latents, kv_b, w_uk, w_uv, scale = mla_setup(3, 9, gen)
+    sel = torch.tensor([[-1, 0, -1], [0, -1, 1], [-1, -1, 0]])
+    got = sparse_mla_chunk(q, latents, sel, w_uk, w_uv, scale)
+    assert_close(got, sparse_mla_naive(q, latents, sel, kv_b, scale))
 
 
 def test_sparse_mla_selection_matters():

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ..native import mla
-from ..ops.dsa import absorb_weights, index_select, pool_keys, sparse_mla
+from ..ops.dsa import absorb_weights, index_select, pool_keys, sparse_mla, sparse_mla_chunk
 from ..ops.quant.kv_rows import GROUP
 from .linear import Linear
 from .merged import project
@@ -152,9 +152,9 @@ class DSAttention(nn.Module):
                 if L // self.kpool <= self.topk // self.kpool:
                     latents = flat[cache_rows(ctx, ctx.seq_index[r][:1], torch.arange(L, device=x.device)[None])[0]]
                     out[r] = sparse_mla(q[r], latents.to(q.dtype), None, w_uk, w_uv, self.scale)
-                else:
-                    rows = cache_rows(ctx, ctx.seq_index[r], selection[r])
-                    out[r] = sparse_mla(q[r], flat, rows, w_uk, w_uv, self.scale)
+                else:   # the chunk's queries against the sequence's latents, read once per block
+                    latents = flat[cache_rows(ctx, ctx.seq_index[r][:1], torch.arange(L, device=x.device)[None])[0]]
+                    out[r] = sparse_mla_chunk(q[r], latents, selection[r], w_uk, w_uv, self.scale)
         return self.o_proj(out.reshape(q.shape[0], -1)), selection
 
     def _attend_decode(self, q, flat, selection, w_uk, w_uv, ctx):

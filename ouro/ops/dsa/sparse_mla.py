@@ -33,6 +33,41 @@ def sparse_mla(q_nope, latents, selected, w_uk, w_uv, scale: float, block: int =
     return out
 
 
+# A block of prefill queries whose context is at most this many times the selection's width
+# attends through one masked product over the context (each latent row read once for the block,
+# a GEMM) rather than a gather of every query's own rows: the scores it computes and then masks
+# are no more than MASKED_WIDTHS x the selected ones.
+MASKED_WIDTHS = 4
+
+
+def sparse_mla_chunk(q_nope, latents, selected, w_uk, w_uv, scale: float, block: int = 256):
+    """A prefill chunk of one sequence: q_nope [n, H, qk]; latents [L, r] the sequence's cached
+    latents (token t at row t); selected [n, W] token positions (-1 unused), each row's tokens at
+    or before its query. Returns [n, H, v] as `sparse_mla` with those rows: per block of queries,
+    over the context the block can see, a masked dense product where that context is short
+    (`MASKED_WIDTHS`), else the gathered rows."""
+    n, W = selected.shape
+    cdt = torch.promote_types(q_nope.dtype, torch.float32)
+    w_uv = w_uv.to(cdt)
+    q_lat = torch.einsum("nhd,hdr->nhr", q_nope.to(cdt), w_uk.to(cdt)) * scale
+    out = q_nope.new_full((n, w_uv.shape[0], w_uv.shape[1]), float("nan"))
+    for s in range(0, n, block):
+        e = min(n, s + block)
+        sel = selected[s:e]
+        seen = int(sel.max()) + 1 if sel.numel() else 0        # the block's context (one host read)
+        if seen <= MASKED_WIDTHS * W:
+            dense = latents[:seen].to(cdt)
+            keep = torch.zeros(e - s, seen + 1, dtype=torch.bool, device=sel.device)
+            keep.scatter_(1, sel.masked_fill(sel < 0, seen), True)          # unused entries: the spare column
+            scores = torch.einsum("nhr,lr->nhl", q_lat[s:e], dense)
+            probs = scores.masked_fill(~keep[:, None, :seen], float("-inf")).softmax(-1)
+            o_lat = torch.einsum("nhl,lr->nhr", probs, dense)
+            out[s:e] = torch.einsum("nhr,hvr->nhv", o_lat, w_uv).to(out.dtype)
+        else:
+            out[s:e] = _attend(q_lat[s:e], latents, sel, w_uv, s, n, latents.shape[0], cdt).to(out.dtype)
+    return out
+
+
 def _attend(q_lat, latents, selected, w_uv, s, n, L, cdt):
     """Rows s .. s + len(q_lat) of the n queries, against the dense causal prefix or their selection."""
     e = s + q_lat.shape[0]
