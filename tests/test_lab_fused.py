@@ -86,10 +86,12 @@ def test_the_fused_ops_are_compared_where_the_eager_path_records_their_work():
         assert not rows[key]["diverges"], (key, rows[key]["worst"])
         for op in at.values():
             seen.setdefault(op, set()).add(key)
-    assert set(seen) == {op for _, op, _, _ in FUSED_OPS}, set(seen)
+    # gated_rms_norm: KDA's output norm where the layer runs eagerly (deterministic inference,
+    # speculative replay, CP); here both prefill and decode take the fused KDA ops
+    assert set(seen) == {op for _, op, _, _ in FUSED_OPS} - {"gated_rms_norm"}, set(seen)
     assert seen["hc_post_pre"] >= {"layers.0.attn_hc.mix", "layers.0.ffn_hc", "layers.0.ffn_hc.comb", "layers.1.attn_hc"}
     assert seen["sparse_mla_decode"] == {"layers.3.self_attn.attention_core"}
-    assert "layers.0.self_attn.o_norm" in seen["kda_decode"] & seen["gated_rms_norm"]   # decode / prefill rows
+    assert "layers.0.self_attn.o_norm" in seen["kda_decode"] & seen["kda_prefill"]   # decode / prefill rows
 
 
 def _check(name):
@@ -100,9 +102,9 @@ def _check(name):
     return row
 
 
-def test_a_fault_inside_the_kda_decode_op_is_found_and_named():
+def test_a_fault_inside_the_kda_kernel_is_found_and_named():
     row = _check("kda_decode_rate_not_exp")
-    assert row["top"]["where"]["op"] == "kda_decode"
+    assert row["top"]["where"]["op"] in ("kda_decode", "kda_prefill")
 
 
 @pytest.mark.slow

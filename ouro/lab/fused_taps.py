@@ -54,6 +54,7 @@ def sparse_mla_decode(name, caller, out, names):
 # (module, op, emitter, the eager op whose kind the recorded quantity has)
 FUSED_OPS = (
     ("ouro.native.kda", "kda_decode", role("o_norm"), "kda_recurrent_step"),
+    ("ouro.native.kda", "kda_prefill", role("o_norm"), "kda_recurrent_step"),
     ("ouro.native.norms", "rms_norm", owner, None),
     ("ouro.native.norms", "gated_rms_norm", owner, None),
     ("ouro.native.norms", "clamped_swiglu", role("clamped_swiglu"), "clamped_swiglu"),

@@ -153,6 +153,14 @@ class ForwardContext:
         """The chunked gated delta rule over the new tokens from `state`: (o, final state)."""
         return kda_chunk(q, k, v, g, beta, state, chunk_size)
 
+    @property
+    def recurrence_is_local(self) -> bool:
+        """The KDA conv window and delta rule of these tokens need nothing beyond this context (a
+        context that exchanges them with other ranks overrides `conv_window` / `delta_rule`): a
+        layer may then run each sequence's tokens through one fused op."""
+        cls = type(self)
+        return cls.delta_rule is ForwardContext.delta_rule and cls.conv_window is ForwardContext.conv_window
+
     def decode_pools(self, kpool: int) -> int:
         """Pools a decode batch's indexer reads per row: the longest context's complete pools."""
         return max(self.context_len(b) for b in range(len(self.query_lens))) // kpool

@@ -78,9 +78,9 @@ class KDAttention(KeepFloat32):
         # deterministic inference keeps the eager step: a speculative verification and its state
         # replay run the eager pieces, and there the committed state must equal the decoded one bit
         # for bit (tests/test_speculative_deterministic.py)
-        if ctx.is_decode and not ctx.replay and not batch_invariant.enabled() and not watched(self.o_norm) and \
-                fused_kda.can(x, self.o_norm.weight, self.q_conv1d.weight):
-            return self._decode_fused(x, ctx)
+        if not ctx.replay and not batch_invariant.enabled() and not watched(self.o_norm) and \
+                (ctx.is_decode or ctx.recurrence_is_local) and fused_kda.can(x, self.o_norm.weight, self.q_conv1d.weight):
+            return self._fused(x, ctx)
         T = x.shape[0]
         cache, si = ctx.cache, self.state_index
         slots = ctx.state_slots
@@ -144,15 +144,17 @@ class KDAttention(KeepFloat32):
         o = self.o_norm(o.to(x.dtype), gate).reshape(T, -1)
         return self.o_proj(o)
 
-    def _decode_fused(self, x, ctx):
-        """One new token per sequence through `ouro_native::kda_decode` (`ouro/native/kda.cpp`): the
-        eager code above is its reference. The products stay torch's; the conv step, norms, gates,
-        state update (in place in each sequence's slot) and the output norm are one call."""
+    def _fused(self, x, ctx):
+        """The new tokens through `ouro_native::kda_decode` (one per sequence) or `kda_prefill` (each
+        sequence's tokens in order), `ouro/native/kda.cpp`: the eager code above is their reference.
+        The products stay torch's; the conv, norms, gates, state update (in place in each sequence's
+        slot) and the output norm are one call."""
         mixed = project_cat(x, self.q_proj, self.k_proj, self.v_proj)
         fa, ga, b = project(x, self.f_a_proj, self.g_a_proj, self.b_proj)
         weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]).squeeze(1)
         si = self.state_index
-        o = fused_kda.kda_decode(mixed, self.f_b_proj(fa), b, self.g_b_proj(ga), weight, self.dt_bias, self.A_log,
-                                 self.lower_bound, self.o_norm.weight, self.o_norm.eps, ctx.cache.conv[si],
-                                 ctx.cache.recurrent[si], ctx.state_slots, ctx.fresh)
+        args = (mixed, self.f_b_proj(fa), b, self.g_b_proj(ga), weight, self.dt_bias, self.A_log, self.lower_bound,
+                self.o_norm.weight, self.o_norm.eps, ctx.cache.conv[si], ctx.cache.recurrent[si], ctx.state_slots,
+                ctx.fresh)
+        o = fused_kda.kda_decode(*args) if ctx.is_decode else fused_kda.kda_prefill(*args, ctx.cu_seqlens)
         return self.o_proj(o.reshape(o.shape[0], -1))

@@ -1,4 +1,7 @@
-// The KDA decode step of one layer as one op: for each (request, head), the conv-window step with
+// The KDA decode step of one layer as one op (`kda_decode`), and a prefill chunk of each sequence
+// as one op (`kda_prefill`: the same per-token work, token after token within a sequence, the
+// state in its slot and in L1 all along; torch's chunked form ran ~200 ops and a chunk loop per
+// layer). For each (request, head), the conv-window step with
 // SiLU (the window rolled in place in the request's slot), the L2 norms of q and k, the forget gate
 // `lower_bound * sigmoid(exp(A_log) * (f + dt_bias))` (a scale, not a clamp; `-exp(A_log) *
 // softplus(f + dt_bias)` where the config has no bound), beta, the gated delta-rule update of the
@@ -50,10 +53,13 @@ void check(const at::Tensor& t, const char* what, at::ScalarType dtype = at::kFl
                 rows ? " must be [T, n] with contiguous rows" : " must be contiguous");
 }
 
-at::Tensor kda_decode(const at::Tensor& mixed, const at::Tensor& f, const at::Tensor& b, const at::Tensor& gate,
-                      const at::Tensor& conv_w, const at::Tensor& dt_bias, const at::Tensor& A_log,
-                      double lower_bound, const at::Tensor& norm_w, double eps,
-                      at::Tensor& conv_state, at::Tensor& rec_state, const at::Tensor& slots, const at::Tensor& fresh) {
+// Sequence n's tokens are rows starts[n] .. starts[n+1] of the inputs (`starts` empty: one token
+// each, a decode step); slots and fresh are per sequence.
+at::Tensor kda_sequences(const at::Tensor& mixed, const at::Tensor& f, const at::Tensor& b, const at::Tensor& gate,
+                         const at::Tensor& conv_w, const at::Tensor& dt_bias, const at::Tensor& A_log,
+                         double lower_bound, const at::Tensor& norm_w, double eps, at::Tensor& conv_state,
+                         at::Tensor& rec_state, const at::Tensor& slots, const at::Tensor& fresh,
+                         const at::Tensor& starts) {
     for (auto [t, name] : {std::pair{&mixed, "mixed"}, {&f, "f"}, {&b, "b"}, {&gate, "gate"}})
         check(*t, name, at::kFloat, true);
     for (auto [t, name] : {std::pair{&conv_w, "conv weight"}, {&dt_bias, "dt_bias"}, {&A_log, "A_log"},
@@ -65,10 +71,17 @@ at::Tensor kda_decode(const at::Tensor& mixed, const at::Tensor& f, const at::Te
     const int64_t S = rec_state.size(0), dv = rec_state.size(3), K = conv_w.size(1), W = K - 1;
     TORCH_CHECK(rec_state.size(1) == H && rec_state.size(2) == dk && dv == dk, "kda_decode: recurrent state shape");
     TORCH_CHECK(conv_state.size(0) == S && conv_state.size(1) == C3 && conv_state.size(2) == W, "kda_decode: conv state shape");
-    TORCH_CHECK(f.size(1) == C && gate.size(1) == C && b.size(1) == H && slots.numel() == T && fresh.numel() == T &&
-                norm_w.numel() == dv, "kda_decode: input shapes");
+    const bool per_token = starts.numel() == 0;
+    if (!per_token) check(starts, "starts", at::kLong);
+    const int64_t N = per_token ? T : starts.numel() - 1;
+    const int64_t* st = per_token ? nullptr : starts.data_ptr<int64_t>();
+    TORCH_CHECK(f.size(1) == C && gate.size(1) == C && b.size(1) == H && slots.numel() == N && fresh.numel() == N &&
+                norm_w.numel() == dv && (per_token || (N >= 0 && st[0] == 0 && st[N] == T)), "kda_decode: input shapes");
     const int64_t* sl = slots.data_ptr<int64_t>();
-    for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sl[t] >= 0 && sl[t] < S, "kda_decode: slot ", sl[t], " outside [0, ", S, ")");
+    for (int64_t n = 0; n < N; ++n) {
+        TORCH_CHECK(sl[n] >= 0 && sl[n] < S, "kda_decode: slot ", sl[n], " outside [0, ", S, ")");
+        TORCH_CHECK(per_token || st[n + 1] >= st[n], "kda_decode: starts must not decrease");
+    }
 
     at::Tensor out = at::empty({T, C}, mixed.options());
     const float *xp = mixed.data_ptr<float>(), *fp = f.data_ptr<float>(), *bp = b.data_ptr<float>();
@@ -81,21 +94,29 @@ at::Tensor kda_decode(const at::Tensor& mixed, const at::Tensor& f, const at::Te
     TORCH_CHECK(!(lower_bound > 0), "kda_decode: lower_bound ", lower_bound, " > 0 (the gate is a log-decay)");
     const float lb = static_cast<float>(lower_bound), e = static_cast<float>(eps), qscale = 1.f / std::sqrt(float(dk));
 
-    // a (token, head) task is ~4 dk dv flops: a thread takes at least ~16 of them
-    at::parallel_for(0, T * H, 16, [&](int64_t i0, int64_t i1) {
+    // a (token, head) task is ~4 dk dv flops: a thread takes at least ~16 of them; a sequence's
+    // tokens run in order inside one task
+    at::parallel_for(0, N * H, per_token ? 16 : 1, [&](int64_t i0, int64_t i1) {
         std::vector<float> buf(8 * dk);
         float *q = buf.data(), *k = q + dk, *v = k + dk, *g = v + dk, *pred = g + dk, *o = pred + dk;
         float *tmp = o + dk, *raw = tmp + dk;
         for (int64_t i = i0; i < i1; ++i) {
-            const int64_t t = i / H, h = i % H, slot = sl[t];
-            float* Sh = rs + ((slot * H) + h) * dk * dv;
-            if (fr[t]) std::fill(Sh, Sh + dk * dv, 0.f);
+          const int64_t n = i / H, h = i % H, slot = sl[n];
+          float* Sh = rs + ((slot * H) + h) * dk * dv;
+          if (fr[n]) {
+              std::fill(Sh, Sh + dk * dv, 0.f);
+              for (int p = 0; p < 3; ++p) {
+                  float* win = cs + (slot * C3 + p * C + h * dk) * W;
+                  std::fill(win, win + dk * W, 0.f);
+              }
+          }
+          const int64_t t0 = per_token ? n : st[n], t1 = per_token ? n + 1 : st[n + 1];
+          for (int64_t t = t0; t < t1; ++t) {
             // conv step of this head's q, k and v channels (dk of each, contiguous), then SiLU
             float* parts[3] = {q, k, v};
             for (int p = 0; p < 3; ++p) {
                 const int64_t c0 = p * C + h * dk;
                 float* win = cs + (slot * C3 + c0) * W;
-                if (fr[t]) std::fill(win, win + dk * W, 0.f);
                 if (W == 3) conv_step<3>(win, wp + c0 * K, xp + t * xs + c0, parts[p], dk, W);   // K = 4
                 else conv_step<0>(win, wp + c0 * K, xp + t * xs + c0, parts[p], dk, W);
                 ouro::sigmoid_row(tmp, parts[p], dk);
@@ -126,9 +147,27 @@ at::Tensor kda_decode(const at::Tensor& mixed, const at::Tensor& f, const at::Te
             float* y = op + t * C + h * dv;
             ouro::sigmoid_row(tmp, gp + t * gs + h * dv, dv);
             for (int64_t c = 0; c < dv; ++c) y[c] = nw[c] * (o[c] * inv) * tmp[c];
+          }
         }
     });
     return out;
+}
+
+at::Tensor kda_decode(const at::Tensor& mixed, const at::Tensor& f, const at::Tensor& b, const at::Tensor& gate,
+                      const at::Tensor& conv_w, const at::Tensor& dt_bias, const at::Tensor& A_log,
+                      double lower_bound, const at::Tensor& norm_w, double eps,
+                      at::Tensor& conv_state, at::Tensor& rec_state, const at::Tensor& slots, const at::Tensor& fresh) {
+    return kda_sequences(mixed, f, b, gate, conv_w, dt_bias, A_log, lower_bound, norm_w, eps, conv_state, rec_state,
+                         slots, fresh, at::empty({0}, slots.options()));
+}
+
+at::Tensor kda_prefill(const at::Tensor& mixed, const at::Tensor& f, const at::Tensor& b, const at::Tensor& gate,
+                       const at::Tensor& conv_w, const at::Tensor& dt_bias, const at::Tensor& A_log,
+                       double lower_bound, const at::Tensor& norm_w, double eps, at::Tensor& conv_state,
+                       at::Tensor& rec_state, const at::Tensor& slots, const at::Tensor& fresh, const at::Tensor& starts) {
+    TORCH_CHECK(starts.dim() == 1 && starts.numel() >= 1, "kda_prefill: starts must be [N + 1]");
+    return kda_sequences(mixed, f, b, gate, conv_w, dt_bias, A_log, lower_bound, norm_w, eps, conv_state, rec_state,
+                         slots, fresh, starts);
 }
 
 std::string kda_isa(int64_t force_portable) { return ouro::isa_switch(force_portable); }
@@ -139,9 +178,13 @@ TORCH_LIBRARY_FRAGMENT(ouro_native, m) {
     m.def("kda_decode(Tensor mixed, Tensor f, Tensor b, Tensor gate, Tensor conv_w, Tensor dt_bias, Tensor A_log, "
           "float lower_bound, Tensor norm_w, float eps, Tensor(a!) conv_state, Tensor(b!) rec_state, Tensor slots, "
           "Tensor fresh) -> Tensor");
+    m.def("kda_prefill(Tensor mixed, Tensor f, Tensor b, Tensor gate, Tensor conv_w, Tensor dt_bias, Tensor A_log, "
+          "float lower_bound, Tensor norm_w, float eps, Tensor(a!) conv_state, Tensor(b!) rec_state, Tensor slots, "
+          "Tensor fresh, Tensor starts) -> Tensor");
     m.def("kda_isa(int force_portable) -> str", &kda_isa);
 }
 
 TORCH_LIBRARY_IMPL(ouro_native, CPU, m) {
     m.impl("kda_decode", &kda_decode);
+    m.impl("kda_prefill", &kda_prefill);
 }
