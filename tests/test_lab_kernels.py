@@ -81,9 +81,22 @@ def test_planted_selection_bug_in_decode(tiny_checkpoint, monkeypatch):
     real = ouro.layers.dsa.sparse_mla
     monkeypatch.setattr(ouro.layers.dsa, "sparse_mla", lambda q, lat, sel, *a, **kw: real(q, lat, None, *a, **kw))
     findings = kernels.probe_kernels(tiny_checkpoint, ops=["sinkhorn", "sparse_mla"], step=False)
-    assert [f.where["op"] for f in findings if f.severity == "error"] == ["sparse_mla[prefill](block=256)",
-                                                                          "sparse_mla[decode](block=256)"]
+    assert [f.where["op"] for f in findings if f.severity == "error"] == ["sparse_mla[decode](block=256)"]
     assert findings[0].where["file"] == "ouro/ops/dsa/sparse_mla.py"
+
+
+def test_planted_selection_bug_in_a_prefill_chunk(tiny_checkpoint, monkeypatch):
+    """The prefill form that takes its selection as a causal mask only (every earlier token kept)."""
+    import ouro.layers.dsa
+    real = ouro.layers.dsa.sparse_mla_chunk
+
+    def causal(q, lat, sel, *a, **kw):
+        n, L = sel.shape[0], int(sel.max()) + 1
+        everything = torch.arange(L).expand(n, L).masked_fill(torch.arange(L)[None] > sel.max(-1).values[:, None], -1)
+        return real(q, lat, everything, *a, **kw)
+    monkeypatch.setattr(ouro.layers.dsa, "sparse_mla_chunk", causal)
+    findings = kernels.probe_kernels(tiny_checkpoint, ops=["sparse_mla_chunk"], step=False)
+    assert [f.where["op"] for f in findings if f.severity == "error"] == ["sparse_mla_chunk[prefill](block=256)"]
 
 
 def test_nan_and_crash_are_errors(tiny_checkpoint, monkeypatch):
@@ -151,5 +164,5 @@ def test_cli_run_and_json(tiny_checkpoint, tmp_path, capsys):
 
 
 def test_default_op_set_covers_the_model_ops():
-    assert set(DEFAULT_OPS) >= {"kda_chunk", "kda_recurrent_step", "causal_conv1d", "sparse_mla", "index_select",
+    assert set(DEFAULT_OPS) >= {"kda_chunk", "kda_recurrent_step", "causal_conv1d", "sparse_mla", "sparse_mla_chunk", "index_select",
                                 "experts_grouped", "route", "sinkhorn"}

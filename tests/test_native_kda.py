@@ -167,13 +167,18 @@ def decode_batch(config, B, order, seed=0):
     return cache, ctx, torch.randn(B, config.hidden_size, generator=g), slots
 
 
+def count_calls(monkeypatch, op: str) -> list:
+    """A list that gets an entry each time a layer calls `ouro.native.kda.<op>`."""
+    calls = []
+    real = getattr(fk, op)
+    monkeypatch.setattr(fk, op, lambda *a: calls.append(1) or real(*a))
+    return calls
+
+
 @pytest.fixture
 def op_calls(monkeypatch):
     """How many times the layer called the fused op."""
-    calls = []
-    real = fk.kda_decode
-    monkeypatch.setattr(fk, "kda_decode", lambda *a: calls.append(1) or real(*a))
-    return calls
+    return count_calls(monkeypatch, "kda_decode")
 
 
 def run_layer(layer, cache, ctx, x, fused=True, kda_only=False):

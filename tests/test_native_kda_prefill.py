@@ -11,7 +11,7 @@ from ouro.layers.context import ForwardContext, ModelCache
 from ouro.native import kda as fk
 from ouro.native import kernels
 
-from test_native_kda import case, float64_reference, kda_layer, rel_rms, run_layer
+from test_native_kda import case, count_calls, float64_reference, kda_layer, rel_rms, run_layer
 
 ARGS = ("mixed", "f", "b", "gate")
 
@@ -119,10 +119,7 @@ def prefill_batch(config, lens, start, seed=0):
 
 @pytest.fixture
 def prefill_calls(monkeypatch):
-    calls = []
-    real = fk.kda_prefill
-    monkeypatch.setattr(fk, "kda_prefill", lambda *a: calls.append(1) or real(*a))
-    return calls
+    return count_calls(monkeypatch, "kda_prefill")
 
 
 @pytest.mark.parametrize("lens,start", [([40], [0]), ([7, 33, 2], [0, 12, 0]), ([17, 17], [5, 0])])

@@ -262,8 +262,14 @@ CASES: dict[str, KernelCase] = {c.name: c for c in [
                lambda cfg, ph: (6 * ph.context * cfg.index_head_dim, F32 * 2 * ph.context * cfg.index_head_dim)),
     KernelCase("index_select", "ouro/ops/dsa/indexer.py", "index_select", ("ouro.layers.dsa", "index_select"),
                ("prefill", "decode"), _index_inputs, _index_run, _index_check, _index_cost, tol=0.0),
+    # decode rows; a prefill (the probe's is past the indexer's top-k) runs sparse_mla_chunk
     KernelCase("sparse_mla", "ouro/ops/dsa/sparse_mla.py", "sparse_mla", ("ouro.layers.dsa", "sparse_mla"),
-               ("prefill", "decode"), _mla_inputs, _mla_run, _mla_check, _mla_cost, {"block": 256}),
+               ("decode",), _mla_inputs, _mla_run, _mla_check, _mla_cost, {"block": 256}),
+    # a prefill chunk of one sequence, its selection as token positions
+    KernelCase("sparse_mla_chunk", "ouro/ops/dsa/sparse_mla.py", "sparse_mla_chunk", ("ouro.layers.dsa", "sparse_mla_chunk"),
+               ("prefill",), _mla_inputs,
+               lambda fn, x, block=256: fn(x["q"], x["latents"], x["causal"], *x["absorbed"], x["scale"], block=block),
+               _mla_check, _mla_cost, {"block": 256}),
     KernelCase("route", "ouro/ops/moe/routing.py", "route", ("ouro.layers.moe", "route"), ("prefill", "decode"),
                _route_inputs, _route_run, _route_check,
                lambda cfg, ph: (8 * ph.rows * cfg.n_routed_experts, F32 * 2 * ph.rows * cfg.n_routed_experts)),

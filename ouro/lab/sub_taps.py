@@ -6,7 +6,7 @@ core itself, not the next module the two models share (a layer's `o_norm`, `o_pr
     self_attn.forget_gate      KDAttention.forget_gate()                 module self_attn.forget_gate
     self_attn.causal_conv1d    op causal_conv1d (before the SiLU)        causal_conv1d_fn / _update, activation off
     self_attn.attention_core   ops kda_chunk / kda_recurrent_step;       input of self_attn.o_norm (KDA);
-                               op sparse_mla                             input of self_attn.o_proj (DSA)
+                               ops sparse_mla / sparse_mla_chunk         input of self_attn.o_proj (DSA)
     attn_hc.post, attn_hc.comb HyperConnection output [1], [2]           HyperConnection output [0], [1]
     attn_hc.mix                HyperConnection.mix() after attention     input of the layer's ffn_hc
     ffn_hc.mix                 HyperConnection.mix() after the FFN       the decoder layer's output
@@ -44,7 +44,8 @@ import torch.nn.functional as F
 METHODS = (("ouro.layers.kda", "KDAttention", "forget_gate"), ("ouro.layers.mhc", "HyperConnection", "mix"))
 # ouro: op functions that play one role under one name (a decode run's recurrent step lines up with
 # a prefill run's chunked kernel, and both with the reference's attention)
-OP_ROLES = {"kda_chunk": "attention_core", "kda_recurrent_step": "attention_core", "sparse_mla": "attention_core"}
+OP_ROLES = {"kda_chunk": "attention_core", "kda_recurrent_step": "attention_core", "sparse_mla": "attention_core",
+            "sparse_mla_chunk": "attention_core"}
 # ouro: the fused native ops (`ouro.native`) are recorded where their eager counterparts are: `fused_taps`
 # parts of a module's tuple output recorded under their own key: class -> ((key suffix, index), ...)
 OURO_PARTS = {"HyperConnection": (("post", 1), ("comb", 2))}
