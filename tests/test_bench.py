@@ -115,6 +115,22 @@ def test_prefill_bench(tiny_checkpoint):
     shown(r"floor +([\d.]+) s", text, r["floor_s"])
 
 
+def test_prefill_breakdown_from_the_command_line(tiny_checkpoint, tmp_path):
+    """`ouro bench prefill --breakdown`: the engine's prefill with the flags' engine settings
+    (W8A8 here), the table printed and the JSON written with every part."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = main(["bench", "prefill", "--model", str(tiny_checkpoint), "--breakdown", "--num-prompts", "2",
+                   "--input-len", "24", "--repeats", "1", "--quantization", "w8a8",
+                   "--output-json", str(tmp_path / "r.json")])
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert rc == 0 and r["quantization"] == "w8a8" and r["batch"] == 2 and r["tokens"] == 48
+    text = out.getvalue()
+    assert "quantization w8a8" in text and "prefill of 2 x 24 tokens" in text
+    for row in r["rows"]:
+        assert f"| {row['part']} | {row['ms']:.1f} |" in text
+
+
 @pytest.mark.slow
 def test_prefill_cp_bench_times_both_sides_after_checking_them(tiny_checkpoint):
     """`ouro bench prefill --cp 2`: real ranks on both sides, a peak per rank, and the CP logits
