@@ -114,7 +114,9 @@ def test_indexer_tail_off_by_one_found_against_transformers(monkeypatch):
         out = index_select(q, w, pooled, positions, *a)
         return out.masked_fill(out == positions[:, None], -1)
     monkeypatch.setattr(dsa_layer, "index_select", short_tail)
-    f = top(probe_numerics("tiny", "impl=transformers", "impl=ouro", N))
+    # fused=off: the eager selection (on this CPU every row otherwise takes the native op, whose own
+    # planted fault is `index_select_op_*` in ouro/lab/faults)
+    f = top(probe_numerics("tiny", "impl=transformers", "impl=ouro,fused=off", N))
     assert f.where["module"] == "layers.3.self_attn.indexer" and f.where["op"] == "index_select"
 
 

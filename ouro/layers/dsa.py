@@ -78,11 +78,13 @@ class Indexer(nn.Module):
         q = self.wq_b(q_resid).view(-1, self.Hi, self.d)
         w = self.weights_proj(x).float() * self.Hi ** -0.5
         args = (self.select_k, self.kpool, self.d ** -0.5, self.width)
+        pool_rows = cache.index_pooled[ci].view(-1, self.d)
+        if mla.can(q, w, pool_rows):
+            # one op for every new token, decode or prefill: each row scores the pools its position
+            # sees, read in place through the page table (a prefill chunk's pools are written above)
+            return mla.index_select_decode(q, w, pool_rows, ctx.page_table, ctx.seq_index, ctx.positions,
+                                           cache.page_size, *args)
         if ctx.rows_as_queries:  # each new token one query: pools padded to the longest context
-            pool_rows = cache.index_pooled[ci].view(-1, self.d)
-            if mla.can(q, w, pool_rows):   # one op, the pool keys read in place through the page table
-                return mla.index_select_decode(q, w, pool_rows, ctx.page_table, ctx.seq_index, ctx.positions,
-                                               cache.page_size, *args)
             n_pools = ctx.decode_pools(self.kpool)
             pooled = self._pooled(ctx, ctx.seq_index, n_pools)
             return index_select(q, w, pooled, ctx.positions, *args)

@@ -9,6 +9,6 @@ FAULT = Fault(
     localised=[{"module": r"layers\.\d+\.self_attn(\.indexer)?", "layer": "dsa"},
                {"file": "ouro/ops/dsa/indexer.py", "function": ["index_select"]},
                {"op": r"index_select|indexer|sparse_mla"}],
-    probes=[["numerics", "--model", "tiny", "--a", "impl=transformers", "--b", "impl=ouro"]],
+    probes=[["numerics", "--model", "tiny", "--a", "impl=transformers", "--b", "impl=ouro,fused=off"]],
     symptom="long prompts read slightly worse; nothing crashes",
 )
