@@ -165,7 +165,7 @@ def _next(ctx, layer, op, bad) -> str:
     a, b = ctx["a"], ctx["b"]
     shorter = max(2 * PAGE_SIZE + 1 if "hit" in (a.prefix, b.prefix) else 8, min(ctx["prompt_len"], bad[0] + 8))
     base = f"ouro probe numerics --model {ctx['model']} --a '{a}' --b '{b}' --prompt-len {shorter}"
-    if op in ("kda_chunk", "kda_recurrent_step", "causal_conv1d", "route", "experts_grouped", "sparse_mla",
+    if op in ("kda_chunk", "kda_recurrent_step", "causal_conv1d", "route", "experts_grouped", "sparse_mla", "sparse_mla_chunk",
               "index_select"):
         return f"ouro probe kernels --op {op}   (then: {base})"
     return base
