@@ -277,13 +277,8 @@ def build_parser(argv=None) -> argparse.ArgumentParser:
     bench.add_argument("--num-prompts", type=int, default=64)
     bench.add_argument("--max-concurrency", type=int, default=32)
     bench.add_argument("--repeats", type=int, default=3)
-    bench.add_argument("--cp", type=int, default=1, help="prefill: context-parallel ranks, timed against one "
-                       "rank in the same run (each rank gets cores / ranks threads)")
-    bench.add_argument("--cp-precision", default="fp32", choices=["fp32", "tf32", "tf32x3"],
-                       help="prefill --cp: precision of the KDA state chain")
-    bench.add_argument("--breakdown", action="store_true",
-                       help="prefill: the engine's prefill of --num-prompts x --input-len, time by part against each "
-                            "part's floor (--quantization, --config apply)")
+    from .bench.command import add_bench_prefill_options, add_bench_serve_options, run_bench
+    add_bench_prefill_options(bench)
     add_compile_flag(bench)
     bench.add_argument("--baseline", default=None, metavar="REF",
                        help="offline: also run the same workload on git ref REF of this repository (a temporary "
@@ -300,7 +295,6 @@ def build_parser(argv=None) -> argparse.ArgumentParser:
     from .measure.spans import TraceToFile
     bench.add_argument("--trace", default=None, metavar="FILE", action=TraceToFile,
                        help="record the run's spans into FILE (Chrome trace, written at exit)")
-    from .bench.command import add_bench_serve_options, run_bench
     add_bench_serve_options(bench)
     bench.add_argument("--config", default=None, metavar="FILE",
                        help="offline: engine options from a file (`ouro tune --output`), over the flags")

@@ -68,7 +68,7 @@ def float64_sequences(i, conv, rec, slots, fresh, starts, lb, eps, H, dk):
 
 
 @pytest.mark.parametrize("path", ["native", "portable"])
-@pytest.mark.parametrize("lens", [[1], [5, 1, 16], [37, 2], [64, 17, 9, 3]])
+@pytest.mark.parametrize("lens", [[1], [5, 1, 16], [37, 2], [64, 17, 9, 3], [3, 1, 2, 5] * 16])
 @pytest.mark.parametrize("H,dk,K", [(1, 8, 4), (3, 24, 4), (2, 13, 3), (8, 64, 4)])
 @pytest.mark.parametrize("lb", [-5.0, None])
 def test_prefill_op_equals_decode_steps_bit_for_bit_and_float64(path, lens, H, dk, K, lb):

@@ -3,6 +3,16 @@
 from __future__ import annotations
 
 
+def add_bench_prefill_options(bench) -> None:
+    bench.add_argument("--cp", type=int, default=1, help="prefill: context-parallel ranks, timed against one "
+                       "rank in the same run (each rank gets cores / ranks threads)")
+    bench.add_argument("--cp-precision", default="fp32", choices=["fp32", "tf32", "tf32x3"],
+                       help="prefill --cp: precision of the KDA state chain")
+    bench.add_argument("--breakdown", action="store_true",
+                       help="prefill: the engine's prefill of --num-prompts x --input-len, time by part against each "
+                            "part's floor (--quantization, --config apply)")
+
+
 def add_bench_serve_options(bench) -> None:
     g = bench.add_argument_group("serve", "`ouro bench serve`: load an OpenAI-compatible server")
     g.add_argument("--base-url", default="http://127.0.0.1:8000")

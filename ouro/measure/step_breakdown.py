@@ -84,6 +84,13 @@ class Timer:
     def row(self):
         return self.stack[-1][0] if self.stack else "outside the timed modules"
 
+    def charge(self, total: float, per_row: dict) -> None:
+        """A hooked run of `total` seconds: what no timed module took is the driver's; each row's
+        seconds appended to per_row[row]."""
+        self.seconds["outside the timed modules"] = total - sum(self.seconds.values())
+        for row in ROWS:
+            per_row[row].append(self.seconds.get(row, 0.0))
+
     def remove(self):
         for h in self.handles:
             h.remove()
@@ -165,16 +172,19 @@ def decode_breakdown(engine, prompts: list[list[int]], steps: int, roof, params)
         if graph is not None:
             runner.graph = graph
         hooked.append(total)
-        timer.seconds["outside the timed modules"] = total - sum(timer.seconds.values())
-        for row in ROWS:
-            per_row[row].append(timer.seconds.get(row, 0.0))
+        timer.charge(total, per_row)
     while engine.has_unfinished():
         engine.step()
     context = round(statistics.mean(contexts))
     floors = part_floors(model, context, batch, roof)
     cost = decode_cost(model, context, batch)
     return {"batch": batch, "context": context, "compiled": graph is not None,
-            "plain_step_ms": 1e3 * statistics.median(plain), "hooked_step_ms": 1e3 * statistics.median(hooked),
+            **_medians(plain, hooked, per_row, floors, cost, roof)}
+
+
+def _medians(plain, hooked, per_row, floors, cost, roof) -> dict:
+    """The plain and hooked runs' medians, the whole floor and each row's median against its floor (ms)."""
+    return {"plain_step_ms": 1e3 * statistics.median(plain), "hooked_step_ms": 1e3 * statistics.median(hooked),
             "floor_ms": 1e3 * roof.floor_s(cost.flops, cost.bytes, cost.parts["low_precision_flops"]),
             "rows": [{"part": row, "ms": 1e3 * statistics.median(per_row[row]),
                       "floor_ms": 1e3 * floors.get(row, 0.0)} for row in ROWS]}
@@ -202,18 +212,13 @@ def prefill_breakdown(engine, prompt_sets: list[list[list[int]]], roof, params) 
             continue
         timer.remove()
         hooked.append(total)
-        timer.seconds["outside the timed modules"] = total - sum(timer.seconds.values())
-        for row in ROWS:
-            per_row[row].append(timer.seconds.get(row, 0.0))
+        timer.charge(total, per_row)
     lens = [len(p) for p in prompt_sets[0]]
     floors = step_part_floors(model, roof, lens, [0] * len(lens))
     cost = step_cost(model, lens, [0] * len(lens))
     return {"kind": "prefill", "batch": len(lens), "tokens": sum(lens), "input_len": max(lens),
             "steps": statistics.median(steps), "compiled": False,
-            "plain_step_ms": 1e3 * statistics.median(plain), "hooked_step_ms": 1e3 * statistics.median(hooked),
-            "floor_ms": 1e3 * roof.floor_s(cost.flops, cost.bytes, cost.parts["low_precision_flops"]),
-            "rows": [{"part": row, "ms": 1e3 * statistics.median(per_row[row]),
-                      "floor_ms": 1e3 * floors.get(row, 0.0)} for row in ROWS]}
+            **_medians(plain, hooked, per_row, floors, cost, roof)}
 
 
 def format_breakdown(b: dict, target_over_floor: float = 3.0) -> str:
