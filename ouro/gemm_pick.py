@@ -37,7 +37,7 @@ GAIN = 1.15
 ROWS = (1, 4, 16, 64, 512)
 GEMV_ROWS = native_gemv.MAX_ROWS     # the gemv form is offered (and timed) only up to this many rows
 FILE = "gemm_pick.json"
-FORMAT = 5          # bumped when the forms, rows or timing change: older cache entries are measured again
+FORMAT = 6          # bumped when the forms, rows or timing change: older cache entries are measured again
 ROUNDS = 2          # interleaved rounds of timing per choice
 
 

@@ -30,56 +30,76 @@ def no_grad():
         yield
 
 
+@pytest.mark.parametrize("tiled", [False, True], ids=["streamed", "tiled"])
 @pytest.mark.parametrize("path", ["native", "portable"])
 @pytest.mark.parametrize("T", [1, 2, 5, 16, 64])
 @pytest.mark.parametrize("E,D,I,k", [(8, 24, 16, 2), (32, 64, 40, 4), (5, 13, 7, 3), (1, 9, 5, 1)])
-def test_op_equals_eager_and_reference(path, T, E, D, I, k):
+def test_op_equals_eager_and_reference(tiled, path, T, E, D, I, k):
     x, w, ex, gu, dn = case(T, E, D, I, k)
     ref64 = experts_naive(x.double(), w.double(), ex, gu.double(), dn.double(), 1.5)
     eager = experts_grouped(x, w, ex, gu, dn, 1.5)
     with kernels.portable("experts") if path == "portable" else torch.no_grad():
-        got = fx.moe_experts(x, w, ex, gu, dn, 1.5)
+        got = fx.moe_experts(x, w, ex, gu, dn, 1.5, tiled)
     assert not got.isnan().any()
     assert rel_rms(got, eager) <= 1e-6
     assert rel_rms(got, ref64) <= 2 * rel_rms(eager, ref64) + 3e-7
 
 
-def test_a_token_alone_equals_it_in_a_batch_bit_for_bit():
-    x, w, ex, gu, dn = case(16, 8, 40, 24, 2)
-    full = fx.moe_experts(x, w, ex, gu, dn, 7.0)
-    for t in (0, 7, 15):
-        alone = fx.moe_experts(x[t:t + 1], w[t:t + 1], ex[t:t + 1], gu, dn, 7.0)
+# the tiled form's edges: K past one pass of its blocking (256 columns) in both products, an
+# intermediate size that leaves a short gate/up panel, an output width that leaves a short panel,
+# an expert with more rows than one task's chunk (192), a row group short of six
+@pytest.mark.parametrize("T,E,D,I,k", [(7, 3, 300, 264, 2), (200, 2, 40, 24, 2), (97, 4, 513, 20, 3),
+                                       (64, 32, 512, 256, 4)])
+def test_tiled_form_at_its_edges_on_both_paths(T, E, D, I, k):
+    x, w, ex, gu, dn = case(T, E, D, I, k, seed=3)
+    ref64 = experts_naive(x.double(), w.double(), ex, gu.double(), dn.double(), 1.5)
+    streamed = fx.moe_experts(x, w, ex, gu, dn, 1.5, False)
+    got = fx.moe_experts(x, w, ex, gu, dn, 1.5, True)
+    with kernels.portable("experts"):
+        portable = fx.moe_experts(x, w, ex, gu, dn, 1.5, True)
+    assert not got.isnan().any() and not portable.isnan().any()
+    for form in (got, portable):
+        assert rel_rms(form, ref64) <= 2 * rel_rms(streamed, ref64) + 3e-7
+    assert rel_rms(got, portable) <= 1e-6
+
+
+@pytest.mark.parametrize("tiled", [False, True], ids=["streamed", "tiled"])
+def test_a_token_alone_equals_it_in_a_batch_bit_for_bit(tiled):
+    x, w, ex, gu, dn = case(40, 8, 40, 24, 2)
+    full = fx.moe_experts(x, w, ex, gu, dn, 7.0, tiled)
+    for t in (0, 7, 15, 39):
+        alone = fx.moe_experts(x[t:t + 1], w[t:t + 1], ex[t:t + 1], gu, dn, 7.0, tiled)
         assert torch.equal(alone[0], full[t])
 
 
-def test_nan_stays_with_its_token_and_bad_ids_are_refused():
+@pytest.mark.parametrize("tiled", [False, True], ids=["streamed", "tiled"])
+def test_nan_stays_with_its_token_and_bad_ids_are_refused(tiled):
     x, w, ex, gu, dn = case(4, 8, 16, 8, 2)
     x[1] = float("nan")
-    out = fx.moe_experts(x, w, ex, gu, dn, 7.0)
+    out = fx.moe_experts(x, w, ex, gu, dn, 7.0, tiled)
     assert out[1].isnan().all() and not out[[0, 2, 3]].isnan().any()
     ex[0, 0] = 8
     with pytest.raises(RuntimeError, match="outside"):
-        fx.moe_experts(x, w, ex, gu, dn, 7.0)
+        fx.moe_experts(x, w, ex, gu, dn, 7.0, tiled)
 
 
-def test_the_layer_takes_the_op_for_a_few_rows_and_agrees_with_eager_only():
+@pytest.mark.parametrize("T,deterministic,form", [(8, False, False), (128, False, True), (128, True, False)])
+def test_the_layer_takes_the_op_in_the_form_for_its_rows_and_agrees_with_eager_only(monkeypatch, T, deterministic, form):
+    """Streamed for a few rows an expert, tiled from TILED_ROWS_PER_EXPERT (128 x 4 / 16 = 32 here),
+    streamed at any count under deterministic inference."""
     from types import SimpleNamespace
     from ouro.layers.moe import Experts
+    from ouro.ops import batch_invariant
     cfg = SimpleNamespace(n_routed_experts=16, hidden_size=32, moe_intermediate_size=24, swiglu_limit=7.0,
                           num_experts_per_tok=4)
     layer = Experts(cfg)
-    x, w, ex, gu, dn = case(8, 16, 32, 24, 4)
+    x, w, ex, gu, dn = case(T, 16, 32, 24, 4)
     layer.gate_up_proj.data, layer.down_proj.data = gu, dn
-    calls = []
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            calls.append(str(func))
-            return func(*args, **(kwargs or {}))
-    with Count():
-        got = layer(x, w, ex)
+    forms, op = [], fx.moe_experts
+    monkeypatch.setattr(fx, "moe_experts", lambda *a: forms.append(a[-1]) or op(*a))
+    monkeypatch.setattr(batch_invariant, "enabled", lambda: deterministic)
+    got = layer(x, w, ex)
     with kernels.eager_only():
         ref = layer(x, w, ex)
-    assert any("moe_experts" in c for c in calls)
+    assert forms == [form]
     assert rel_rms(got, ref) <= 1e-6

@@ -6,6 +6,8 @@ import json
 import pytest
 import torch
 
+from ouro.native import kernels
+
 from ouro.ops.moe import clamped_swiglu, experts_grouped, experts_naive, route
 
 
@@ -281,7 +283,12 @@ def test_experts_choose_their_path_by_timing_their_own_forward(monkeypatch, tmp_
     monkeypatch.delenv("OURO_GEMM_PICK", raising=False)
     monkeypatch.setenv("OURO_CACHE", str(tmp_path))
     layer = Experts(ModelConfig(hidden_size=16, moe_intermediate_size=12, n_routed_experts=8, num_experts_per_tok=2))
-    assert 0 < layer.time_form("packed", 4) < 5 and 0 < layer.time_form("linear", 4) < 5 and layer.forms is None
+    with kernels.eager_only():     # the forms apply where the native op does not run
+        assert 0 < layer.time_form("packed", 4) < 5 and 0 < layer.time_form("linear", 4) < 5 and layer.forms is None
+    with torch.no_grad():
+        native = kernels.usable("experts", layer.gate_up_proj)
+    if native:     # where it runs, a packed copy would only take memory
+        assert layer.time_form("packed", 4) == float("inf") and layer.time_form("linear", 4) < 5
     asked = []
     monkeypatch.setattr(Experts, "time_form", lambda self, form, rows: asked.append((form, rows)) or
                         {"linear": 1.0, "packed": 0.1 if rows < 16 else 2.0}[form])

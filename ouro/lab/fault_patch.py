@@ -87,8 +87,9 @@ def find_cpp_function(source: str, name: str) -> tuple[int, int] | None:
 
 
 def patch_cpp(source: str, fault: Fault) -> str:
-    """A planted fault in a native kernel (`ouro/native/*.cpp`): the same exactly-once rule inside
-    the named function; the patched copy builds on its own (its build key is its source's hash)."""
+    """A planted fault in a native kernel (`ouro/native/*.cpp`, or a header they include): the same
+    exactly-once rule inside the named function; the patched copy builds on its own (its build key
+    is its sources' hash)."""
     span_ = find_cpp_function(source, fault.function)
     if span_ is None:
         raise FaultDoesNotApply(f"fault {fault.name}: {fault.function} is not in {fault.file} any more")
@@ -103,7 +104,7 @@ def patch_cpp(source: str, fault: Fault) -> str:
 
 
 def patch_source(source: str, fault: Fault) -> str:
-    if fault.file.endswith(".cpp"):
+    if fault.file.endswith((".cpp", ".h")):
         return patch_cpp(source, fault)
     tree = ast.parse(source)
     fn = find_function(tree, fault.function)

@@ -57,7 +57,9 @@ class Experts(nn.Module):
     `forms` (set by the engine from `gemm_pick`, which times this layer's whole forward both ways,
     `time_form`): where the measurement picked the packed path for the rows an expert gets on
     average (T*k/E) and host reads are free (a CPU), each expert runs its exact rows through its
-    own packed weights (`gemm_pick.packed_for`); otherwise `experts_grouped`."""
+    own packed weights (`gemm_pick.packed_for`); otherwise `experts_grouped`. Where the native op
+    runs (float32 on a CPU, `ouro.native.experts`) it takes every row count and the forms apply
+    only with the fused kernels off."""
     forms = None
 
     def __init__(self, config):
@@ -80,6 +82,8 @@ class Experts(nn.Module):
         'linear': experts_grouped) when the experts get `rows` tokens each on average (random
         routing). The whole path is timed, not one product: in bf16 the loop's per-expert ops
         made it 1.23x slower than the padded matmul at 16-64 tokens."""
+        if form == "packed" and fused_experts.can(self.gate_up_proj):
+            return float("inf")     # the native op runs every row count here: a packed copy would only take memory
         E, D = self.gate_up_proj.shape[0], self.gate_up_proj.shape[2]
         k = min(E, self.top_k)
         T = max(1, rows * E // k)
@@ -104,11 +108,12 @@ class Experts(nn.Module):
 
     def eager(self, x, weights, experts):
         E = self.gate_up_proj.shape[0]
-        # a few rows per expert: one native op; under deterministic inference at any row count (its
-        # rows never depend on their batch, and a switch of form by batch size would)
-        if (experts.numel() <= fused_experts.MAX_ROWS_PER_EXPERT * E or batch_invariant.enabled()) and \
-                fused_experts.can(x, self.gate_up_proj, self.down_proj):
-            return fused_experts.moe_experts(x, weights, experts, self.gate_up_proj, self.down_proj, self.limit)
+        # one native op: streamed for a few rows an expert, tiled past that; under deterministic
+        # inference streamed at any row count (its rows never depend on their batch, and a switch
+        # of form by batch size would)
+        if fused_experts.can(x, self.gate_up_proj, self.down_proj):
+            tiled = fused_experts.tiled_for(experts, E) and not batch_invariant.enabled()
+            return fused_experts.moe_experts(x, weights, experts, self.gate_up_proj, self.down_proj, self.limit, tiled)
         if self.forms is not None and not torch.is_grad_enabled() and reads_host(x) and not batch_invariant.enabled() and \
                 form_for(self.forms, max(1, experts.numel() // E)) == "packed":
             packs = packed_for(self, self.packed_weights())

@@ -1,20 +1,29 @@
-// The routed experts of a decode step (or any step with a few rows per expert) in float32, as one
-// op: (token, choice) pairs grouped by expert with a counting sort, then each active expert's
-// weights streamed once for all of its rows: gate/up rows two at a time against four token rows
-// (`dot_2x4`, eight independent sums), the clamped SwiGLU in the same loop, then the down rows
-// against four hidden rows, and each token's k outputs weighted and summed in choice order.
+// The routed experts of a step in float32, as one op: (token, choice) pairs grouped by expert with a
+// counting sort, each active expert's products over its rows, the clamped SwiGLU between them, and
+// each token's k outputs weighted and summed in choice order. Two forms of the products:
 //
-// torch ran this as a padded batched matmul (every expert padded to the busiest one's row count):
-// at 1-8 rows an expert, BLAS's small-M kernels and the padding kept it at ~4.7x its weight-read
-// floor on `small`. Here the work is (expert, block of output channels) tasks over torch's thread
-// pool; every row's sums run in one fixed order whatever rows share its expert (a short group is
-// padded with repeats of its last row), so a token's result never depends on its batch.
+// - streamed (decode, a few rows an expert): each expert's weights read once for all of its rows,
+//   gate/up rows two at a time against four token rows (`dot_2x4`, eight independent sums), the
+//   SwiGLU in the same loop, then the down rows against four hidden rows. torch ran this as a padded
+//   batched matmul: at 1-8 rows an expert BLAS's small-M kernels and the padding kept it at ~4.7x
+//   its weight-read floor on `small`.
+// - tiled (prefill, tens of rows an expert and more): a grouped GEMM. Tasks are (expert, chunk of its
+//   rows, group of panels); a task packs each panel of weight rows [K][PANEL] (`tiles.h`) and runs
+//   PANEL_ROWS rows at a time against it with every sum in registers. A gate/up panel holds matching
+//   gate and up channels side by side, so the SwiGLU is the first product's epilogue and the [rows, 2I]
+//   products never reach memory. torch ran prefill as a padded batched matmul or one matmul per
+//   expert (~100 GFLOP/s here against BLAS's ~175 on one large product).
+//
+// Work is split over torch's thread pool; every row's sums run in one fixed order whatever rows share
+// its expert (a short group is padded with repeats of its last row), so a token's result never
+// depends on its batch within a form (deterministic inference keeps the streamed form at any count).
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
 #include "by_expert.h"
@@ -40,8 +49,142 @@ void by_four(const std::vector<int64_t>& rows, int64_t begin, int64_t end, const
     }
 }
 
+struct Step {   // what both forms read and write
+    const float *x, *gate_up, *down;
+    float *h, *y;                     // hidden and output rows, in sorted order
+    int64_t D, I;
+    float lim;
+    const ouro::ExpertOrder* order;
+    const std::vector<int64_t>* active;
+};
+
+void streamed(const Step& s) {
+    const int64_t D = s.D, I = s.I, A = static_cast<int64_t>(s.active->size());
+    const std::vector<int64_t>& start = s.order->start;
+    std::vector<int64_t> sorted_rows(s.order->pos.size());
+    for (size_t i = 0; i < sorted_rows.size(); ++i) sorted_rows[i] = static_cast<int64_t>(i);
+    const int64_t up_blocks = (I + BLOCK - 1) / BLOCK;
+    at::parallel_for(0, A * up_blocks, 1, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; ++t) {
+            const int64_t e = (*s.active)[t / up_blocks], j0 = (t % up_blocks) * BLOCK, j1 = std::min(I, j0 + BLOCK);
+            const float* We = s.gate_up + e * 2 * I * D;
+            for (int64_t j = j0; j < j1; ++j) {
+                const float* pair[2] = {We + j * D, We + (I + j) * D};
+                by_four(s.order->token, start[e], start[e + 1], s.x, D, [&](const float* const* rows, int64_t r, int64_t c) {
+                    float v[8];
+                    ouro::dot_2x4(pair, rows, D, v);
+                    for (int64_t i = 0; i < c; ++i) s.h[(r + i) * I + j] = swiglu(v[i], v[4 + i], s.lim);
+                });
+            }
+        }
+    });
+    const int64_t down_blocks = (D + BLOCK - 1) / BLOCK;
+    at::parallel_for(0, A * down_blocks, 1, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; ++t) {
+            const int64_t e = (*s.active)[t / down_blocks], d0 = (t % down_blocks) * BLOCK, d1 = std::min(D, d0 + BLOCK);
+            const float* We = s.down + e * D * I;
+            for (int64_t d = d0; d < d1; d += 2) {
+                const int64_t d2 = std::min(d + 1, d1 - 1);     // an odd tail repeats its last row
+                const float* pair[2] = {We + d * I, We + d2 * I};
+                by_four(sorted_rows, start[e], start[e + 1], s.h, I, [&](const float* const* rows, int64_t r, int64_t c) {
+                    float v[8];
+                    ouro::dot_2x4(pair, rows, I, v);
+                    for (int64_t i = 0; i < c; ++i) {
+                        s.y[(r + i) * D + d] = v[i];
+                        s.y[(r + i) * D + d2] = v[4 + i];
+                    }
+                });
+            }
+        }
+    });
+}
+
+constexpr int64_t TILE_ROWS = 32 * ouro::PANEL_ROWS;   // rows of one expert per task
+constexpr int64_t TILE_PANELS = 4;                     // panels per task
+constexpr int64_t TILE_K = 256;                        // columns of A per pass: a packed block of 16 KB in L1
+constexpr int64_t BLOCK_STRIDE = TILE_K + 16;          // a copied row of A: 17 cache lines
+
+// Tasks (chunk of one expert's rows, group of panels) over torch's pool. `weight_row(e, p, j)`: the
+// weight row in column j of expert e's panel p (null past the edge); `row(r)`: row r of A;
+// `epilogue(c, r, n, p)`: the n valid rows from r of panel p's sums c [PANEL_ROWS][PANEL]. Each panel
+// is packed once per task and run TILE_K columns at a time over all of the chunk's rows, their sums
+// kept in a [TILE_ROWS][PANEL] buffer between passes.
+template <typename WeightRow, typename Row, typename Epilogue>
+void tiled_product(const Step& s, int64_t K, int64_t panels, WeightRow weight_row, Row row, Epilogue epilogue) {
+    using ouro::PANEL;
+    using ouro::PANEL_ROWS;
+    const std::vector<int64_t>& start = s.order->start;
+    std::vector<int64_t> chunk_expert, chunk_row;
+    for (int64_t e : *s.active)
+        for (int64_t r = start[e]; r < start[e + 1]; r += TILE_ROWS) {
+            chunk_expert.push_back(e);
+            chunk_row.push_back(r);
+        }
+    const int64_t groups = (panels + TILE_PANELS - 1) / TILE_PANELS, C = static_cast<int64_t>(chunk_row.size());
+    at::parallel_for(0, C * groups, 1, [&](int64_t t0, int64_t t1) {
+        std::vector<float> b(TILE_PANELS * K * PANEL), sums(TILE_PANELS * TILE_ROWS * PANEL), block(TILE_ROWS * BLOCK_STRIDE);
+        for (int64_t t = t0; t < t1; ++t) {
+            const int64_t e = chunk_expert[t / groups], r0 = chunk_row[t / groups];
+            const int64_t r1 = std::min(start[e + 1], r0 + TILE_ROWS), g = t % groups;
+            const int64_t p0 = g * TILE_PANELS, np = std::min(panels - p0, TILE_PANELS);
+            for (int64_t q = 0; q < np; ++q) {
+                const float* w[PANEL];
+                for (int64_t j = 0; j < PANEL; ++j) w[j] = weight_row(e, p0 + q, j);
+                ouro::pack_panel(w, K, b.data() + q * K * PANEL);
+            }
+            // a block of the chunk's rows (TILE_ROWS x TILE_K) copied to rows of a stride that maps them to
+            // different cache sets (rows of a power-of-two length alias), then against each panel's block
+            for (int64_t k0 = 0; k0 < K; k0 += TILE_K) {
+                const int64_t kn = std::min(TILE_K, K - k0);
+                for (int64_t r = r0; r < r1; ++r) std::memcpy(block.data() + (r - r0) * BLOCK_STRIDE, row(r) + k0, kn * sizeof(float));
+                for (int64_t q = 0; q < np; ++q)
+                    for (int64_t r = r0; r < r1; r += PANEL_ROWS) {
+                        const int64_t n = std::min(PANEL_ROWS, r1 - r);
+                        const float* a[PANEL_ROWS];
+                        for (int64_t i = 0; i < PANEL_ROWS; ++i) a[i] = block.data() + (r - r0 + std::min(i, n - 1)) * BLOCK_STRIDE;
+                        ouro::panel_tile(a, b.data() + (q * K + k0) * PANEL, kn,
+                                         sums.data() + (q * TILE_ROWS + r - r0) * PANEL, k0 > 0);
+                    }
+            }
+            for (int64_t q = 0; q < np; ++q)
+                for (int64_t r = r0; r < r1; r += PANEL_ROWS)
+                    epilogue(sums.data() + (q * TILE_ROWS + r - r0) * PANEL, r, std::min(PANEL_ROWS, r1 - r), p0 + q);
+        }
+    });
+}
+
+void tiled(const Step& s) {
+    using ouro::PANEL;
+    const int64_t D = s.D, I = s.I, half = PANEL / 2;
+    // gate/up: panel p holds gate channels p*half .. and the matching up channels
+    tiled_product(s, D, (I + half - 1) / half,
+        [&](int64_t e, int64_t p, int64_t j) -> const float* {
+            const int64_t ch = p * half + j % half;
+            return ch < I ? s.gate_up + (e * 2 * I + (j < half ? ch : I + ch)) * D : nullptr;
+        },
+        [&](int64_t r) { return s.x + s.order->token[r] * D; },
+        [&](const float* c, int64_t r, int64_t n, int64_t p) {
+            const int64_t j0 = p * half, m = std::min(half, I - j0);
+            float sig[PANEL];
+            for (int64_t i = 0; i < n; ++i)
+                ouro::clamped_swiglu_row(s.h + (r + i) * I + j0, c + i * PANEL, c + i * PANEL + half, m, s.lim, sig);
+        });
+    // down: panel p holds output channels p*PANEL ..
+    tiled_product(s, I, (D + PANEL - 1) / PANEL,
+        [&](int64_t e, int64_t p, int64_t j) -> const float* {
+            const int64_t ch = p * PANEL + j;
+            return ch < D ? s.down + (e * D + ch) * I : nullptr;
+        },
+        [&](int64_t r) { return s.h + r * I; },
+        [&](const float* c, int64_t r, int64_t n, int64_t p) {
+            const int64_t d0 = p * PANEL, m = std::min(PANEL, D - d0);
+            for (int64_t i = 0; i < n; ++i)
+                for (int64_t j = 0; j < m; ++j) s.y[(r + i) * D + d0 + j] = c[i * PANEL + j];
+        });
+}
+
 at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& weights_in, const at::Tensor& experts_in,
-                       const at::Tensor& gate_up_in, const at::Tensor& down_in, double limit) {
+                       const at::Tensor& gate_up_in, const at::Tensor& down_in, double limit, bool tile) {
     TORCH_CHECK(x_in.scalar_type() == at::kFloat && gate_up_in.scalar_type() == at::kFloat &&
                 down_in.scalar_type() == at::kFloat, "moe_experts: x and the expert weights must be float32");
     TORCH_CHECK(experts_in.scalar_type() == at::kLong, "moe_experts: experts must be int64");
@@ -51,63 +194,26 @@ at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& weights_in, con
     TORCH_CHECK(gate_up.size(1) == 2 * I && gate_up.size(2) == D && down.size(1) == D,
                 "moe_experts: gate_up must be [E, 2I, D] and down [E, D, I]");
     const int64_t N = T * k;
-    const int64_t* exp = ex.data_ptr<int64_t>();
     // the (token, choice) pairs by expert, stable (`by_expert.h`)
-    const ouro::ExpertOrder order = ouro::order_by_expert(exp, N, k, E, "moe_experts");
-    const std::vector<int64_t>&start = order.start, &pos = order.pos, &token_row = order.token;
+    const ouro::ExpertOrder order = ouro::order_by_expert(ex.data_ptr<int64_t>(), N, k, E, "moe_experts");
     std::vector<int64_t> active;
     for (int64_t e = 0; e < E; ++e)
-        if (start[e + 1] > start[e]) active.push_back(e);
-    std::vector<int64_t> sorted_rows(N);
-    for (int64_t i = 0; i < N; ++i) sorted_rows[i] = i;
-
+        if (order.start[e + 1] > order.start[e]) active.push_back(e);
     at::Tensor h = at::empty({N, I}, x.options());       // hidden rows in sorted order
     at::Tensor y = at::empty({N, D}, x.options());       // expert outputs in sorted order
     at::Tensor out = at::empty({T, D}, x.options());
-    const float *xp = x.data_ptr<float>(), *gp = gate_up.data_ptr<float>(), *dp = down.data_ptr<float>();
-    float *hp = h.data_ptr<float>(), *yp = y.data_ptr<float>(), *op = out.data_ptr<float>();
-    const float lim = static_cast<float>(limit);
-    const int64_t A = static_cast<int64_t>(active.size());
-
-    const int64_t up_blocks = (I + BLOCK - 1) / BLOCK;
-    at::parallel_for(0, A * up_blocks, 1, [&](int64_t t0, int64_t t1) {
-        for (int64_t t = t0; t < t1; ++t) {
-            const int64_t e = active[t / up_blocks], j0 = (t % up_blocks) * BLOCK, j1 = std::min(I, j0 + BLOCK);
-            const float* We = gp + e * 2 * I * D;
-            for (int64_t j = j0; j < j1; ++j) {
-                const float* pair[2] = {We + j * D, We + (I + j) * D};
-                by_four(token_row, start[e], start[e + 1], xp, D, [&](const float* const* rows, int64_t r, int64_t c) {
-                    float s[8];
-                    ouro::dot_2x4(pair, rows, D, s);
-                    for (int64_t i = 0; i < c; ++i) hp[(r + i) * I + j] = swiglu(s[i], s[4 + i], lim);
-                });
-            }
-        }
-    });
-    const int64_t down_blocks = (D + BLOCK - 1) / BLOCK;
-    at::parallel_for(0, A * down_blocks, 1, [&](int64_t t0, int64_t t1) {
-        for (int64_t t = t0; t < t1; ++t) {
-            const int64_t e = active[t / down_blocks], d0 = (t % down_blocks) * BLOCK, d1 = std::min(D, d0 + BLOCK);
-            const float* We = dp + e * D * I;
-            for (int64_t d = d0; d < d1; d += 2) {
-                const int64_t d2 = std::min(d + 1, d1 - 1);     // an odd tail repeats its last row
-                const float* pair[2] = {We + d * I, We + d2 * I};
-                by_four(sorted_rows, start[e], start[e + 1], hp, I, [&](const float* const* rows, int64_t r, int64_t c) {
-                    float s[8];
-                    ouro::dot_2x4(pair, rows, I, s);
-                    for (int64_t i = 0; i < c; ++i) {
-                        yp[(r + i) * D + d] = s[i];
-                        yp[(r + i) * D + d2] = s[4 + i];
-                    }
-                });
-            }
-        }
-    });
-    const float* wp = w.data_ptr<float>();
+    const Step s{x.data_ptr<float>(), gate_up.data_ptr<float>(), down.data_ptr<float>(), h.data_ptr<float>(),
+                 y.data_ptr<float>(), D, I, static_cast<float>(limit), &order, &active};
+    if (tile)
+        tiled(s);
+    else
+        streamed(s);
+    const float *wp = w.data_ptr<float>(), *yp = y.data_ptr<float>();
+    float* op = out.data_ptr<float>();
     at::parallel_for(0, T, std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(1, D * k)), [&](int64_t r0, int64_t r1) {
         std::vector<const float*> rows(k);
         for (int64_t t = r0; t < r1; ++t) {
-            for (int64_t j = 0; j < k; ++j) rows[j] = yp + pos[t * k + j] * D;
+            for (int64_t j = 0; j < k; ++j) rows[j] = yp + order.pos[t * k + j] * D;
             ouro::lincomb(op + t * D, wp + t * k, rows.data(), k, D);
         }
     });
@@ -119,7 +225,8 @@ std::string experts_isa(int64_t force_portable) { return ouro::isa_switch(force_
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(ouro_native, m) {
-    m.def("moe_experts(Tensor x, Tensor weights, Tensor experts, Tensor gate_up, Tensor down, float limit) -> Tensor");
+    m.def("moe_experts(Tensor x, Tensor weights, Tensor experts, Tensor gate_up, Tensor down, float limit, "
+          "bool tiled=False) -> Tensor");
     m.def("experts_isa(int force_portable) -> str", &experts_isa);
 }
 

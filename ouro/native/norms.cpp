@@ -87,13 +87,7 @@ at::Tensor clamped_swiglu(const at::Tensor& gate, const at::Tensor& up, double l
     at::parallel_for(0, T, grain(I), [&](int64_t r0, int64_t r1) {
         std::vector<float> sig(I);
         for (int64_t r = r0; r < r1; ++r) {
-            const float* g = gp + r * gs;
-            const float* u = up_ + r * us;
-            float* out = yp + r * I;
-            // std::min / std::max return their first argument when it is NaN: NaN stays NaN, as in torch's clamp
-            for (int64_t i = 0; i < I; ++i) out[i] = std::min(g[i], lim);
-            ouro::sigmoid_row(sig.data(), out, I);
-            for (int64_t i = 0; i < I; ++i) out[i] = out[i] * sig[i] * std::min(std::max(u[i], -lim), lim);
+            ouro::clamped_swiglu_row(yp + r * I, gp + r * gs, up_ + r * us, I, lim, sig.data());
         }
     });
     return y;

@@ -88,6 +88,61 @@ inline int64_t rows_tdot_lanes(float* x, int64_t rows, int64_t n, int64_t ld, co
 }
 #endif
 
+// Rows against a packed panel of columns (a grouped GEMM's tile, `experts.cpp`): PANEL columns laid
+// out [K][PANEL] by `pack_panel` (two registers of lanes a row; 16 columns on the portable path),
+// PANEL_ROWS rows of A each broadcast one value at a time, all PANEL_ROWS x PANEL sums in registers.
+// c[i * PANEL + j] (+)= sum_kk a[i][kk] * b[kk * PANEL + j] in order of kk, one fused multiply-add per
+// term on every path (std::fma in the portable loop), from zero or (`more`) from c's sums of earlier
+// columns of A: a sum's value never depends on its slot, its neighbours, the K blocking or the path,
+// so the vector and portable paths agree bit for bit.
+#if defined(__AVX512F__)
+constexpr int64_t PANEL = 32;
+#else
+constexpr int64_t PANEL = 16;
+#endif
+constexpr int64_t PANEL_ROWS = 6;
+
+// b[kk * PANEL + j] = rows[j][kk] for j < PANEL, kk < K; a null row packs as zeros (a short panel)
+inline void pack_panel(const float* const rows[PANEL], int64_t K, float* b) {
+    for (int64_t j = 0; j < PANEL; ++j) {
+        const float* r = rows[j];
+        if (r == nullptr) {
+            for (int64_t kk = 0; kk < K; ++kk) b[kk * PANEL + j] = 0.f;
+        } else {
+            for (int64_t kk = 0; kk < K; ++kk) b[kk * PANEL + j] = r[kk];
+        }
+    }
+}
+
+inline void panel_tile(const float* const a[PANEL_ROWS], const float* b, int64_t K, float* c, bool more) {
+#if defined(OURO_LANES)
+    if (!portable()) {
+        using L = Lanes;
+        constexpr int NV = PANEL / L::W;
+        L::T acc[PANEL_ROWS][NV];
+        for (int i = 0; i < PANEL_ROWS; ++i)
+            for (int v = 0; v < NV; ++v) acc[i][v] = more ? L::load(c + i * PANEL + v * L::W) : L::zero();
+        for (int64_t kk = 0; kk < K; ++kk) {
+            L::T bv[NV];
+            for (int v = 0; v < NV; ++v) bv[v] = L::load(b + kk * PANEL + v * L::W);
+            for (int i = 0; i < PANEL_ROWS; ++i) {
+                const L::T av = L::set1(a[i][kk]);
+                for (int v = 0; v < NV; ++v) acc[i][v] = L::fma(av, bv[v], acc[i][v]);
+            }
+        }
+        for (int i = 0; i < PANEL_ROWS; ++i)
+            for (int v = 0; v < NV; ++v) L::store(c + i * PANEL + v * L::W, acc[i][v]);
+        return;
+    }
+#endif
+    for (int i = 0; i < PANEL_ROWS; ++i)
+        for (int64_t j = 0; j < PANEL; ++j) {
+            float s = more ? c[i * PANEL + j] : 0.f;
+            for (int64_t kk = 0; kk < K; ++kk) s = std::fma(a[i][kk], b[kk * PANEL + j], s);
+            c[i * PANEL + j] = s;
+        }
+}
+
 // out[r * 4 + k] = sum_i a[r][i] * b[k][i] for r < 2, k < 4: two rows against four, eight
 // independent sums (enough to hide the FMA latency), each row loaded once. Each output is summed in
 // the same order whichever slot it sits in, so a caller that always goes through dot_2x4 (padding a

@@ -7,6 +7,7 @@
 // The register tiles written in these (several rows against several in one pass) are `tiles.h`,
 // included at the end.
 #pragma once
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -193,6 +194,15 @@ inline void sigmoid_row(float* y, const float* x, int64_t n) {
 #endif
     }
     for (; i < n; ++i) y[i] = sigmoid(x[i]);
+}
+
+// out[i] = silu(min(gate[i], lim)) * clamp(up[i], -lim, lim) (ouro.ops.moe.clamped_swiglu; out may not
+// alias gate or up), silu as x * sigmoid(x) through sigmoid_row; `sig`: n floats of scratch.
+// std::min / std::max return their first argument when it is NaN: NaN stays NaN, as in torch's clamp
+inline void clamped_swiglu_row(float* out, const float* gate, const float* up, int64_t n, float lim, float* sig) {
+    for (int64_t i = 0; i < n; ++i) out[i] = std::min(gate[i], lim);
+    sigmoid_row(sig, out, n);
+    for (int64_t i = 0; i < n; ++i) out[i] = out[i] * sig[i] * std::min(std::max(up[i], -lim), lim);
 }
 
 // y[i] = e^x[i] for x[i] <= 0 (softmax weights once the max is subtracted; y may be x): exp_nonpos's
