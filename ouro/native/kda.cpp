@@ -1,8 +1,10 @@
 // The KDA decode step of one layer as one op (`kda_decode`), and a prefill chunk of each sequence
 // as one op (`kda_prefill`: the same per-token work, token after token within a sequence, the
 // state in its slot and in L1 all along; torch's chunked form ran ~200 ops and a chunk loop per
-// layer). For each (request, head), the conv-window step with
-// SiLU (the window rolled in place in the request's slot), the L2 norms of q and k, the forget gate
+// layer). For each (request, head), the causal conv with SiLU (`Conv`: a token's inputs read as rows
+// across the head's channels, from the sequence itself or, for its first tokens, from the slot's
+// window, which then takes the last inputs; a per-channel rolled window ran ~25% of the prefill op
+// in shuffles), the L2 norms of q and k, the forget gate
 // `lower_bound * sigmoid(exp(A_log) * (f + dt_bias))` (a scale, not a clamp; `-exp(A_log) *
 // softplus(f + dt_bias)` where the config has no bound), beta, the gated delta-rule update of the
 // state in place in its slot, and the gated RMSNorm of the output. Each norm and gate is computed
@@ -31,19 +33,47 @@ namespace {
 
 inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); }   // torch's threshold
 
-// out[j] = sum_m win[j][m] w[j][m] + x[j] w[j][W] for n channels (windows [n, W], weights [n, W + 1]),
-// then each window drops its oldest input and takes x[j]. WF > 0: the window's length known here.
-template <int WF>
-void conv_step(float* __restrict win, const float* __restrict w, const float* __restrict x, float* __restrict out,
-               int64_t n, int64_t W_run) {
-    const int64_t W = WF > 0 ? WF : W_run;
-    for (int64_t j = 0; j < n; ++j, win += W, w += W + 1) {
-        float acc = 0.f;
-        for (int64_t m = 0; m < W; ++m) acc += win[m] * w[m];
-        out[j] = acc + x[j] * w[W];
-        for (int64_t m = 0; m + 1 < W; ++m) win[m] = win[m + 1];
-        if (W > 0) win[W - 1] = x[j];
+// The causal conv of n channels (one head's q, k or v) over a sequence's tokens, vectorised across
+// channels: `hist` holds the W inputs before the sequence as rows [W][n] (from the slot's window,
+// [n][W] per channel), `wt` the weights as rows [W + 1][n]. out[j] = sum_m in(t - W + m)[j] wt[m][j]
+// + x[j] wt[W][j], summed in order of m with one fused multiply-add a term (the first a product).
+struct Conv {
+    const float* hist;
+    const float* wt;
+    int64_t n, W;
+
+    // token t of the sequence (t0 its first row), its input rows at row(s)
+    template <typename Row>
+    void step(int64_t t, int64_t t0, Row row, float* __restrict out) const {
+        const float* in[8];
+        for (int64_t m = 0; m < W; ++m) {
+            const int64_t s = t - W + m;
+            in[m] = s >= t0 ? row(s) : hist + (W - (t0 - s)) * n;
+        }
+        const float* x = row(t);
+        int64_t j = 0;
+#if defined(OURO_LANES)
+        if (!ouro::portable()) {
+            using L = ouro::Lanes;
+            for (; j + L::W <= n; j += L::W) {
+                L::T acc = W > 0 ? L::mul(L::load(in[0] + j), L::load(wt + j)) : L::zero();
+                for (int64_t m = 1; m < W; ++m) acc = L::fma(L::load(in[m] + j), L::load(wt + m * n + j), acc);
+                L::store(out + j, L::fma(L::load(x + j), L::load(wt + W * n + j), acc));
+            }
+        }
+#endif
+        for (; j < n; ++j) {
+            float acc = W > 0 ? in[0][j] * wt[j] : 0.f;
+            for (int64_t m = 1; m < W; ++m) acc = std::fma(in[m][j], wt[m * n + j], acc);
+            out[j] = std::fma(x[j], wt[W * n + j], acc);
+        }
     }
+};
+
+// the rows [W][n] of a channel-major window [n][W], and back
+void window_to_rows(const float* win, int64_t n, int64_t W, float* rows) {
+    for (int64_t j = 0; j < n; ++j)
+        for (int64_t m = 0; m < W; ++m) rows[m * n + j] = win[j * W + m];
 }
 
 void check(const at::Tensor& t, const char* what, at::ScalarType dtype = at::kFloat, bool rows = false) {
@@ -71,6 +101,7 @@ at::Tensor kda_sequences(const at::Tensor& mixed, const at::Tensor& f, const at:
     const int64_t S = rec_state.size(0), dv = rec_state.size(3), K = conv_w.size(1), W = K - 1;
     TORCH_CHECK(rec_state.size(1) == H && rec_state.size(2) == dk && dv == dk, "kda_decode: recurrent state shape");
     TORCH_CHECK(conv_state.size(0) == S && conv_state.size(1) == C3 && conv_state.size(2) == W, "kda_decode: conv state shape");
+    TORCH_CHECK(W >= 0 && W <= 8, "kda_decode: conv kernel size ", K, " outside 1..9");
     const bool per_token = starts.numel() == 0;
     if (!per_token) check(starts, "starts", at::kLong);
     const int64_t N = per_token ? T : starts.numel() - 1;
@@ -97,7 +128,7 @@ at::Tensor kda_sequences(const at::Tensor& mixed, const at::Tensor& f, const at:
     // a (token, head) task is ~4 dk dv flops: a thread takes at least ~16 of them; a sequence's
     // tokens run in order inside one task
     at::parallel_for(0, N * H, per_token ? 16 : 1, [&](int64_t i0, int64_t i1) {
-        std::vector<float> buf(8 * dk);
+        std::vector<float> buf(8 * dk), hist(3 * W * dk), wt(3 * K * dk);
         float *q = buf.data(), *k = q + dk, *v = k + dk, *g = v + dk, *pred = g + dk, *o = pred + dk;
         float *tmp = o + dk, *raw = tmp + dk;
         for (int64_t i = i0; i < i1; ++i) {
@@ -111,14 +142,20 @@ at::Tensor kda_sequences(const at::Tensor& mixed, const at::Tensor& f, const at:
               }
           }
           const int64_t t0 = per_token ? n : st[n], t1 = per_token ? n + 1 : st[n + 1];
+          // this head's q, k and v channels (dk of each, contiguous): weights and the window as rows
+          Conv conv[3];
+          for (int p = 0; p < 3; ++p) {
+              const int64_t c0 = p * C + h * dk;
+              window_to_rows(cs + (slot * C3 + c0) * W, dk, W, hist.data() + p * W * dk);
+              window_to_rows(wp + c0 * K, dk, K, wt.data() + p * K * dk);
+              conv[p] = Conv{hist.data() + p * W * dk, wt.data() + p * K * dk, dk, W};
+          }
           for (int64_t t = t0; t < t1; ++t) {
-            // conv step of this head's q, k and v channels (dk of each, contiguous), then SiLU
+            // conv step of this head's q, k and v channels, then SiLU
             float* parts[3] = {q, k, v};
             for (int p = 0; p < 3; ++p) {
                 const int64_t c0 = p * C + h * dk;
-                float* win = cs + (slot * C3 + c0) * W;
-                if (W == 3) conv_step<3>(win, wp + c0 * K, xp + t * xs + c0, parts[p], dk, W);   // K = 4
-                else conv_step<0>(win, wp + c0 * K, xp + t * xs + c0, parts[p], dk, W);
+                conv[p].step(t, t0, [&](int64_t s) { return xp + s * xs + c0; }, parts[p]);
                 ouro::sigmoid_row(tmp, parts[p], dk);
                 for (int64_t j = 0; j < dk; ++j) parts[p][j] *= tmp[j];
             }
@@ -147,6 +184,16 @@ at::Tensor kda_sequences(const at::Tensor& mixed, const at::Tensor& f, const at:
             float* y = op + t * C + h * dv;
             ouro::sigmoid_row(tmp, gp + t * gs + h * dv, dv);
             for (int64_t c = 0; c < dv; ++c) y[c] = nw[c] * (o[c] * inv) * tmp[c];
+          }
+          // each window takes the sequence's last W inputs (older ones from itself where it is short)
+          for (int p = 0; p < 3; ++p) {
+              const int64_t c0 = p * C + h * dk;
+              float* win = cs + (slot * C3 + c0) * W;
+              for (int64_t m = 0; m < W; ++m) {
+                  const int64_t s = t1 - W + m;
+                  const float* src = s >= t0 ? xp + s * xs + c0 : conv[p].hist + (W - (t0 - s)) * dk;
+                  for (int64_t j = 0; j < dk; ++j) win[j * W + m] = src[j];
+              }
           }
         }
     });
