@@ -103,3 +103,20 @@ def test_the_layer_takes_the_op_in_the_form_for_its_rows_and_agrees_with_eager_o
         ref = layer(x, w, ex)
     assert forms == [form]
     assert rel_rms(got, ref) <= 1e-6
+
+
+@pytest.mark.parametrize("tiled", [False, True], ids=["streamed", "tiled"])
+def test_channel_shards_add_up_to_the_whole(tiled):
+    """Tensor parallelism splits every expert's intermediate channels across ranks and sums the
+    ranks' outputs (`parallel/tp_shard.py`); each shard runs the op on its own slice (here taken as
+    non-contiguous views of the full weights) and the shards' sum is the whole op's result."""
+    T, E, D, I, k = 96, 4, 48, 40, 2
+    x, w, ex, gu, dn = case(T, E, D, I, k, seed=5)
+    whole = fx.moe_experts(x, w, ex, gu, dn, 1.5, tiled)
+    parts = []
+    for r in range(2):
+        s = slice(r * I // 2, (r + 1) * I // 2)
+        gu_r = torch.cat([gu[:, s], gu[:, I:][:, s]], 1)
+        parts.append(fx.moe_experts(x, w, ex, gu_r, dn[:, :, s], 1.5, tiled))
+    assert fx.tiled_for(ex, E) or not tiled
+    assert rel_rms(parts[0] + parts[1], whole) <= 1e-6
