@@ -35,12 +35,13 @@ inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); 
 
 // The causal conv of n channels (one head's q, k or v) over a sequence's tokens, vectorised across
 // channels: `hist` holds the W inputs before the sequence as rows [W][n] (from the slot's window,
-// [n][W] per channel), `wt` the weights as rows [W + 1][n]. out[j] = sum_m in(t - W + m)[j] wt[m][j]
-// + x[j] wt[W][j], summed in order of m with one fused multiply-add a term (the first a product).
+// [n][W] per channel), `wt` the weights as rows [W + 1][n] of stride `ws` (all channels' weights
+// transposed once per call). out[j] = sum_m in(t - W + m)[j] wt[m][j] + x[j] wt[W][j], summed in
+// order of m with one fused multiply-add a term (the first a product).
 struct Conv {
     const float* hist;
     const float* wt;
-    int64_t n, W;
+    int64_t n, W, ws;
 
     // token t of the sequence (t0 its first row), its input rows at row(s)
     template <typename Row>
@@ -57,20 +58,20 @@ struct Conv {
             using L = ouro::Lanes;
             for (; j + L::W <= n; j += L::W) {
                 L::T acc = W > 0 ? L::mul(L::load(in[0] + j), L::load(wt + j)) : L::zero();
-                for (int64_t m = 1; m < W; ++m) acc = L::fma(L::load(in[m] + j), L::load(wt + m * n + j), acc);
-                L::store(out + j, L::fma(L::load(x + j), L::load(wt + W * n + j), acc));
+                for (int64_t m = 1; m < W; ++m) acc = L::fma(L::load(in[m] + j), L::load(wt + m * ws + j), acc);
+                L::store(out + j, L::fma(L::load(x + j), L::load(wt + W * ws + j), acc));
             }
         }
 #endif
         for (; j < n; ++j) {
             float acc = W > 0 ? in[0][j] * wt[j] : 0.f;
-            for (int64_t m = 1; m < W; ++m) acc = std::fma(in[m][j], wt[m * n + j], acc);
-            out[j] = std::fma(x[j], wt[W * n + j], acc);
+            for (int64_t m = 1; m < W; ++m) acc = std::fma(in[m][j], wt[m * ws + j], acc);
+            out[j] = std::fma(x[j], wt[W * ws + j], acc);
         }
     }
 };
 
-// the rows [W][n] of a channel-major window [n][W], and back
+// the rows [W][n] of a channel-major window [n][W] (or weights [n][K])
 void window_to_rows(const float* win, int64_t n, int64_t W, float* rows) {
     for (int64_t j = 0; j < n; ++j)
         for (int64_t m = 0; m < W; ++m) rows[m * n + j] = win[j * W + m];
@@ -125,10 +126,13 @@ at::Tensor kda_sequences(const at::Tensor& mixed, const at::Tensor& f, const at:
     TORCH_CHECK(!(lower_bound > 0), "kda_decode: lower_bound ", lower_bound, " > 0 (the gate is a log-decay)");
     const float lb = static_cast<float>(lower_bound), e = static_cast<float>(eps), qscale = 1.f / std::sqrt(float(dk));
 
+    // the conv weights as rows [K][3C], once for every (sequence, head) task
+    std::vector<float> wt(K * C3);
+    window_to_rows(wp, C3, K, wt.data());
     // a (token, head) task is ~4 dk dv flops: a thread takes at least ~16 of them; a sequence's
     // tokens run in order inside one task
     at::parallel_for(0, N * H, per_token ? 16 : 1, [&](int64_t i0, int64_t i1) {
-        std::vector<float> buf(8 * dk), hist(3 * W * dk), wt(3 * K * dk);
+        std::vector<float> buf(8 * dk), hist(3 * W * dk);
         float *q = buf.data(), *k = q + dk, *v = k + dk, *g = v + dk, *pred = g + dk, *o = pred + dk;
         float *tmp = o + dk, *raw = tmp + dk;
         for (int64_t i = i0; i < i1; ++i) {
@@ -142,13 +146,12 @@ at::Tensor kda_sequences(const at::Tensor& mixed, const at::Tensor& f, const at:
               }
           }
           const int64_t t0 = per_token ? n : st[n], t1 = per_token ? n + 1 : st[n + 1];
-          // this head's q, k and v channels (dk of each, contiguous): weights and the window as rows
+          // this head's q, k and v channels (dk of each, contiguous): the window as rows
           Conv conv[3];
           for (int p = 0; p < 3; ++p) {
               const int64_t c0 = p * C + h * dk;
               window_to_rows(cs + (slot * C3 + c0) * W, dk, W, hist.data() + p * W * dk);
-              window_to_rows(wp + c0 * K, dk, K, wt.data() + p * K * dk);
-              conv[p] = Conv{hist.data() + p * W * dk, wt.data() + p * K * dk, dk, W};
+              conv[p] = Conv{hist.data() + p * W * dk, wt.data() + c0, dk, W, C3};
           }
           for (int64_t t = t0; t < t1; ++t) {
             // conv step of this head's q, k and v channels, then SiLU

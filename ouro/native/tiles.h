@@ -93,8 +93,7 @@ inline int64_t rows_tdot_lanes(float* x, int64_t rows, int64_t n, int64_t ld, co
 // PANEL_ROWS rows of A each broadcast one value at a time, all PANEL_ROWS x PANEL sums in registers.
 // c[i * PANEL + j] (+)= sum_kk a[i][kk] * b[kk * PANEL + j] in order of kk, one fused multiply-add per
 // term on every path (std::fma in the portable loop), from zero or (`more`) from c's sums of earlier
-// columns of A: a sum's value never depends on its slot, its neighbours, the K blocking or the path,
-// so the vector and portable paths agree bit for bit.
+// columns of A: a sum's value never depends on its slot, its neighbours or the K blocking.
 #if defined(__AVX512F__)
 constexpr int64_t PANEL = 32;
 #else
