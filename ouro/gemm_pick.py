@@ -15,7 +15,6 @@ dtype choice (`$OURO_CACHE/gemm_pick.json`). `OURO_GEMM_PICK=linear|transposed|p
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import os
@@ -223,11 +222,13 @@ def form_for(forms: list[str], rows: int, grid: tuple = ROWS) -> str:
     return forms[_nearest(max(rows, 1), grid)]
 
 
-@functools.lru_cache(maxsize=4096)
-def _nearest(rows: int, grid: tuple) -> int:
-    # once per (row count, grid): every product of every step asks
-    x = math.log2(rows)
-    return min(range(len(grid)), key=lambda j: (abs(math.log2(grid[j]) - x), j))
+def _nearest(rows, grid: tuple) -> int:
+    # |log r - log g[j]| <= |log g[j+1] - log r| exactly when r * r <= g[j] * g[j+1]: integer
+    # comparisons, so a compiled graph's symbolic row count takes them as guards, not as a constant
+    j = 0
+    while j + 1 < len(grid) and rows * rows > grid[j] * grid[j + 1]:
+        j += 1
+    return j
 
 
 def available_forms(weight) -> tuple[str, ...]:

@@ -17,17 +17,20 @@ prefill chunk, prompt logprobs) or larger than `max_bs` run eagerly."""
 
 from __future__ import annotations
 
+import itertools
 import time
 import types
 
 import torch
 
 from ..layers.context import GraphContext, ModelCache
+from ..layers.merged import bound_merged
 from ..native.kernels import load_all
 from ..ops.opaque import opaque_key
 
 
-BACKEND = "inductor"    # torch.compile's backend (tests use aot_eager: the same capture, no C++ build)
+BACKEND = "inductor"
+_INSTANCES = itertools.count()    # torch.compile's backend (tests use aot_eager: the same capture, no C++ build)
 
 
 def counting_backend(name: str = "aot_eager"):
@@ -44,13 +47,14 @@ def counting_backend(name: str = "aot_eager"):
 
 
 def buckets(max_bs: int) -> list[int]:
-    """Batch sizes a graph runs at: 2, 4, 8, ... up to max_bs (included). Size 1 is padded to 2:
-    torch specialises sizes 0 and 1, which would trace another graph."""
-    out, b = [], 2
+    """Batch sizes a graph runs at: 1, 2, 4, 8, ... up to max_bs (included). torch specialises size
+    1, so batch 1 is a graph of its own: padded to 2 it would route a padding row through the
+    experts too, up to twice the expert weights read at the batch where bytes are the whole cost."""
+    out, b = [1], 2
     while b < max_bs:
         out.append(b)
         b *= 2
-    return out + [max(2, max_bs)]
+    return out + [max_bs] if max_bs > 1 else out
 
 
 def _next_pow2(n: int) -> int:
@@ -77,17 +81,41 @@ class DecodeGraph:
             mode = "reduce-overhead"
         # fullgraph: a host sync or data-dependent Python in the decode path fails the trace
         # dynamo keeps its graphs and its recompile budget per code object: a copy of `_forward`'s
-        # code for each instance keeps one model's (or cache's) graphs from counting against another's
+        # code for each instance keeps one model's (or cache's) graphs from counting against another's;
+        # its own name too: dynamo keys what it learnt about sizes (automatic dynamic shapes) by file,
+        # line and name, and an inductor graph built on what another instance's trace learnt gave
+        # wrong tokens (a W8A8 model compiled after another model, one process)
         fwd = DecodeGraph._forward
-        own = types.FunctionType(fwd.__code__.replace(), fwd.__globals__, fwd.__name__)
-        self._compiled = torch.compile(types.MethodType(own, self), backend=backend or BACKEND, mode=mode,
-                                       fullgraph=True)
+        own = types.FunctionType(fwd.__code__.replace(co_name=f"_forward_{next(_INSTANCES)}"), fwd.__globals__,
+                                 fwd.__name__)
+        backend = backend or BACKEND
+        # inductor's wrapper checks every input's size and stride per call (hundreds at decode, most
+        # of a batch-1 step's host time left); the inputs are this class's own, made one way
+        options = {"size_asserts": False} if backend == "inductor" and mode is None else None
+        self._compiled = torch.compile(types.MethodType(own, self), backend=backend, mode=mode,
+                                       fullgraph=True, options=options)
         self.runs = 0
+        self._bound = False
 
     def _step(self, *inputs):
-        # only the batch and the page-table width vary: every other size and constant is traced as it is
-        for t in inputs:
-            torch._dynamo.mark_dynamic(t, 0)
+        if not self._bound:
+            # the step once eagerly first: it makes the merged projections and the int8 kernel's packed
+            # weights that the trace then calls directly (`merged.graph_merged`, `w8a8.graph_pack`)
+            # (an all-padding batch of one: it touches only the scratch state; the model's own forward,
+            # not its call: a hook on the model mirrors eager forwards to TP followers, which make
+            # their own graph the same way)
+            ids, *rest = self.inputs([0], [0], [self.scratch_slot], [[self.scratch_page]])
+            ctx = GraphContext(self.cache, *rest, self.scratch_page)
+            ctx.keep_hidden = self.keep_hidden
+            self.model.forward(ids, ctx)
+            for m in bound_merged(self.model):     # a merged projection may run as an opaque op too
+                opaque_key(m)
+            self._bound = True
+        # only the batch and the page-table width vary: every other size and constant is traced as it
+        # is (batch 1 is its own graph: torch specialises size 1)
+        if inputs[0].shape[0] > 1:
+            for t in inputs:
+                torch._dynamo.mark_dynamic(t, 0)
         torch._dynamo.mark_dynamic(inputs[-1], 1)
         return self._compiled(*inputs)
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..gemm_pick import form_for, packed_for, pick_forms, product
+from ..gemm_pick import GEMV_ROWS, form_for, packed_for, pick_forms, product
 from ..native import gemv
 from ..ops import batch_invariant
 from ..ops.opaque import call_opaque
@@ -20,8 +20,23 @@ class Linear(nn.Linear):
 
     def forward(self, x):
         if self.forms is not None and torch.compiler.is_compiling():
-            return call_opaque(self, x)    # a compiled graph runs the measured product as one op
+            return self.graph_forward(x)
         return self.eager(x)
+
+    def graph_forward(self, x):
+        """Inside a compiled graph: the measured form for the (symbolic) row count, as a direct op
+        where it is one (gemv, F.linear); the packed form's oneDNN copy cannot be traced, so it
+        runs as one opaque op."""
+        rows = x.numel() // x.shape[-1]
+        form = form_for(self.forms, rows)
+        if form == "packed" and self.bias is None and not batch_invariant.enabled():
+            return call_opaque(self, x)
+        if form == "gemv" and self.bias is None and not batch_invariant.enabled() and gemv.can(x, self.weight) \
+                and rows <= GEMV_ROWS:
+            return gemv.gemv(x.reshape(rows, x.shape[-1]), self.weight).view(*x.shape[:-1], self.out_features)
+        if form == "transposed" and self.bias is None and not batch_invariant.enabled():
+            return product(x.reshape(rows, x.shape[-1]), self.weight, form).view(*x.shape[:-1], self.out_features)
+        return F.linear(x, self.weight, self.bias)
 
     def eager(self, x):
         if self.forms is None or self.bias is not None or torch.is_grad_enabled() or batch_invariant.enabled():

@@ -7,7 +7,7 @@ weights (state dicts, hooks, TP shards and quantisation see them as before). The
 made from them on first use and kept outside the model (`_MERGED`), remade when any of their
 tensors changes (a load, a re-quantisation, an in-place update). A class takes part by defining
 `merge(modules) -> module or None` (`Linear`, `W8A8Linear`); groups of other or mixed classes,
-watched modules (a probe's hooks must see each projection run), autograd, graph tracing and
+watched modules (a probe's hooks must see each projection run), autograd and
 `ouro.native.kernels.eager_only()` (the eager reference) run each projection on its own.
 
 `merged_sources()` maps a merged weight's storage to its sources, so the lab's op recorder counts
@@ -34,7 +34,10 @@ def _key(modules) -> tuple:
 
 
 def merged_module(modules):
-    """The one module computing all of `modules`' outputs side by side, or None."""
+    """The one module computing all of `modules`' outputs side by side, or None. Inside a compiled
+    graph's trace: the one made for the same modules before it (`graph_merged`), or None."""
+    if torch.compiler.is_compiling():
+        return graph_merged(modules)
     cls = type(modules[0])
     if not hasattr(cls, "merge") or any(type(m) is not cls for m in modules):
         return None
@@ -44,13 +47,34 @@ def merged_module(modules):
         with torch.inference_mode(False), torch.no_grad():   # a plain tensor: packed copies key on its version
             hit = (key, cls.merge(modules), [weakref.ref(m) for m in modules])
         _MERGED[modules[0]] = hit
+        # for a compiled graph's trace, which cannot key on storage pointers (`graph_merged`)
+        modules[0].__dict__["_graph_merged"] = (tuple(modules), hit[1])
     return hit[1]
+
+
+def graph_merged(modules):
+    """The merged module last made for exactly `modules` (the decode graph runs the step eagerly
+    once before tracing), or None. The trace keeps its weights: a weight changed in place after
+    that needs the graph made again."""
+    hit = getattr(modules[0], "_graph_merged", None)
+    if hit is None or len(hit[0]) != len(modules) or any(a is not b for a, b in zip(hit[0], modules)):
+        return None
+    return hit[1]
+
+
+def bound_merged(model) -> list:
+    """The merged modules `graph_merged` hands a trace of `model`'s forward."""
+    return [m.__dict__["_graph_merged"][1] for m in model.modules()
+            if m.__dict__.get("_graph_merged") is not None and m.__dict__["_graph_merged"][1] is not None]
+
+
+def _merges(modules) -> bool:
+    return not torch.is_grad_enabled() and not fused_off() and not watched(*modules)
 
 
 def project(x, *modules):
     """(modules[0](x), modules[1](x), ...), as one product where they can share one."""
-    if len(modules) > 1 and not torch.is_grad_enabled() and not torch.compiler.is_compiling() and not fused_off() \
-            and not watched(*modules):
+    if len(modules) > 1 and _merges(modules):
         m = merged_module(modules)
         if m is not None:
             return m(x).split([p.out_features for p in modules], dim=-1)
@@ -60,7 +84,7 @@ def project(x, *modules):
 def project_cat(x, *modules):
     """torch.cat([m(x) for m in modules], -1), as one product where they can share one (no split and
     re-join: the merged output is the concatenation)."""
-    if not torch.is_grad_enabled() and not torch.compiler.is_compiling() and not fused_off() and not watched(*modules):
+    if _merges(modules):
         m = merged_module(modules)
         if m is not None:
             return m(x)

@@ -99,21 +99,25 @@ class Experts(nn.Module):
             self.forms = saved
 
     def forward(self, x, weights, experts):
-        if torch.compiler.is_compiling():   # a compiled graph runs this path as one op
-            return call_opaque(self, x, weights, experts)
+        if torch.compiler.is_compiling():
+            if fused_experts.can(x, self.gate_up_proj, self.down_proj):    # the native op, directly
+                return self._native(x, weights, experts)
+            return call_opaque(self, x, weights, experts)    # the measured path as one op
         return self.eager(x, weights, experts)
+
+    def _native(self, x, weights, experts):
+        # streamed for a few rows an expert, tiled past that; under deterministic inference streamed
+        # at any row count (its rows never depend on their batch, and a switch of form by batch size would)
+        tiled = fused_experts.tiled_for(experts, self.gate_up_proj.shape[0]) and not batch_invariant.enabled()
+        return fused_experts.moe_experts(x, weights, experts, self.gate_up_proj, self.down_proj, self.limit, tiled)
 
     def eager_shape(self, x, weights, experts):
         return x.shape, x.dtype
 
     def eager(self, x, weights, experts):
         E = self.gate_up_proj.shape[0]
-        # one native op: streamed for a few rows an expert, tiled past that; under deterministic
-        # inference streamed at any row count (its rows never depend on their batch, and a switch
-        # of form by batch size would)
         if fused_experts.can(x, self.gate_up_proj, self.down_proj):
-            tiled = fused_experts.tiled_for(experts, E) and not batch_invariant.enabled()
-            return fused_experts.moe_experts(x, weights, experts, self.gate_up_proj, self.down_proj, self.limit, tiled)
+            return self._native(x, weights, experts)
         if self.forms is not None and not torch.is_grad_enabled() and reads_host(x) and not batch_invariant.enabled() and \
                 form_for(self.forms, max(1, experts.numel() // E)) == "packed":
             packs = packed_for(self, self.packed_weights())

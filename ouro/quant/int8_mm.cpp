@@ -20,6 +20,7 @@
 // weighted sum) in one call: a decode step's routed experts ran as a dozen torch ops and two
 // kernel calls per layer before, each call quantising its rows separately.
 #include <torch/extension.h>
+#include <torch/library.h>
 
 #include "by_expert.h"
 #include <ATen/Parallel.h>
@@ -161,7 +162,8 @@ torch::Tensor w8a8_packed(torch::Tensor x, torch::Tensor p, torch::Tensor w_scal
     TORCH_CHECK(KGN == (K + KG - 1) / KG && NB == (N + LANES - 1) / LANES, "w8a8_packed: x has ", K,
                 " columns and N is ", N, ", but the packed weight was made for another shape");
     TORCH_CHECK(w_scale.scalar_type() == torch::kFloat && w_scale.numel() == E * N, "w8a8_packed: float32 w_scale [E, N]");
-    offsets = offsets.contiguous();
+    // empty offsets: one weight, every row (a compiled graph passes no tensor made from its row count)
+    offsets = offsets.numel() == 0 && E == 1 ? torch::tensor({int64_t(0), R}, offsets.options()) : offsets.contiguous();
     check_offsets(offsets, E, R);
     x = x.contiguous();
     w_scale = w_scale.contiguous();
@@ -297,6 +299,19 @@ std::string features() {
 #else
     return "scalar";
 #endif
+}
+
+// The two products a decode step runs, also as torch ops (`torch.ops.ouro_int8.*`, fakes in
+// int8_native.py): a compiled decode graph then calls them directly, not through Python.
+TORCH_LIBRARY_FRAGMENT(ouro_int8, m) {
+    m.def("w8a8_packed(Tensor x, Tensor p, Tensor w_scale, Tensor offsets, int N) -> Tensor");
+    m.def("w8a8_experts(Tensor x, Tensor weights, Tensor experts, Tensor gate_up, Tensor gate_up_scale, "
+          "Tensor down, Tensor down_scale, int I, float limit) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(ouro_int8, CPU, m) {
+    m.impl("w8a8_packed", &w8a8_packed);
+    m.impl("w8a8_experts", &w8a8_experts);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -28,6 +28,8 @@ def native():
     (`why_not()` says why). `OURO_INT8_NATIVE=0` turns it off."""
     if "module" not in _STATE:
         _STATE["module"], _STATE["why"] = _load()
+        if _STATE["module"] is not None:
+            _register_fakes()
         if _STATE["module"] is None:
             log.warning("ouro's int8 kernel is not used on this machine (%s); W8A8 products fall back to "
                         "torch forms (slower). Install a C++ compiler and `ninja` to build it.", _STATE["why"])
@@ -43,3 +45,12 @@ def _load():
     if os.environ.get("OURO_INT8_NATIVE", "1") == "0":
         return None, "OURO_INT8_NATIVE=0"
     return compile_native("int8_mm", SOURCE, (SOURCE.with_name("int8_products.h"), BY_EXPERT))
+
+
+def _register_fakes():
+    """Shapes of the build's torch ops (`torch.ops.ouro_int8.*`), for a compiled graph's trace."""
+    import torch
+    torch.library.register_fake("ouro_int8::w8a8_packed")(
+        lambda x, p, w_scale, offsets, N: x.new_empty(x.shape[0], N))
+    torch.library.register_fake("ouro_int8::w8a8_experts")(
+        lambda x, weights, experts, gate_up, gate_up_scale, down, down_scale, I, limit: torch.empty_like(x))

@@ -60,7 +60,21 @@ def packed_for(owner, qweight, name: str = "weight", make=_kernel_layout):
     packs = _PACKED.setdefault(owner, {})
     if name not in packs or packs[name][0] != key:
         packs[name] = (key, make(qweight))
+        if make is _kernel_layout:      # what a compiled graph's direct call reads (`graph_pack`)
+            owner.__dict__.setdefault("_graph_packs", {})[name] = packs[name][1]
     return packs[name][1]
+
+
+def graph_pack(owner, name: str):
+    """Inside a compiled graph's trace: the kernel-layout copy `packed_for` last made for `owner`'s
+    `name` (the decode graph runs the step eagerly once before tracing), or None. The trace keeps
+    it as a constant: a weight changed in place after that needs the graph made again."""
+    return getattr(owner, "_graph_packs", {}).get(name)
+
+
+# offsets of "one weight, every row": the kernel reads an empty tensor so (a graph's symbolic row
+# count needs no tensor made from it)
+_ALL_ROWS = torch.empty(0, dtype=torch.long)
 
 
 def _offsets(counts):
@@ -148,8 +162,20 @@ class W8A8Linear(nn.Module):
 
     def forward(self, x):
         if torch.compiler.is_compiling():
-            return call_opaque(self, x)      # a compiled graph runs the int8 product as one op
+            return self.graph_forward(x)
         return self.eager(x)
+
+    def graph_forward(self, x):
+        """Inside a compiled graph: ouro's int8 kernel as a direct op where the eager path would run
+        it, otherwise the eager path as one opaque op."""
+        rows = x.numel() // x.shape[-1]
+        pack = graph_pack(self, "weight")
+        if pack is None or self.bias is not None or self.qweight.dtype != torch.int8 or fused_off() or \
+                _form(self.int8_forms, rows) != "native":
+            return call_opaque(self, x)
+        y = torch.ops.ouro_int8.w8a8_packed(x.reshape(rows, x.shape[-1]).float(), pack, self.weight_scale,
+                                            _ALL_ROWS, self.out_features)
+        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
     def eager(self, x):
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
@@ -182,8 +208,20 @@ class W8A8Experts(nn.Module):
 
     def forward(self, x, weights, experts):
         if torch.compiler.is_compiling():
-            return call_opaque(self, x, weights, experts)
+            return self.graph_forward(x, weights, experts)
         return self.eager(x, weights, experts)
+
+    def graph_forward(self, x, weights, experts):
+        """Inside a compiled graph: `w8a8_experts` as a direct op where the eager path would run it
+        (`fused`, less the host read), otherwise the eager path as one opaque op."""
+        E = self.gate_up_proj_q.shape[0]
+        rows = max(1, experts.numel() // max(1, min(E, experts.numel())))
+        gate_up, down = graph_pack(self, "gate_up"), graph_pack(self, "down")
+        if gate_up is None or down is None or x.dtype != torch.float32 or self.gate_up_proj_q.dtype != torch.int8 \
+                or fused_off() or _form(self.int8_forms, rows) != "native":
+            return call_opaque(self, x, weights, experts)
+        return torch.ops.ouro_int8.w8a8_experts(x, weights.float(), experts.long(), gate_up, self.gate_up_proj_scale,
+                                                down, self.down_proj_scale, self.down_proj_q.shape[2], float(self.limit))
 
     def eager_shape(self, x, weights, experts):
         return x.shape, x.dtype
