@@ -125,6 +125,9 @@ def main() -> int:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--threads", type=int, default=2, help="both sides (llama.cpp -t, ouro OMP_NUM_THREADS)")
     p.add_argument("--output-json", type=Path)
+    p.add_argument("--compile", action="store_true",
+                   help="ouro runs its decode step as a compiled graph (`--compile`; its first start compiles, "
+                        "later ones read inductor's cache)")
     a = p.parse_args()
     from ouro.models.resolve import resolve_model
     model_dir = resolve_model(a.model)
@@ -142,11 +145,12 @@ def main() -> int:
         for c in cases:
             label, kind, q, b = c
             got[c]["llama.cpp"].append(llama_tok_s(a.llama_bin_dir, a.gguf_dir / f"{name}-{kind}.gguf", b, a))
-            got[c]["ouro"].append(ouro_tok_s(str(model_dir), b, q, a))
+            got[c]["ouro"].append(ouro_tok_s(str(model_dir), b, (*q, "--compile") if a.compile else q, a))
             print(f"round {r + 1} {label:12} batch {b:3}: llama.cpp {got[c]['llama.cpp'][-1]:8.1f} tok/s, "
                   f"ouro {got[c]['ouro'][-1]:8.1f} tok/s (load {os.getloadavg()[0]:.2f})", flush=True)
             load.append(os.getloadavg()[0])
-    print(f"\ndecode tokens/s, {name}, prompt {a.input_len}, {a.output_len} generated, {a.threads} threads, "
+    print(f"\ndecode tokens/s, {name}{' (ouro --compile)' if a.compile else ''}, prompt {a.input_len}, "
+          f"{a.output_len} generated, {a.threads} threads, "
           f"medians of {a.rounds} rounds, load average {min(load):.2f}-{max(load):.2f}\n")
     print("| precision (ouro / llama.cpp) | batch | llama.cpp | ouro | ouro / llama.cpp |")
     print("|---|---|---|---|---|")

@@ -108,6 +108,8 @@ def test_graph_calls_the_native_products_directly(quantization):
               if n.op == "call_function" and "opaque_call" in str(n.target)}
     # the tests pin float32 projections to the oneDNN-packed form (conftest), which stays opaque
     assert opaque <= {"Linear"}, opaque
+    # the new cache rows are stored in place (an index_put on a cache layer became a copy of the layer)
+    assert any("ouro_native.write_rows" in t for t in targets)
     if quantization:
         assert any("ouro_int8.w8a8_packed" in t for t in targets) and any("ouro_int8.w8a8_experts" in t for t in targets)
         # merged: fewer int8 products than int8 projections in the model

@@ -12,6 +12,7 @@ from functools import cached_property
 
 import torch
 
+from ..native.mla import write_rows
 from ..ops.kda import kda_chunk
 from .model_cache import ModelCache, QuantisedRows  # noqa: F401 - the contract's names, read from here
 
@@ -136,7 +137,10 @@ class ForwardContext:
     # A context-parallel context (`ouro.parallel.cp_context`) exchanges with the other ranks here.
     def write_rows(self, flat: torch.Tensor, values: torch.Tensor) -> None:
         """Store the new tokens' rows `values` [T, d] into a paged cache viewed flat [rows, d]."""
-        flat[self.slot_mapping] = values.to(flat.dtype)
+        if isinstance(flat, torch.Tensor):
+            write_rows(flat, self.slot_mapping, values)
+        else:                       # the cache's QuantisedRows encodes them
+            flat[self.slot_mapping] = values.to(flat.dtype)
 
     def conv_window(self, x, window, lengths):
         """The short conv's window entering the new tokens x [B, C, T]: the cached one."""

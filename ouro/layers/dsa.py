@@ -59,7 +59,7 @@ class Indexer(nn.Module):
         dest = self._pool_rows(ctx, seqs, tok[:, :1])[:, 0]
         if complete is not None:   # a graph compresses every row's pool: unfinished ones go to scratch
             dest = torch.where(complete, dest, ctx.scratch_pool_row(self.kpool))
-        ctx.cache.index_pooled[ci].view(-1, self.d)[dest] = pooled
+        mla.write_rows(ctx.cache.index_pooled[ci].view(-1, self.d), dest, pooled)
 
     def _pooled(self, ctx, seqs, n_pools: int):
         """Pool keys of the first `n_pools` pools of each sequence in `seqs`: [len(seqs), n_pools, d]."""

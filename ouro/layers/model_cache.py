@@ -9,6 +9,7 @@ import os
 import torch
 
 from ..config import ModelConfig, quantised_row_bytes
+from ..native.mla import write_rows
 from ..ops.quant.kv_rows import decode_rows, encode_rows
 
 
@@ -139,7 +140,11 @@ class QuantisedRows:
         return decode_rows(rows.reshape(-1, rows.shape[-1]), self.d, self.kind).view(*rows.shape[:-1], self.d)
 
     def __setitem__(self, idx, values):
-        self.flat[idx] = encode_rows(values.reshape(-1, self.d), self.kind).view(*values.shape[:-1], -1)
+        encoded = encode_rows(values.reshape(-1, self.d), self.kind).view(*values.shape[:-1], -1)
+        if isinstance(idx, torch.Tensor) and idx.dim() == 1 and encoded.dim() == 2:
+            write_rows(self.flat, idx, encoded)
+        else:
+            self.flat[idx] = encoded
 
     def to(self, dtype):
         return decode_rows(self.flat, self.d, self.kind).to(dtype)

@@ -313,6 +313,26 @@ at::Tensor index_select_decode(const at::Tensor& q_in, const at::Tensor& w_in, c
     return out;
 }
 
+// dst[rows[i]] = src[i] for the rows of a 2-D cache layer (any element type), in place: a compiled
+// decode graph writes its new cache rows through this op, which inductor keeps in place, where a
+// functionalised index_put copied the whole cache layer out and back each step
+void write_rows(at::Tensor dst, const at::Tensor& rows, const at::Tensor& src) {
+    TORCH_CHECK(dst.dim() == 2 && dst.stride(1) == 1 && dst.device().is_cpu(), "write_rows: a 2-D CPU dst with unit column stride");
+    TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong, "write_rows: int64 rows [n]");
+    TORCH_CHECK(src.dim() == 2 && src.size(0) == rows.size(0) && src.size(1) == dst.size(1) &&
+                src.scalar_type() == dst.scalar_type(), "write_rows: src [n, d] of dst's dtype and width");
+    const auto r = rows.contiguous();
+    const auto v = src.contiguous();
+    const int64_t n = r.size(0), R = dst.size(0), bytes = dst.size(1) * dst.element_size();
+    const int64_t* idx = r.data_ptr<int64_t>();
+    for (int64_t i = 0; i < n; ++i)
+        TORCH_CHECK(idx[i] >= 0 && idx[i] < R, "write_rows: row ", idx[i], " outside the ", R, " rows of dst");
+    char* d = static_cast<char*>(dst.data_ptr());
+    const char* s = static_cast<const char*>(v.data_ptr());
+    const int64_t stride = dst.stride(0) * dst.element_size();
+    for (int64_t i = 0; i < n; ++i) std::memcpy(d + idx[i] * stride, s + i * bytes, bytes);
+}
+
 std::string mla_isa(int64_t force_portable) { return ouro::isa_switch(force_portable); }
 
 }  // namespace
@@ -322,10 +342,12 @@ TORCH_LIBRARY_FRAGMENT(ouro_native, m) {
           "Tensor seq, int page_size) -> Tensor");
     m.def("index_select_decode(Tensor q, Tensor weights, Tensor pooled, Tensor page_table, Tensor seq, "
           "Tensor positions, int page_size, int select_k, int kpool, float scale, int width) -> Tensor");
+    m.def("write_rows(Tensor(a!) dst, Tensor rows, Tensor src) -> ()");
     m.def("mla_isa(int force_portable) -> str", &mla_isa);
 }
 
 TORCH_LIBRARY_IMPL(ouro_native, CPU, m) {
     m.impl("sparse_mla_decode", &sparse_mla_decode);
     m.impl("index_select_decode", &index_select_decode);
+    m.impl("write_rows", &write_rows);
 }

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from . import kernels
 from .kernels import ops, register_fakes, usable
 
 FAMILY = "mla"
@@ -41,8 +42,19 @@ def index_select_decode(q, weights, pooled, page_table, seq, positions, page_siz
                                            kpool, scale, width)
 
 
+def write_rows(dst, rows, src) -> None:
+    """dst[rows] = src for a 2-D cache layer, in place. Inside a compiled graph's trace it runs as the
+    native op (the graph writes the rows where they are, not through a copy of the layer); elsewhere
+    as the indexed store it is."""
+    if torch.compiler.is_compiling() and dst.device.type == "cpu" and not kernels.fused_off() and kernels.load(FAMILY):
+        ops(FAMILY).write_rows(dst, rows, src.to(dst.dtype))
+    else:
+        dst[rows] = src.to(dst.dtype)
+
+
 @register_fakes(FAMILY)
 def _fakes():
+    torch.library.register_fake("ouro_native::write_rows")(lambda dst, rows, src: None)
     torch.library.register_fake("ouro_native::sparse_mla_decode")(
         lambda q_lat, *rest: q_lat.new_empty(q_lat.shape))
     torch.library.register_fake("ouro_native::index_select_decode")(
