@@ -302,17 +302,18 @@ def test_tiny_model_decode_fused_equals_eager(tiny_checkpoint, monkeypatch, kv):
         assert rel_rms(l_got, l_ref) <= bound
 
 
+@pytest.mark.parametrize("n", [1, 7, 40])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.uint8, torch.int8])
 @pytest.mark.parametrize("strided", [False, True])
-def test_write_rows_stores_exactly_the_indexed_store(dtype, strided):
+def test_write_rows_stores_exactly_the_indexed_store(dtype, strided, n):
     """`write_rows` (the compiled graph's cache store): dst[rows] = src in place, any element type, a
     dst whose rows are strided (a cache layer's view); rows outside dst are refused, nothing written."""
     g = torch.Generator().manual_seed(0)
     full = (torch.randn(40, 24, generator=g) * 50).to(dtype)
     dst = full[:, :16] if strided else full[:, :16].contiguous()
     want = dst.clone()
-    rows = torch.randperm(dst.shape[0], generator=g)[:7]
-    src = (torch.randn(7, 16, generator=g) * 50).to(dtype)
+    rows = torch.randperm(dst.shape[0], generator=g)[:n]
+    src = (torch.randn(n, 16, generator=g) * 50).to(dtype)
     want[rows] = src
     before = full.clone()
     kernels.ops("mla").write_rows(dst, rows, src)
@@ -320,5 +321,5 @@ def test_write_rows_stores_exactly_the_indexed_store(dtype, strided):
     if strided:       # the columns beside the view are untouched
         assert torch.equal(full[:, 16:], before[:, 16:])
     with pytest.raises(RuntimeError, match="outside"):
-        kernels.ops("mla").write_rows(dst, torch.tensor([0, dst.shape[0]]), src[:2])
+        kernels.ops("mla").write_rows(dst, torch.tensor([0, dst.shape[0]]), src[:1].expand(2, -1))
     assert torch.equal(dst, want)

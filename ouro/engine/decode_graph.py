@@ -29,8 +29,8 @@ from ..native.kernels import load_all
 from ..ops.opaque import opaque_key
 
 
-BACKEND = "inductor"
-_INSTANCES = itertools.count()    # torch.compile's backend (tests use aot_eager: the same capture, no C++ build)
+BACKEND = "inductor"    # torch.compile's backend (tests use aot_eager: the same capture, no C++ build)
+_INSTANCES = itertools.count()
 
 
 def counting_backend(name: str = "aot_eager"):
@@ -105,9 +105,7 @@ class DecodeGraph:
             # not its call: a hook on the model mirrors eager forwards to TP followers, which make
             # their own graph the same way)
             ids, *rest = self.inputs([0], [0], [self.scratch_slot], [[self.scratch_page]])
-            ctx = GraphContext(self.cache, *rest, self.scratch_page)
-            ctx.keep_hidden = self.keep_hidden
-            self.model.forward(ids, ctx)
+            self.model.forward(ids, self._context(*rest))
             for m in bound_merged(self.model):     # a merged projection may run as an opaque op too
                 opaque_key(m)
             self._bound = True
@@ -119,13 +117,15 @@ class DecodeGraph:
         torch._dynamo.mark_dynamic(inputs[-1], 1)
         return self._compiled(*inputs)
 
-    def _forward(self, ids, positions, slot_mapping, state_slots, fresh, page_table):
+    def _context(self, positions, slot_mapping, state_slots, fresh, page_table) -> GraphContext:
         ctx = GraphContext(self.cache, positions, slot_mapping, state_slots, fresh, page_table, self.scratch_page)
-        if self.keep_hidden:
-            ctx.keep_hidden = True
-            logits = self.model(ids, ctx)
-            return logits, ctx.hidden
-        return self.model(ids, ctx)
+        ctx.keep_hidden = self.keep_hidden
+        return ctx
+
+    def _forward(self, ids, *rest):
+        ctx = self._context(*rest)
+        logits = self.model(ids, ctx)
+        return (logits, ctx.hidden) if self.keep_hidden else logits
 
     def accepts(self, counts, prompt_logprobs: bool) -> bool:
         return not prompt_logprobs and len(counts) <= self.max_bs and all(n == 1 for n in counts)

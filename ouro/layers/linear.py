@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..gemm_pick import GEMV_ROWS, form_for, packed_for, pick_forms, product
+from ..gemm_pick import form_for, packed_for, pick_forms, product
 from ..native import gemv
 from ..ops import batch_invariant
 from ..ops.opaque import call_opaque
@@ -19,33 +19,25 @@ class Linear(nn.Linear):
     forms = None
 
     def forward(self, x):
-        if self.forms is not None and torch.compiler.is_compiling():
-            return self.graph_forward(x)
+        # a compiled graph holds every form as a direct op but the packed one: oneDNN's packed copy
+        # cannot be traced, so that product runs as one opaque op
+        if self.forms is not None and torch.compiler.is_compiling() and self.form(x) == "packed":
+            return call_opaque(self, x)
         return self.eager(x)
 
-    def graph_forward(self, x):
-        """Inside a compiled graph: the measured form for the (symbolic) row count, as a direct op
-        where it is one (gemv, F.linear); the packed form's oneDNN copy cannot be traced, so it
-        runs as one opaque op."""
-        rows = x.numel() // x.shape[-1]
-        form = form_for(self.forms, rows)
-        if form == "packed" and self.bias is None and not batch_invariant.enabled():
-            return call_opaque(self, x)
-        if form == "gemv" and self.bias is None and not batch_invariant.enabled() and gemv.can(x, self.weight) \
-                and rows <= GEMV_ROWS:
-            return gemv.gemv(x.reshape(rows, x.shape[-1]), self.weight).view(*x.shape[:-1], self.out_features)
-        if form == "transposed" and self.bias is None and not batch_invariant.enabled():
-            return product(x.reshape(rows, x.shape[-1]), self.weight, form).view(*x.shape[:-1], self.out_features)
-        return F.linear(x, self.weight, self.bias)
-
-    def eager(self, x):
+    def form(self, x) -> str:
+        """The product form x's row count takes ('linear': F.linear, with the bias)."""
         if self.forms is None or self.bias is not None or torch.is_grad_enabled() or batch_invariant.enabled():
-            return F.linear(x, self.weight, self.bias)
+            return "linear"
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         form = form_for(self.forms, rows)
-        if form == "linear" or rows == 0 or (form == "gemv" and not gemv.can(x, self.weight)):
-            return F.linear(x, self.weight)
-        flat = x.reshape(rows, x.shape[-1])
+        return "linear" if rows == 0 or (form == "gemv" and not gemv.can(x, self.weight)) else form
+
+    def eager(self, x):
+        form = self.form(x)
+        if form == "linear":
+            return F.linear(x, self.weight, self.bias)
+        flat = x.reshape(-1, x.shape[-1])
         packed = packed_for(self, self.packed_weights())[0] if form == "packed" else None
         return product(flat, self.weight, form, packed).view(*x.shape[:-1], self.out_features)
 

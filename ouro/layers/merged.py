@@ -64,8 +64,8 @@ def graph_merged(modules):
 
 def bound_merged(model) -> list:
     """The merged modules `graph_merged` hands a trace of `model`'s forward."""
-    return [m.__dict__["_graph_merged"][1] for m in model.modules()
-            if m.__dict__.get("_graph_merged") is not None and m.__dict__["_graph_merged"][1] is not None]
+    hits = (m.__dict__.get("_graph_merged") for m in model.modules())
+    return [hit[1] for hit in hits if hit is not None and hit[1] is not None]
 
 
 def _merges(modules) -> bool:

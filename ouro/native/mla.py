@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from . import kernels
-from .kernels import ops, register_fakes, usable
+from .kernels import fused_off, load, ops, register_fakes, usable
 
 FAMILY = "mla"
 KINDS = ("int8", "fp8_e4m3")
@@ -46,7 +45,7 @@ def write_rows(dst, rows, src) -> None:
     """dst[rows] = src for a 2-D cache layer, in place. Inside a compiled graph's trace it runs as the
     native op (the graph writes the rows where they are, not through a copy of the layer); elsewhere
     as the indexed store it is."""
-    if torch.compiler.is_compiling() and dst.device.type == "cpu" and not kernels.fused_off() and kernels.load(FAMILY):
+    if torch.compiler.is_compiling() and dst.device.type == "cpu" and not fused_off() and load(FAMILY):
         ops(FAMILY).write_rows(dst, rows, src.to(dst.dtype))
     else:
         dst[rows] = src.to(dst.dtype)

@@ -162,9 +162,14 @@ torch::Tensor w8a8_packed(torch::Tensor x, torch::Tensor p, torch::Tensor w_scal
     TORCH_CHECK(KGN == (K + KG - 1) / KG && NB == (N + LANES - 1) / LANES, "w8a8_packed: x has ", K,
                 " columns and N is ", N, ", but the packed weight was made for another shape");
     TORCH_CHECK(w_scale.scalar_type() == torch::kFloat && w_scale.numel() == E * N, "w8a8_packed: float32 w_scale [E, N]");
-    // empty offsets: one weight, every row (a compiled graph passes no tensor made from its row count)
-    offsets = offsets.numel() == 0 && E == 1 ? torch::tensor({int64_t(0), R}, offsets.options()) : offsets.contiguous();
-    check_offsets(offsets, E, R);
+    // empty offsets: one weight, every row (a projection; no tensor made from the row count per call)
+    const int64_t whole[2] = {0, R};
+    const int64_t* off = whole;
+    if (offsets.numel() != 0 || E != 1) {
+        offsets = offsets.contiguous();
+        check_offsets(offsets, E, R);
+        off = offsets.data_ptr<int64_t>();
+    }
     x = x.contiguous();
     w_scale = w_scale.contiguous();
     p = p.contiguous();
@@ -173,7 +178,7 @@ torch::Tensor w8a8_packed(torch::Tensor x, torch::Tensor p, torch::Tensor w_scal
     auto sc = torch::empty({R}, x.options());
     quantize_rows(x.data_ptr<float>(), R, K, static_cast<XT*>(q.data_ptr()), xs, sc.data_ptr<float>());
     auto out = torch::empty({R, N}, x.options());
-    grouped(static_cast<const XT*>(q.data_ptr()), xs, p.data_ptr<int8_t>(), E, NB, KGN, N, offsets.data_ptr<int64_t>(),
+    grouped(static_cast<const XT*>(q.data_ptr()), xs, p.data_ptr<int8_t>(), E, NB, KGN, N, off,
             Dequantise{sc.data_ptr<float>(), w_scale.data_ptr<float>(), out.data_ptr<float>(), N});
     return out;
 }

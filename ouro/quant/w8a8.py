@@ -72,8 +72,8 @@ def graph_pack(owner, name: str):
     return getattr(owner, "_graph_packs", {}).get(name)
 
 
-# offsets of "one weight, every row": the kernel reads an empty tensor so (a graph's symbolic row
-# count needs no tensor made from it)
+# offsets of "one weight, every row" (a projection): the kernel reads an empty tensor so, and no
+# tensor is made from the row count (a compiled graph's is symbolic)
 _ALL_ROWS = torch.empty(0, dtype=torch.long)
 
 
@@ -81,17 +81,6 @@ def _offsets(counts):
     offsets = torch.zeros(len(counts) + 1, dtype=torch.long)
     torch.cumsum(counts.cpu(), 0, out=offsets[1:])
     return offsets
-
-
-_SPANS: dict = {}
-
-
-def _span(rows: int):
-    """offsets [0, rows] of a single weight (made once per row count: a decode step asks for it per layer)."""
-    t = _SPANS.get(rows)
-    if t is None:
-        t = _SPANS[rows] = torch.tensor([0, rows])
-    return t
 
 
 def _form(forms, rows: int) -> str:
@@ -111,7 +100,7 @@ def w8a8_product(x, qweight, weight_scale, forms, owner=None, name: str = "weigh
         return fp8_forms.fp8_mm(qx, sx, qweight, weight_scale, form, padded)
     if form == "native":
         p = packed_for(owner, qweight, name) if owner is not None else native().pack_weight(qweight.unsqueeze(0))
-        return native().w8a8_packed(x.float(), p, weight_scale, _span(x.shape[0]), qweight.shape[0])
+        return native().w8a8_packed(x.float(), p, weight_scale, _ALL_ROWS, qweight.shape[0])
     q, s = quantize_rows(x)
     return dequantize(int8_forms.int8_mm(q, qweight, form), s, weight_scale)
 
@@ -213,12 +202,9 @@ class W8A8Experts(nn.Module):
 
     def graph_forward(self, x, weights, experts):
         """Inside a compiled graph: `w8a8_experts` as a direct op where the eager path would run it
-        (`fused`, less the host read), otherwise the eager path as one opaque op."""
-        E = self.gate_up_proj_q.shape[0]
-        rows = max(1, experts.numel() // max(1, min(E, experts.numel())))
+        (`kernel_runs`), otherwise the eager path as one opaque op."""
         gate_up, down = graph_pack(self, "gate_up"), graph_pack(self, "down")
-        if gate_up is None or down is None or x.dtype != torch.float32 or self.gate_up_proj_q.dtype != torch.int8 \
-                or fused_off() or _form(self.int8_forms, rows) != "native":
+        if gate_up is None or down is None or not self.kernel_runs(x, experts):
             return call_opaque(self, x, weights, experts)
         return torch.ops.ouro_int8.w8a8_experts(x, weights.float(), experts.long(), gate_up, self.gate_up_proj_scale,
                                                 down, self.down_proj_scale, self.down_proj_q.shape[2], float(self.limit))
@@ -227,14 +213,17 @@ class W8A8Experts(nn.Module):
         return x.shape, x.dtype
 
     def fused(self, x, experts) -> bool:
-        """Whether the routed experts run as one native call (`int8_mm.cpp`'s `w8a8_experts`): float32
-        host rows, int8 weights, ouro's kernel the form for the rows an expert gets, fused kernels on
-        (not `kernels.eager_only()`, the reference) and no autograd."""
+        """Whether the routed experts run as one native call (`int8_mm.cpp`'s `w8a8_experts`): host
+        rows and `kernel_runs`."""
+        return reads_host(x) and self.kernel_runs(x, experts)
+
+    def kernel_runs(self, x, experts) -> bool:
+        """float32 rows, int8 weights, ouro's kernel the form for the rows an expert gets, fused
+        kernels on (not `kernels.eager_only()`, the reference) and no autograd."""
         E = self.gate_up_proj_q.shape[0]
         rows = max(1, experts.numel() // max(1, min(E, experts.numel())))
-        return (x.dtype == torch.float32 and self.gate_up_proj_q.dtype == torch.int8 and reads_host(x) and
-                not torch.is_grad_enabled() and not fused_off() and _form(self.int8_forms, rows) == "native"
-                and native() is not None)
+        return (x.dtype == torch.float32 and self.gate_up_proj_q.dtype == torch.int8 and not torch.is_grad_enabled()
+                and not fused_off() and _form(self.int8_forms, rows) == "native" and native() is not None)
 
     def eager(self, x, weights, experts):
         T, k = experts.shape
