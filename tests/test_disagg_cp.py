@@ -44,7 +44,7 @@ def run(engine_out, p, d):
     return engine_out
 
 
-@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("split", [pytest.param(False, marks=pytest.mark.slow), True])    # LayerSplit's worker is CP's plus its split
 def test_a_cp_prefill_worker_feeds_its_decode_worker(ckpt, split):
     one = LLMEngine(load_model(ckpt), None, EngineConfig(**KW), verbose=False)
     for i, ids in enumerate(prompts()):

@@ -69,6 +69,7 @@ def worker_pids(server):
     return out
 
 
+@pytest.mark.slow       # a combination: 1P1D (above) and TP=2 (test_tp_engine) each run by default
 def test_1p1d_with_tp2_answers_as_one_engine(tiny_checkpoint, tmp_path, reference):
     # --disagg with --tp: both workers run two ranks; prefill rank r sends its own shard (the
     # KDA state of its heads, the DSA rows) to decode rank r; rank 0 waits for the followers'

@@ -46,6 +46,7 @@ def test_cp_engine_decodes_as_one_rank(tiny_checkpoint):
         cp_engine.cp.close()
 
 
+@pytest.mark.slow       # a combination: CP=2 and TP=2 each run by default
 def test_cp2_with_tp2_decodes_as_one_rank(tiny_checkpoint):
     # a TP x CP grid of four ranks: each CP index is a TP group with its shards; the long prompts'
     # KDA state (of each rank's heads) ends on the engine's TP group, which then decodes
@@ -141,6 +142,7 @@ def test_timeline_shows_every_ranks_compute_and_exchange(tiny_checkpoint):
     spans.clear()
 
 
+@pytest.mark.slow       # a combination: CP=2, W8A8 and the FP8 cache each run by default
 def test_cp_with_w8a8_and_an_fp8_cache_decodes_as_one_rank(tiny_checkpoint):
     """The helper ranks build the engine's model and cache: W8A8 products and fp8 cache rows on every
     rank, the same tokens as one rank running the same."""
