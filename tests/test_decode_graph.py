@@ -81,6 +81,42 @@ def test_graph_decode_equals_eager_and_leaves_the_same_cache():
     assert len(graphs) == 2, f"{len(graphs)} graphs traced: a batch size or table width was specialised"
 
 
+def test_the_graph_guards_nothing_on_the_model_and_a_hook_added_later_sends_steps_eager():
+    """Dynamo's thousands of guards on the model (module attributes, hooks, parameters) were most of
+    a batch-1 step's host time: the graph keeps none (`_sealed_guards`), so a changed module
+    attribute does not trace again, and `accepts` sends a step eagerly while the model has a forward
+    hook it did not have at the first trace (the lab's timers), and back once it is gone."""
+    worst, same, graph, graphs = graph_matches_eager("aot_eager")
+    model, n = graph.model, len(graphs)
+    assert graph.accepts([1, 1], False)
+
+    def one_step():       # a fresh one-token sequence in the scratch slot: the same logits each time
+        with torch.inference_mode():
+            return graph.run([3], [0], [graph.scratch_slot], [[graph.scratch_page]])
+
+    before = one_step()
+    assert not before.isnan().any()
+    eps = model.norm.eps
+    model.norm.eps = eps * 2           # guarded by default: a new trace
+    try:
+        one_step()
+        assert len(graphs) == n, "the graph traced again for a module attribute: it guards the model"
+    finally:
+        model.norm.eps = eps
+    calls = []
+    handle = model.layers[1].register_forward_hook(lambda *a: calls.append(1))
+    assert not graph.accepts([1], False), "a hook added after the first trace would not run in the graph"
+    other = torch.nn.Linear(2, 2).register_forward_hook(lambda *a: None)    # not the model's: no effect
+    handle.remove()
+    assert graph.accepts([1], False)
+    other.remove()
+    assert graph.accepts([1], False)
+    handle = model.register_forward_pre_hook(lambda *a: None)
+    assert not graph.accepts([1], False)
+    handle.remove()
+    assert graph.accepts([1], False) and torch.equal(before, one_step())
+
+
 def graph_targets(graphs) -> list[str]:
     return [str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
 

@@ -10,8 +10,10 @@ beside the cache and no sequence owns, so padding never changes a real row's out
 torch.compile traces it once with dynamic sizes (a few graphs in all: size thresholds inside the
 ops, such as the indexer's "fewer pools than it keeps", become guards), inductor builds it on a
 CPU, and on CUDA `mode="reduce-overhead"` records a CUDA graph per bucket: the same structure. The
-projections and routed experts stay the eager products the machine picked (`ouro.ops.opaque`).
-Everything is compiled at start-up, bucket by bucket with a progress bar; inductor keeps its
+projections and routed experts call the products the machine picked directly (their `graph_forward`).
+The graph keeps dynamo's guards on its inputs, sizes and module globals but none on the model
+(`_sealed_guards`): the model is sealed at the first trace, its weights read in place each call, and
+a step with a forward hook added since runs eagerly. Everything is compiled at start-up, bucket by bucket with a progress bar; inductor keeps its
 kernels in its on-disk cache, so a later start is faster. Batches that are not pure decode (a
 prefill chunk, prompt logprobs) or larger than `max_bs` run eagerly."""
 
@@ -22,6 +24,8 @@ import time
 import types
 
 import torch
+from torch.nn.modules import module as module_hooks
+from torch.utils.hooks import RemovableHandle
 
 from ..layers.context import GraphContext, ModelCache
 from ..layers.merged import bound_merged
@@ -61,6 +65,15 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+def _sealed_guards(entries) -> list[bool]:
+    """Which of dynamo's guards a decode graph keeps: those on its inputs (sizes, dtypes, strides), the
+    symbolic size relations that pick a graph, global state (grad mode, default device) and module
+    globals (which fused op a layer calls); not those on the model and cache (`self...`: thousands of
+    module attribute, hook and parameter checks, most of a batch-1 step's host time). The model is
+    sealed at its first trace: while a hook added later is there, the step runs eagerly (`sealed`)."""
+    return [not (e.name.startswith("self") or e.name.startswith("dict(type(self")) for e in entries]
+
+
 class DecodeGraph:
     def __init__(self, model, cache: ModelCache, scratch_slot: int, scratch_page: int, max_bs: int,
                  backend=None, mode: str | None = None, keep_hidden: bool = False):
@@ -89,11 +102,18 @@ class DecodeGraph:
         own = types.FunctionType(fwd.__code__.replace(co_name=f"_forward_{next(_INSTANCES)}"), fwd.__globals__,
                                  fwd.__name__)
         backend = backend or BACKEND
-        # inductor's wrapper checks every input's size and stride per call (hundreds at decode, most
-        # of a batch-1 step's host time left); the inputs are this class's own, made one way
-        options = {"size_asserts": False} if backend == "inductor" and mode is None else None
+        options = {"guard_filter_fn": _sealed_guards}
+        if backend == "inductor":
+            # inductor's wrapper checks every input's size and stride per call (hundreds at decode,
+            # most of a batch-1 step's host time left); the inputs are this class's own, made one way
+            options["size_asserts"] = False
+            if mode == "reduce-overhead":        # the mode's one option: torch takes a mode or options
+                options["triton.cudagraphs"], mode = True, None
         self._compiled = torch.compile(types.MethodType(own, self), backend=backend, mode=mode,
                                        fullgraph=True, options=options)
+        self._seal: list | None = None     # [hook registrations seen, the model's hooks then], at the first trace
+        self._modules = list(model.modules())
+        self._hooked = False
         self.runs = 0
         self._bound = False
 
@@ -109,6 +129,7 @@ class DecodeGraph:
             for m in bound_merged(self.model):     # a merged projection may run as an opaque op too
                 opaque_key(m)
             self._bound = True
+            self._seal = [RemovableHandle.next_id, self._hooks()]
         # only the batch and the page-table width vary: every other size and constant is traced as it
         # is (batch 1 is its own graph: torch specialises size 1)
         if inputs[0].shape[0] > 1:
@@ -128,7 +149,26 @@ class DecodeGraph:
         return (logits, ctx.hidden) if self.keep_hidden else logits
 
     def accepts(self, counts, prompt_logprobs: bool) -> bool:
-        return not prompt_logprobs and len(counts) <= self.max_bs and all(n == 1 for n in counts)
+        return (not prompt_logprobs and len(counts) <= self.max_bs and all(n == 1 for n in counts)
+                and self.sealed())
+
+    def _hooks(self) -> tuple:
+        """Every forward hook the model's modules run (their handles' numbers), global ones included."""
+        return (*module_hooks._global_forward_pre_hooks, *module_hooks._global_forward_hooks,
+                *(k for m in self._modules for d in (m._forward_pre_hooks, m._forward_hooks) for k in d))
+
+    def sealed(self) -> bool:
+        """Whether the model has the forward hooks it had at the first trace, no more, no fewer. The
+        graph keeps no guard on the model (`_sealed_guards`), so a hook added later would not run in
+        it: the step runs eagerly while one is there (the lab's timers and probes). O(1) while no hook
+        was registered anywhere since the last look (torch numbers every hook handle); a walk over the
+        model's hooks otherwise."""
+        if self._seal is None:
+            return True
+        if RemovableHandle.next_id != self._seal[0] or self._hooked:
+            self._hooked = self._hooks() != self._seal[1]
+            self._seal[0] = RemovableHandle.next_id
+        return not self._hooked
 
     def inputs(self, ids, start_pos, slots, pages):
         """The padded step inputs for a decode batch (host lists; `pages` one page list per row)."""
