@@ -32,8 +32,11 @@ using XT = int8_t;
 constexpr int64_t ROW_CHUNK = 32;        // rows whose quantised activations stay in L2 while weights stream
 constexpr int64_t LANES = 8;              // channels per block
 
-// a thread's share should be worth waking it: at least ~256 KB of weights
-int64_t grain_for(int64_t K) { return std::max<int64_t>(1, (int64_t(1) << 18) / std::max<int64_t>(1, K)); }
+// a thread's share should be worth waking it: at least ~64 KB of weights. A decode step streams its
+// weights from memory, not cache (a model is larger than L3), where one thread reads ~8 GB/s and two
+// ~13-20: a 512 x 512 weight read cold took 31-33 us on one thread, 20 us split (AVX2 Zen 3; 256 KB
+// was the grain before, measured on weights that stayed in cache, where a split bought nothing)
+int64_t grain_for(int64_t K) { return std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(1, K)); }
 
 // per-row symmetric quantisation, the same arithmetic as ouro.ops.quant.quantize_rows:
 // scale = amax / 127 (float32), q = round-half-even(x / max(scale, FLT_MIN)) clamped to [-127, 127]
