@@ -92,6 +92,7 @@ def test_bench_serve_sends_image_chats(server):
     assert metric(server, "ouro:epd_images_encoded", 3 + 6) == 3 + 6
 
 
+@pytest.mark.slow       # a recovery path of 1E1P1D, whose main path runs by default above
 def test_a_prefill_worker_that_cached_nothing_asks_again_and_answers(tmp_path):
     """--encoder-cache-mb 0: the router believes the prefill worker holds a repeated image's rows,
     it does not; it asks (need_images), the image is encoded again, and the reply is right."""

@@ -53,6 +53,7 @@ def test_tiny_tp2_and_ep2_equal_tp1():
     _check(resolve_model("tiny"))
 
 
+@pytest.mark.slow       # TP=2 against TP=1 runs by default on tiny above; this shape with -m slow
 def test_hidden_shape_with_padded_vocabulary(hidden_shape):
     one, two = _check(hidden_shape, eps=(False,))         # experts whole per rank: on tiny, and small (slow)
     assert one["logits"].shape[-1] == 383 == two["logits"].shape[-1]      # the padding never shows

@@ -142,6 +142,7 @@ def test_a_search_checks_before_it_times_and_resumes_from_its_journal(tmp_path):
     EngineConfig(**best)
 
 
+@pytest.mark.slow       # 15 s: a real server per candidate; the search itself runs by default above
 def test_the_serve_worker_answers_as_the_engine_worker(tmp_path):
     """--workload serve's candidate is a real `ouro serve --config` process: its greedy check over
     /v1/completions gives the engine-process worker's tokens and logprobs, a run under streaming
@@ -171,7 +172,7 @@ def test_the_serve_worker_answers_as_the_engine_worker(tmp_path):
         Tuner(d, Workload(num_prompts=5, kind="serve"), tmp_path / "j.jsonl", quality_dir=d, progress=False)
 
 
-@pytest.mark.slow       # a whole search of real servers (the worker itself is tested by default above)
+@pytest.mark.slow       # a whole search of real servers (the worker itself: the test above)
 def test_the_serve_workload_times_real_servers_and_checks_through_http(tmp_path):
     """--workload serve: a search over real servers; a candidate the server refuses is journaled
     with the server's reason; the winner's gap report is journaled."""
