@@ -93,6 +93,7 @@ def test_search_space_and_choices():
     assert par.choices[1][1] == {"tensor_parallel_size": 2, "expert_parallel": False}
 
 
+@pytest.mark.slow       # 19 s: a whole offline search; the space, the exactness check's rule, the gap report by default
 def test_a_search_checks_before_it_times_and_resumes_from_its_journal(tmp_path):
     d = resolve_model("tiny-py")
     journal = tmp_path / "j.jsonl"
@@ -142,7 +143,7 @@ def test_a_search_checks_before_it_times_and_resumes_from_its_journal(tmp_path):
     EngineConfig(**best)
 
 
-@pytest.mark.slow       # 15 s: a real server per candidate; the search itself runs by default above
+@pytest.mark.slow       # 15 s: a real server per candidate
 def test_the_serve_worker_answers_as_the_engine_worker(tmp_path):
     """--workload serve's candidate is a real `ouro serve --config` process: its greedy check over
     /v1/completions gives the engine-process worker's tokens and logprobs, a run under streaming
