@@ -142,6 +142,34 @@ def test_a_token_alone_equals_it_in_a_batch(path, batch, n, D):
             assert torch.equal(w[t:t + 1], one)
 
 
+@pytest.mark.parametrize("T", [1, 2, 4])
+def test_a_few_tokens_split_over_threads_equal_one_thread_and_a_batch(path, T):
+    """Up to 4 tokens with a projection of 64 KB or more (`small`'s 196 KB) split its rows over the
+    threads (`SPLIT_FLOATS`): bit-identical to one thread and to the same tokens in a batch of 16,
+    for the weights alone and after a mix; within eager's tolerance."""
+    n, D = 4, 512
+    a, b = hc(n, D, 20, seed=3), hc(n, D, 20, seed=4)
+    g = torch.Generator().manual_seed(T)
+    streams, out = torch.randn(16, n, D, generator=g), torch.randn(16, D, generator=g)
+    _, post, comb = a(torch.randn(16, n, D, generator=g))
+
+    def both(rows):
+        return (*fused.hc_pre(streams[rows], *a._weights()),
+                *a.mix_then(b, out[rows], streams[rows], post[rows], comb[rows])[1])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        split = both(slice(0, T))
+        torch.set_num_threads(1)
+        one = both(slice(0, T))
+    finally:
+        torch.set_num_threads(threads)
+    batch = both(slice(0, 16))
+    for s_, o, w in zip(split, one, batch):
+        assert torch.equal(s_, o) and torch.equal(s_, w[:T]) and not torch.isnan(s_).any()
+    check(split[:3], eager(lambda: a(streams[:T])), weights64(a, streams[:T]))
+
+
 def test_the_ops_have_working_fakes():
     m, n = hc(2, 8, 3, seed=0), 2
     streams, out = torch.randn(5, n, 8), torch.randn(5, 8)

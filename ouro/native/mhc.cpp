@@ -27,6 +27,7 @@ constexpr int64_t MAX_N = 16;            // streams; the n x n matrix lives on t
 constexpr int64_t GROUP = 4;             // tokens projected together (ouro::dot_2x4)
 constexpr int64_t CHUNK = 512;           // columns of a projection per pass (4 tokens' chunks: 8 KB)
 constexpr int64_t GRAIN_FMAS = 1 << 19;  // ~20 us of work per thread before a second one is woken
+constexpr int64_t SPLIT_FLOATS = 1 << 14; // one group's projection splits over threads from 64 KB of weights
 
 // one hyper-connection's weights and constants; holds the contiguous tensors its pointers read
 struct Hc {
@@ -124,20 +125,21 @@ void finish(const Hc& h, const float* z, const float* const* rows, int64_t count
 // the projections z [count, K] of `count` <= GROUP tokens' streams (rows of n*D floats), two rows
 // of fn at a time (an odd K's last row is paired with itself), over CHUNK columns at a time so the
 // tokens' chunks stay in L1 while every row of fn passes (the partial sums add in chunk order)
-void project(const Hc& h, const float* const* rows, int64_t count, float* z) {
+// Rows r0 .. r1 of z only (r0 even): each row's sums are the same whichever rows run beside it.
+void project(const Hc& h, const float* const* rows, int64_t count, float* z, int64_t r0, int64_t r1) {
     const int64_t nD = h.n * h.D;
-    std::fill(z, z + count * h.K, 0.f);
+    for (int64_t k = 0; k < count; ++k) std::fill(z + k * h.K + r0, z + k * h.K + r1, 0.f);
     float out[2 * GROUP];
     for (int64_t c = 0; c < nD; c += CHUNK) {
         const int64_t len = std::min(CHUNK, nD - c);
         const float* b[GROUP];
         for (int64_t k = 0; k < GROUP; ++k) b[k] = rows[std::min(k, count - 1)] + c;
-        for (int64_t r = 0; r < h.K; r += 2) {
+        for (int64_t r = r0; r < r1; r += 2) {
             const float* a[2] = {h.fn + r * nD + c, h.fn + std::min(r + 1, h.K - 1) * nD + c};
             ouro::dot_2x4(a, b, len, out);
             for (int64_t k = 0; k < count; ++k) {
                 z[k * h.K + r] += out[k];
-                if (r + 1 < h.K) z[k * h.K + r + 1] += out[GROUP + k];
+                if (r + 1 < r1) z[k * h.K + r + 1] += out[GROUP + k];
             }
         }
     }
@@ -189,6 +191,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> weigh(const Hc& h, at::Tensor& s,
     float *sp = s.data_ptr<float>(), *xp = x.data_ptr<float>(), *pp = post.data_ptr<float>(), *cp = comb.data_ptr<float>();
     const int64_t per_token = K * n * D + (mix ? n * (n + 1) * D : 0) + 8 * h.iters * n * n;
     const int64_t groups = (T + GROUP - 1) / GROUP;
+    if (groups == 1 && K * n * D >= SPLIT_FLOATS && at::get_num_threads() > 1) {
+        // one group (a decode step of up to 4 tokens): its projection's rows split over the threads.
+        // Its weights come from memory, not cache, where one thread streams ~8 GB/s and two ~13-20
+        // (`small`: 196 KB a hyper-connection, 25 us a call on one thread, AVX2 Zen 3)
+        float z[GROUP * (2 + MAX_N) * MAX_N];
+        const float* rows[GROUP];
+        for (int64_t k = 0; k < T; ++k) {
+            if (mix) mix->token(k, sp + k * n * D);
+            rows[k] = sp + k * n * D;
+        }
+        at::parallel_for(0, (K + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
+            project(h, rows, T, z, 2 * p0, std::min(K, 2 * p1));
+        });
+        finish(h, z, rows, T, 0, xp, pp, cp);
+        return {x, post, comb};
+    }
     at::parallel_for(0, groups, std::max<int64_t>(1, GRAIN_FMAS / (GROUP * per_token)), [&](int64_t g0, int64_t g1) {
         float z[GROUP * (2 + MAX_N) * MAX_N];
         const float* rows[GROUP];
@@ -198,7 +216,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> weigh(const Hc& h, at::Tensor& s,
                 if (mix) mix->token(t0 + k, sp + (t0 + k) * n * D);
                 rows[k] = sp + (t0 + k) * n * D;
             }
-            project(h, rows, count, z);
+            project(h, rows, count, z, 0, h.K);
             finish(h, z, rows, count, t0, xp, pp, cp);
         }
     });
