@@ -126,6 +126,27 @@ def test_a_token_alone_equals_it_in_a_batch_bit_for_bit():
     assert torch.equal(alone[0], full[t]) and torch.equal(rec2[slots[t]], rec[slots[t]])
 
 
+@pytest.mark.parametrize("T", [1, 2])
+def test_a_step_split_over_threads_equals_one_thread_bit_for_bit(T):
+    """A decode step's (sequence, head) tasks split over the threads from ~64 KB of states (4 heads
+    of 64 x 64): the outputs and states are bit-identical to one thread's."""
+    H, dk, K = 8, 64, 4
+    i, conv, rec, slots, fresh = case(T, H, dk, K, T + 2, seed=11)
+    runs = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            c, r = conv.clone(), rec.clone()
+            out = fk.kda_decode(i["mixed"], i["f"], i["b"], i["gate"], i["conv_w"], i["dt_bias"], i["A_log"], -5.0,
+                                i["norm_w"], 1e-5, c, r, slots, fresh)
+            runs.append((out, c, r))
+    finally:
+        torch.set_num_threads(threads)
+    assert not runs[0][0].isnan().any()
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
 def test_bad_slots_and_shapes_are_refused():
     i, conv, rec, slots, fresh = case(2, 2, 8, 4, 4)
     args = lambda s: (i["mixed"], i["f"], i["b"], i["gate"], i["conv_w"], i["dt_bias"], i["A_log"], -5.0,  # noqa: E731

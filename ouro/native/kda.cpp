@@ -129,9 +129,12 @@ at::Tensor kda_sequences(const at::Tensor& mixed, const at::Tensor& f, const at:
     // the conv weights as rows [K][3C], once for every (sequence, head) task
     std::vector<float> wt(K * C3);
     window_to_rows(wp, C3, K, wt.data());
-    // a (token, head) task is ~4 dk dv flops: a thread takes at least ~16 of them; a sequence's
-    // tokens run in order inside one task
-    at::parallel_for(0, N * H, per_token ? 16 : 1, [&](int64_t i0, int64_t i1) {
+    // a (token, head) task is ~4 dk dv flops on a dk x dv state read and written from memory, not cache
+    // (a decode step reads more than L3 holds): a thread takes at least ~64 KB of states (4 heads of
+    // 64 x 64; 16 tasks before, which ran a batch-1 step of `small`'s 8 heads on one thread); a
+    // sequence's tokens run in order inside one task
+    const int64_t grain = per_token ? std::max<int64_t>(1, (int64_t(1) << 14) / (dk * dv)) : 1;
+    at::parallel_for(0, N * H, grain, [&](int64_t i0, int64_t i1) {
         std::vector<float> buf(8 * dk), hist(3 * W * dk);
         float *q = buf.data(), *k = q + dk, *v = k + dk, *g = v + dk, *pred = g + dk, *o = pred + dk;
         float *tmp = o + dk, *raw = tmp + dk;
