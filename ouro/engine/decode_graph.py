@@ -13,8 +13,9 @@ CPU, and on CUDA `mode="reduce-overhead"` records a CUDA graph per bucket: the s
 projections and routed experts call the products the machine picked directly (their `graph_forward`).
 The graph keeps dynamo's guards on its inputs, sizes and module globals but none on the model
 (`_sealed_guards`): the model is sealed at the first trace, its weights read in place each call, and
-a step with a forward hook added since runs eagerly. Everything is compiled at start-up, bucket by bucket with a progress bar; inductor keeps its
-kernels in its on-disk cache, so a later start is faster. Batches that are not pure decode (a
+a step with a forward hook added since runs eagerly. Everything is compiled at start-up, bucket by
+bucket with a progress bar; inductor keeps its kernels in its on-disk cache, so a later start is
+faster. Batches that are not pure decode (a
 prefill chunk, prompt logprobs) or larger than `max_bs` run eagerly."""
 
 from __future__ import annotations
@@ -116,8 +117,9 @@ class DecodeGraph:
                 options["cpp_wrapper"] = True
         self._compiled = torch.compile(types.MethodType(own, self), backend=backend, mode=mode,
                                        fullgraph=True, options=options)
-        self._seal: list | None = None     # [hook registrations seen, the model's hooks then], at the first trace
         self._modules = list(model.modules())
+        self._sealed_hooks: tuple | None = None     # the model's forward hooks at the first trace
+        self._handles_seen = 0                      # torch's hook-handle count at the last look
         self._hooked = False
         self.runs = 0
         self._bound = False
@@ -134,7 +136,7 @@ class DecodeGraph:
             for m in bound_merged(self.model):     # a merged projection may run as an opaque op too
                 opaque_key(m)
             self._bound = True
-            self._seal = [RemovableHandle.next_id, self._hooks()]
+            self._sealed_hooks, self._handles_seen = self._hooks(), RemovableHandle.next_id
         # only the batch and the page-table width vary: every other size and constant is traced as it
         # is (batch 1 is its own graph: torch specialises size 1)
         if inputs[0].shape[0] > 1:
@@ -168,11 +170,11 @@ class DecodeGraph:
         it: the step runs eagerly while one is there (the lab's timers and probes). O(1) while no hook
         was registered anywhere since the last look (torch numbers every hook handle); a walk over the
         model's hooks otherwise."""
-        if self._seal is None:
+        if self._sealed_hooks is None:
             return True
-        if RemovableHandle.next_id != self._seal[0] or self._hooked:
-            self._hooked = self._hooks() != self._seal[1]
-            self._seal[0] = RemovableHandle.next_id
+        if RemovableHandle.next_id != self._handles_seen or self._hooked:
+            self._hooked = self._hooks() != self._sealed_hooks
+            self._handles_seen = RemovableHandle.next_id
         return not self._hooked
 
     def inputs(self, ids, start_pos, slots, pages):

@@ -191,35 +191,33 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> weigh(const Hc& h, at::Tensor& s,
     float *sp = s.data_ptr<float>(), *xp = x.data_ptr<float>(), *pp = post.data_ptr<float>(), *cp = comb.data_ptr<float>();
     const int64_t per_token = K * n * D + (mix ? n * (n + 1) * D : 0) + 8 * h.iters * n * n;
     const int64_t groups = (T + GROUP - 1) / GROUP;
+    // one group of tokens: their new streams (after a mix), projection, weights and block input
+    auto group = [&](int64_t g, bool split) {
+        float z[GROUP * (2 + MAX_N) * MAX_N];
+        const float* rows[GROUP];
+        const int64_t t0 = g * GROUP, count = std::min(GROUP, T - t0);
+        for (int64_t k = 0; k < count; ++k) {
+            if (mix) mix->token(t0 + k, sp + (t0 + k) * n * D);
+            rows[k] = sp + (t0 + k) * n * D;
+        }
+        if (split)
+            at::parallel_for(0, (K + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
+                project(h, rows, count, z, 2 * p0, std::min(K, 2 * p1));
+            });
+        else
+            project(h, rows, count, z, 0, K);
+        finish(h, z, rows, count, t0, xp, pp, cp);
+    };
     if (groups == 1 && K * n * D >= SPLIT_FLOATS && at::get_num_threads() > 1) {
         // one group (a decode step of up to 4 tokens): its projection's rows split over the threads.
         // Its weights come from memory, not cache, where one thread streams ~8 GB/s and two ~13-20
         // (`small`: 196 KB a hyper-connection, 25 us a call on one thread, AVX2 Zen 3)
-        float z[GROUP * (2 + MAX_N) * MAX_N];
-        const float* rows[GROUP];
-        for (int64_t k = 0; k < T; ++k) {
-            if (mix) mix->token(k, sp + k * n * D);
-            rows[k] = sp + k * n * D;
-        }
-        at::parallel_for(0, (K + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
-            project(h, rows, T, z, 2 * p0, std::min(K, 2 * p1));
+        group(0, true);
+    } else {
+        at::parallel_for(0, groups, std::max<int64_t>(1, GRAIN_FMAS / (GROUP * per_token)), [&](int64_t g0, int64_t g1) {
+            for (int64_t g = g0; g < g1; ++g) group(g, false);
         });
-        finish(h, z, rows, T, 0, xp, pp, cp);
-        return {x, post, comb};
     }
-    at::parallel_for(0, groups, std::max<int64_t>(1, GRAIN_FMAS / (GROUP * per_token)), [&](int64_t g0, int64_t g1) {
-        float z[GROUP * (2 + MAX_N) * MAX_N];
-        const float* rows[GROUP];
-        for (int64_t g = g0; g < g1; ++g) {
-            const int64_t t0 = g * GROUP, count = std::min(GROUP, T - t0);
-            for (int64_t k = 0; k < count; ++k) {
-                if (mix) mix->token(t0 + k, sp + (t0 + k) * n * D);
-                rows[k] = sp + (t0 + k) * n * D;
-            }
-            project(h, rows, count, z, 0, h.K);
-            finish(h, z, rows, count, t0, xp, pp, cp);
-        }
-    });
     return {x, post, comb};
 }
 
