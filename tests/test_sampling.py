@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from ouro.engine.sampling import SampleOutput, Sampler, SamplingParams, make_generator, sample_reference
+from ouro.engine.sampling import SampleOutput, Sampler, SamplingParams, greedy_picks, make_generator, sample_reference
 
 
 @pytest.mark.parametrize("kwargs, field", [
@@ -62,6 +62,21 @@ def test_greedy_is_argmax_with_low_id_ties():
     assert isinstance(out, SampleOutput)
     expected = logits.argmax(dim=-1).tolist()
     assert out.token_ids == expected and out.token_ids[2] == 7
+
+
+def test_greedy_picks_equal_argmax_over_a_vocabulary_with_ties_and_nan():
+    # greedy_picks is max(dim).indices (faster than argmax on a CPU): the same first maximum across a
+    # vector kernel's lanes and blocks, and the first NaN, as argmax
+    torch.manual_seed(0)
+    logits = torch.randn(5, 32000)
+    logits[0, 31999] = logits[0, 17] = logits[0, 20000] = 50.0       # ties far apart: the lowest id
+    logits[1, 100:] = logits[1].max() + 1.0                           # a long run of equal maxima
+    logits[2, 9000] = logits[2, 4] = float("nan")                     # the first NaN, as argmax
+    logits[3, 31999] = 60.0                                           # the last column
+    assert torch.equal(greedy_picks(logits), logits.argmax(dim=-1))
+    assert greedy_picks(logits).tolist()[:4] == [17, 100, 4, 31999]
+    out = Sampler().sample(logits, [SamplingParams(temperature=0.0)] * 5, [None] * 5)
+    assert out.token_ids == logits.argmax(dim=-1).tolist()
 
 
 def test_seeded_draws_independent_of_batch():

@@ -49,11 +49,16 @@ class GrammarQueue:
             got[1].cancel()
         return got is not None
 
+    @staticmethod
+    def writes(reqs) -> bool:
+        """Whether `constrain` writes into the logits of these requests (a forced prefix or a grammar)."""
+        return any(r.constraint is not None or r.params.forced_prefix_ids for r in reqs)
+
     def constrain(self, logits, reqs) -> list[int]:
         """Rows [k] of `logits` for `reqs[k]`: a forced prefix leaves only its next id; an active
         grammar its allowed tokens (the other rows untouched). Returns the rows left with no token
         at all (a forced id the grammar refuses): nothing can be sampled from them."""
-        if not any(r.constraint is not None or r.params.forced_prefix_ids for r in reqs):
+        if not self.writes(reqs):
             return []
         for k, r in enumerate(reqs):
             forced = r.params.forced_prefix_ids

@@ -253,7 +253,9 @@ class LLMEngine:
         if not rows:
             return outputs
         reqs = [batch.requests[i] for i in rows]
-        logits = logits[rows]
+        # a copy of the logits only where it is needed: rows that do not pick, or rows written in place
+        if len(rows) < logits.shape[0] or self.logits_processors or self.grammars.writes(reqs):
+            logits = logits[rows]
         for proc in self.logits_processors:
             for k, r in enumerate(reqs):
                 logits[k] = proc(r.prompt_ids, r.output_ids, logits[k])
