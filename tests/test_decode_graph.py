@@ -160,6 +160,30 @@ def test_graph_calls_the_native_products_directly(quantization):
         assert any("ouro_native.moe_experts" in t for t in targets)
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_int8_projections_in_torchs_int_mm_form_are_traced_not_opaque(monkeypatch, backend):
+    """Where the measured int8 form is torch's `_int_mm` (a Xeon with AMX picks it from 16 rows), a
+    graph traces the rows' quantisation, `_int_mm` and the scales as they are: no W8A8 projection
+    re-enters Python through `ouro::opaque_call` (~250 us a call there). Same logits and caches."""
+    from ouro.ops.opaque import _module
+    from ouro.quant.int8_forms import form_runs
+    from ouro.quant.w8a8 import quantize_model
+    if form_runs("int_mm") is not None:
+        pytest.skip(f"torch._int_mm does not run here: {form_runs('int_mm')}")
+    monkeypatch.setenv("OURO_INT8_FORM", "int_mm")
+    torch.manual_seed(0)
+    model = load_model(resolve_model("tiny"))
+    quantize_model(model, "w8a8")
+    assert all(m.int8_forms == ["int_mm"] * 3 for m in model.modules() if type(m).__name__ == "W8A8Linear")
+    worst, same, _, graphs = graph_matches_eager(backend, model=model)
+    assert worst < 1e-5, worst
+    assert same
+    opaque = {type(_module(n.args[1])).__name__ for gm in graphs for n in gm.graph.nodes
+              if n.op == "call_function" and "opaque_call" in str(n.target)}
+    assert "W8A8Linear" not in opaque, opaque
+    assert any("_int_mm" in t for t in graph_targets(graphs))
+
+
 @pytest.mark.slow
 def test_padding_rows_writing_a_real_slot_is_caught():
     """The check above can fail: padding rows pointed at a real sequence's state slot corrupt it."""
