@@ -182,6 +182,10 @@ void packed_rows(const XT* X, int64_t xs, const int8_t* P, int64_t KGN, int64_t 
                 packed_tile<TR, TB>(X + m * xs, xs, P, KGN, nb, out);
                 put(m, TR, nb, TB, out);
             }
+            for (; m + 2 <= c1; m += 2) {     // a decode step's few rows an expert: each weight load serves two
+                packed_tile<2, TB>(X + m * xs, xs, P, KGN, nb, out);
+                put(m, 2, nb, TB, out);
+            }
             for (; m < c1; ++m) {
                 packed_tile<1, TB>(X + m * xs, xs, P, KGN, nb, out);
                 put(m, 1, nb, TB, out);
