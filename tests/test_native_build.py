@@ -78,6 +78,26 @@ def test_every_family_source_is_listed():
     assert set(kernels.FAMILIES) == on_disk
 
 
+@torch.no_grad()          # `usable` is False with autograd on
+def test_eager_only_for_some_families_keeps_the_others_fused():
+    import pytest
+
+    from ouro.native import kernels
+    x = torch.zeros(2)
+    if not (kernels.load("mla") and kernels.load("norms")):
+        pytest.skip("the native kernels cannot be built here")
+    assert kernels.usable("mla", x) and kernels.usable("norms", x)
+    with kernels.eager_only(families=("mla",)):
+        assert not kernels.usable("mla", x) and kernels.usable("norms", x)
+        assert not kernels.fused_off()        # merged products and the rest stay on
+        with kernels.eager_only():
+            assert not kernels.usable("norms", x)
+    assert kernels.usable("mla", x) and kernels.usable("norms", x)
+    with pytest.raises(ValueError, match="unknown kernel families"):
+        with kernels.eager_only(families=("attention",)):
+            pass
+
+
 def test_a_graph_traced_before_any_eager_step_holds_the_fused_ops(tmp_path):
     """A fresh process whose first forward is the compiled decode graph's warm-up: the graph loads
     every family before its trace (a build inside a trace fails it), and a trace that meets an

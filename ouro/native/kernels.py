@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
 HEADERS = (HERE / "vec.h", HERE / "tiles.h", HERE / "by_expert.h")
 FAMILIES = ("norms", "mhc", "router", "experts", "kda", "mla", "gemv")   # one `<family>.cpp` each
-_STATE: dict = {"eager_only": False}
+_STATE: dict = {"eager_only": False, "eager_families": frozenset()}
 _LOADED: dict[str, str | None] = {}      # family -> None when loaded, else why it is not
 _FAKES: dict[str, object] = {}           # family -> function registering its fake implementations
 
@@ -72,7 +72,7 @@ def why_not(family: str) -> str | None:
 
 def usable(family: str, *tensors) -> bool:
     """Whether a layer should run `family`'s fused op on these tensors (see the module's text)."""
-    if _STATE["eager_only"] or torch.is_grad_enabled():
+    if _STATE["eager_only"] or family in _STATE["eager_families"] or torch.is_grad_enabled():
         return False
     for t in tensors:
         if t.device.type != "cpu" or t.dtype != torch.float32:
@@ -81,8 +81,21 @@ def usable(family: str, *tensors) -> bool:
 
 
 @contextlib.contextmanager
-def eager_only(on: bool = True):
-    """Within: every layer takes its eager path (the fused kernels' reference, an A/B's other side)."""
+def eager_only(on: bool = True, families: tuple[str, ...] | None = None):
+    """Within: every layer takes its eager path (the fused kernels' reference, an A/B's other side).
+    `families`: only those families' ops give way to their eager paths, the rest stay fused (one
+    kernel family against its reference, the others' float32 rounding the same on both sides)."""
+    if families is not None:
+        unknown = set(families) - set(FAMILIES)
+        if unknown:
+            raise ValueError(f"unknown kernel families {sorted(unknown)}; one of {', '.join(FAMILIES)}")
+        saved = _STATE["eager_families"]
+        _STATE["eager_families"] = frozenset(families) if on else frozenset()
+        try:
+            yield
+        finally:
+            _STATE["eager_families"] = saved
+        return
     saved = _STATE["eager_only"]
     _STATE["eager_only"] = on
     try:
