@@ -51,6 +51,32 @@ def test_rows_quantise_on_their_own_scale():
     assert torch.equal(alone[0][0], q[4]) and torch.equal(alone[1][0], s[4])
 
 
+@pytest.mark.parametrize("m, k", [(1, 7), (6, 50), (33, 512), (300, 77), (2048, 96)])
+def test_the_native_row_quantisation_equals_torchs(m, k):
+    """`quantize_for_int8` (ouro's one-pass op where it is built) gives `quantize_rows`' values: odd
+    widths (the vector loop's tail), zero rows, outliers; a NaN row's scale is NaN either way."""
+    from ouro.native.kernels import eager_only
+    from ouro.quant.int8_native import native, why_not
+    from ouro.quant.w8a8 import quantize_for_int8
+    if native() is None:
+        pytest.skip(f"ouro's int8 kernel is not built here: {why_not()}")
+    g = torch.Generator().manual_seed(m * k)
+    x = torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g) * 10
+    x[0, k // 2] = 1e4
+    if m > 2:
+        x[1] = 0
+        x[2, 0] = float("nan")
+    q, s = quantize_for_int8(x)
+    ref_q, ref_s = quantize_rows(x)
+    finite = ~torch.isnan(ref_s)
+    assert q.dtype == torch.int8 and q.shape == x.shape and s.shape == (m,)
+    assert torch.equal(q[finite], ref_q[finite]) and torch.equal(s[finite], ref_s[finite])
+    assert torch.equal(torch.isnan(s), ~finite)
+    with eager_only():                               # the reference path is torch's own ops
+        q2, s2 = quantize_for_int8(x)
+    assert torch.equal(q2, ref_q) and torch.equal(s2[finite], ref_s[finite])
+
+
 def test_a_nan_row_shows_in_its_output_only():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(3, 40, generator=g)

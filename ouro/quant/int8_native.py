@@ -52,5 +52,7 @@ def _register_fakes():
     import torch
     torch.library.register_fake("ouro_int8::w8a8_packed")(
         lambda x, p, w_scale, offsets, N: x.new_empty(x.shape[0], N))
+    torch.library.register_fake("ouro_int8::quantize_int8")(
+        lambda x: (torch.empty(x.shape, dtype=torch.int8, device=x.device), x.new_empty(x.shape[0])))
     torch.library.register_fake("ouro_int8::w8a8_experts")(
         lambda x, weights, experts, gate_up, gate_up_scale, down, down_scale, I, limit: torch.empty_like(x))

@@ -40,8 +40,10 @@ int64_t grain_for(int64_t K) { return std::max<int64_t>(1, (int64_t(1) << 16) / 
 
 // per-row symmetric quantisation, the same arithmetic as ouro.ops.quant.quantize_rows:
 // scale = amax / 127 (float32), q = round-half-even(x / max(scale, FLT_MIN)) clamped to [-127, 127]
-// (NaN -> 0, the row's scale NaN); one row of K values into `out` (its padding past K untouched)
-inline void quantize_row(const float* row, int64_t K, XT* out, float* scale) {
+// (NaN -> 0, the row's scale NaN); one row of K values into `out` (its padding past K untouched),
+// as the kernel's activation type (XT) or as int8 (`quantize_int8`: the values fit either)
+template <typename OT>
+inline void quantize_row(const float* row, int64_t K, OT* out, float* scale) {
     float amax = 0.f;
     bool nan = false;
     int64_t k = 0;
@@ -76,18 +78,19 @@ inline void quantize_row(const float* row, int64_t K, XT* out, float* scale) {
         r = _mm256_andnot_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q), r);        // NaN inputs -> 0
         alignas(32) int32_t iv[8];
         _mm256_store_si256(reinterpret_cast<__m256i*>(iv), _mm256_cvtps_epi32(r));
-        for (int j = 0; j < 8; ++j) out[k + j] = static_cast<XT>(iv[j]);
+        for (int j = 0; j < 8; ++j) out[k + j] = static_cast<OT>(iv[j]);
     }
 #endif
     for (; k < K; ++k) {
         float v = std::nearbyint(row[k] / d);
         v = v > 127.f ? 127.f : (v < -127.f ? -127.f : v);
-        out[k] = static_cast<XT>(std::isnan(v) ? 0.f : v);
+        out[k] = static_cast<OT>(std::isnan(v) ? 0.f : v);
     }
 }
 
 // M rows (x: stride K) written with stride `qs` (>= K; the padding stays as the caller zeroed it)
-void quantize_rows(const float* x, int64_t M, int64_t K, XT* q, int64_t qs, float* scale) {
+template <typename OT>
+void quantize_rows(const float* x, int64_t M, int64_t K, OT* q, int64_t qs, float* scale) {
     at::parallel_for(0, M, std::max<int64_t>(1, 4096 / std::max<int64_t>(1, K)), [&](int64_t m0, int64_t m1) {
         for (int64_t m = m0; m < m1; ++m) quantize_row(x + m * K, K, q + m * qs, scale + m);
     });
