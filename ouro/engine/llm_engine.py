@@ -19,6 +19,7 @@ from .model_runner import ModelRunner
 from .page_pool import PagePool, SlotPool
 from .prefix_checkpoints import checkpoint_batch, drop_checkpoints
 from .grammar_queue import GrammarQueue
+from .host_allocator import keep_activation_buffers
 from .options import check_engine_options
 from .request import Request, RequestFailed, RequestOutput
 from .sampling import Sampler, SamplingParams, make_generator
@@ -37,6 +38,8 @@ class LLMEngine:
         image its vision tower.
         tp_follower_module: the tensor-parallel followers' entry, for a role with more operations."""
         self.check_options(config, model.config, enable_prefix_caching, checkpoint_interval)
+        if config.device == "cpu":
+            keep_activation_buffers()      # a step's multi-MB activations reused, not faulted in again
         self.tp = tp_workers.start(model, config, model_dir, tp_follower_module)     # the model now holds this rank's shard
         mc = model.config
         self.model, self.tokenizer, self.config, self.model_dir = model, tokenizer, config, model_dir
