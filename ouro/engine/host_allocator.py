@@ -6,7 +6,7 @@ of several MB many times a step, so each new one faults its pages in again: on t
 16 MB buffer took 3.7 ms to fill against 0.87 ms for a reused one, and torch's row quantisation of
 a 8,192 x 512 input 15.3 against 5.7 ms. Keeping blocks below MMAP_THRESHOLD in the heap (and up to
 TRIM_THRESHOLD of free memory at its top) reuses them: a W8A8 16 x 512 prefill of `small` ran
-3,349 -> 2,796 ms (two pairs, alternating). What stays mmap'd: the weights, the KV cache and state
+3,413 -> 3,000 ms (two pairs alternating with OURO_MALLOC_TUNE=0; float32's did not move). What stays mmap'd: the weights, the KV cache and state
 pools (hundreds of MB and more), still untouched until used. vLLM's CPU backend asks for TCMalloc
 through LD_PRELOAD for the same reason; this needs no extra library. `OURO_MALLOC_TUNE=0`, or the
 MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ variables (glibc's own), leave the allocator alone.

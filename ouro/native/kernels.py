@@ -89,19 +89,13 @@ def eager_only(on: bool = True, families: tuple[str, ...] | None = None):
         unknown = set(families) - set(FAMILIES)
         if unknown:
             raise ValueError(f"unknown kernel families {sorted(unknown)}; one of {', '.join(FAMILIES)}")
-        saved = _STATE["eager_families"]
-        _STATE["eager_families"] = frozenset(families) if on else frozenset()
-        try:
-            yield
-        finally:
-            _STATE["eager_families"] = saved
-        return
-    saved = _STATE["eager_only"]
-    _STATE["eager_only"] = on
+    key, value = ("eager_only", on) if families is None else ("eager_families", frozenset(families) if on else frozenset())
+    saved = _STATE[key]
+    _STATE[key] = value
     try:
         yield
     finally:
-        _STATE["eager_only"] = saved
+        _STATE[key] = saved
 
 
 def fused_off() -> bool:

@@ -321,8 +321,8 @@ std::string features() {
 #endif
 }
 
-// The two products a decode step runs and the rows' quantisation, also as torch ops (`torch.ops.ouro_int8.*`, fakes in
-// int8_native.py): a compiled decode graph then calls them directly, not through Python.
+// The two products a decode step runs and the rows' quantisation, also as torch ops
+// (`torch.ops.ouro_int8.*`, fakes in int8_native.py): a compiled graph calls them directly.
 TORCH_LIBRARY_FRAGMENT(ouro_int8, m) {
     m.def("w8a8_packed(Tensor x, Tensor p, Tensor w_scale, Tensor offsets, int N) -> Tensor");
     m.def("w8a8_experts(Tensor x, Tensor weights, Tensor experts, Tensor gate_up, Tensor gate_up_scale, "
