@@ -256,3 +256,19 @@ def test_a_second_engine_compiled_in_the_same_process_generates_what_eager_does(
     want = [r.outputs[0].token_ids for r in LLM("tiny", max_memory=16 << 20, quantization="w8a8").generate(prompts, greedy)]
     llm = LLM("tiny", max_memory=16 << 20, quantization="w8a8", compile=True, torch_compile_max_bs=4, max_num_seqs=4)
     assert [r.outputs[0].token_ids for r in llm.generate(prompts, greedy)] == want
+
+
+def test_a_bfloat16_graph_holds_the_fused_ops_and_matches_eager():
+    """A bfloat16 model's decode graph runs the fused families that take bfloat16 (their fakes give
+    the eager dtypes: a wrong one breaks the trace) and gives the eager bfloat16 step's logits."""
+    from ouro.native import kernels
+    if not kernels.load("experts"):
+        pytest.skip("the native kernels cannot be built here")
+    torch.manual_seed(0)
+    model = load_model(resolve_model("tiny"), dtype=torch.bfloat16)
+    worst, same, graph, graphs = graph_matches_eager("aot_eager", model=model)
+    assert worst < 1e-6, worst        # the same ops on the same bfloat16 values (0.0 here)
+    assert same
+    targets = graph_targets(graphs)
+    for op in ("moe_experts", "hc_post_pre", "kda_decode", "route", "rms_norm"):
+        assert any(f"ouro_native.{op}" in t for t in targets), op

@@ -1,4 +1,4 @@
-// The routed experts of a step in float32, as one op: (token, choice) pairs grouped by expert with a
+// The routed experts of a step in float32 (weights float32 or bfloat16), as one op: (token, choice) pairs grouped by expert with a
 // counting sort, each active expert's products over its rows, the clamped SwiGLU between them, and
 // each token's k outputs weighted and summed in choice order. Two forms of the products:
 //
@@ -26,6 +26,7 @@
 #include <cstring>
 #include <vector>
 
+#include "boundary.h"
 #include "by_expert.h"
 #include "vec.h"
 
@@ -49,8 +50,10 @@ void by_four(const std::vector<int64_t>& rows, int64_t begin, int64_t end, const
     }
 }
 
+template <typename W>   // the weights' element: float, or bfloat16's bits (`ouro::bf16_t`)
 struct Step {   // what both forms read and write
-    const float *x, *gate_up, *down;
+    const float* x;
+    const W *gate_up, *down;
     float *h, *y;                     // hidden and output rows, in sorted order
     int64_t D, I;
     float lim;
@@ -58,7 +61,8 @@ struct Step {   // what both forms read and write
     const std::vector<int64_t>* active;
 };
 
-void streamed(const Step& s) {
+template <typename W>
+void streamed(const Step<W>& s) {
     const int64_t D = s.D, I = s.I, A = static_cast<int64_t>(s.active->size());
     const std::vector<int64_t>& start = s.order->start;
     std::vector<int64_t> sorted_rows(s.order->pos.size());
@@ -67,9 +71,9 @@ void streamed(const Step& s) {
     at::parallel_for(0, A * up_blocks, 1, [&](int64_t t0, int64_t t1) {
         for (int64_t t = t0; t < t1; ++t) {
             const int64_t e = (*s.active)[t / up_blocks], j0 = (t % up_blocks) * BLOCK, j1 = std::min(I, j0 + BLOCK);
-            const float* We = s.gate_up + e * 2 * I * D;
+            const W* We = s.gate_up + e * 2 * I * D;
             for (int64_t j = j0; j < j1; ++j) {
-                const float* pair[2] = {We + j * D, We + (I + j) * D};
+                const W* pair[2] = {We + j * D, We + (I + j) * D};
                 by_four(s.order->token, start[e], start[e + 1], s.x, D, [&](const float* const* rows, int64_t r, int64_t c) {
                     float v[8];
                     ouro::dot_2x4(pair, rows, D, v);
@@ -82,10 +86,10 @@ void streamed(const Step& s) {
     at::parallel_for(0, A * down_blocks, 1, [&](int64_t t0, int64_t t1) {
         for (int64_t t = t0; t < t1; ++t) {
             const int64_t e = (*s.active)[t / down_blocks], d0 = (t % down_blocks) * BLOCK, d1 = std::min(D, d0 + BLOCK);
-            const float* We = s.down + e * D * I;
+            const W* We = s.down + e * D * I;
             for (int64_t d = d0; d < d1; d += 2) {
                 const int64_t d2 = std::min(d + 1, d1 - 1);     // an odd tail repeats its last row
-                const float* pair[2] = {We + d * I, We + d2 * I};
+                const W* pair[2] = {We + d * I, We + d2 * I};
                 by_four(sorted_rows, start[e], start[e + 1], s.h, I, [&](const float* const* rows, int64_t r, int64_t c) {
                     float v[8];
                     ouro::dot_2x4(pair, rows, I, v);
@@ -112,8 +116,8 @@ constexpr int64_t BLOCK_STRIDE = TILE_K + 16;          // a copied row of A: 9 c
 // `epilogue(c, r, n, p)`: the n valid rows from r of panel p's sums c [PANEL_ROWS][PANEL]. Each panel
 // is packed once per task and run TILE_K columns at a time over all of the chunk's rows, their sums
 // kept in a [TILE_ROWS][PANEL] buffer between passes.
-template <typename WeightRow, typename Row, typename Epilogue>
-void tiled_product(const Step& s, int64_t K, int64_t panels, WeightRow weight_row, Row row, Epilogue epilogue) {
+template <typename W, typename WeightRow, typename Row, typename Epilogue>
+void tiled_product(const Step<W>& s, int64_t K, int64_t panels, WeightRow weight_row, Row row, Epilogue epilogue) {
     using ouro::PANEL;
     using ouro::PANEL_ROWS;
     const std::vector<int64_t>& start = s.order->start;
@@ -131,7 +135,7 @@ void tiled_product(const Step& s, int64_t K, int64_t panels, WeightRow weight_ro
             const int64_t r1 = std::min(start[e + 1], r0 + TILE_ROWS), g = t % groups;
             const int64_t p0 = g * TILE_PANELS, np = std::min(panels - p0, TILE_PANELS);
             for (int64_t q = 0; q < np; ++q) {
-                const float* w[PANEL];
+                const W* w[PANEL];
                 for (int64_t j = 0; j < PANEL; ++j) w[j] = weight_row(e, p0 + q, j);
                 ouro::pack_panel(w, K, b.data() + q * K * PANEL);
             }
@@ -156,12 +160,13 @@ void tiled_product(const Step& s, int64_t K, int64_t panels, WeightRow weight_ro
     });
 }
 
-void tiled(const Step& s) {
+template <typename W>
+void tiled(const Step<W>& s) {
     using ouro::PANEL;
     const int64_t D = s.D, I = s.I, half = PANEL / 2;
     // gate/up: panel p holds gate channels p*half .. and the matching up channels
     tiled_product(s, D, (I + half - 1) / half,
-        [&](int64_t e, int64_t p, int64_t j) -> const float* {
+        [&](int64_t e, int64_t p, int64_t j) -> const W* {
             const int64_t ch = p * half + j % half;
             return ch < I ? s.gate_up + (e * 2 * I + (j < half ? ch : I + ch)) * D : nullptr;
         },
@@ -174,7 +179,7 @@ void tiled(const Step& s) {
         });
     // down: panel p holds output channels p*PANEL ..
     tiled_product(s, I, (D + PANEL - 1) / PANEL,
-        [&](int64_t e, int64_t p, int64_t j) -> const float* {
+        [&](int64_t e, int64_t p, int64_t j) -> const W* {
             const int64_t ch = p * PANEL + j;
             return ch < D ? s.down + (e * D + ch) * I : nullptr;
         },
@@ -186,27 +191,16 @@ void tiled(const Step& s) {
         });
 }
 
-at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& weights_in, const at::Tensor& experts_in,
-                       const at::Tensor& gate_up_in, const at::Tensor& down_in, double limit, bool tile) {
-    TORCH_CHECK(x_in.scalar_type() == at::kFloat && gate_up_in.scalar_type() == at::kFloat &&
-                down_in.scalar_type() == at::kFloat, "moe_experts: x and the expert weights must be float32");
-    TORCH_CHECK(experts_in.scalar_type() == at::kLong, "moe_experts: experts must be int64");
-    const at::Tensor x = x_in.contiguous(), gate_up = gate_up_in.contiguous(), down = down_in.contiguous();
-    const at::Tensor w = weights_in.to(at::kFloat).contiguous(), ex = experts_in.contiguous();
-    const int64_t T = x.size(0), D = x.size(1), k = ex.size(1), E = gate_up.size(0), I = down.size(2);
-    TORCH_CHECK(gate_up.size(1) == 2 * I && gate_up.size(2) == D && down.size(1) == D,
-                "moe_experts: gate_up must be [E, 2I, D] and down [E, D, I]");
-    const int64_t N = T * k;
-    // the (token, choice) pairs by expert, stable (`by_expert.h`)
-    const ouro::ExpertOrder order = ouro::order_by_expert(ex.data_ptr<int64_t>(), N, k, E, "moe_experts");
-    std::vector<int64_t> active;
-    for (int64_t e = 0; e < E; ++e)
-        if (order.start[e + 1] > order.start[e]) active.push_back(e);
+// the products over weights of type W, then each token's k outputs weighted and summed
+template <typename W>
+void run_experts(const at::Tensor& x, const at::Tensor& w, const at::Tensor& gate_up, const at::Tensor& down,
+                 const ouro::ExpertOrder& order, const std::vector<int64_t>& active, at::Tensor& out, int64_t k,
+                 float lim, bool tile) {
+    const int64_t T = x.size(0), D = x.size(1), I = down.size(2), N = T * k;
     at::Tensor h = at::empty({N, I}, x.options());       // hidden rows in sorted order
     at::Tensor y = at::empty({N, D}, x.options());       // expert outputs in sorted order
-    at::Tensor out = at::empty({T, D}, x.options());
-    const Step s{x.data_ptr<float>(), gate_up.data_ptr<float>(), down.data_ptr<float>(), h.data_ptr<float>(),
-                 y.data_ptr<float>(), D, I, static_cast<float>(limit), &order, &active};
+    const Step<W> s{x.data_ptr<float>(), static_cast<const W*>(gate_up.data_ptr()), static_cast<const W*>(down.data_ptr()),
+                    h.data_ptr<float>(), y.data_ptr<float>(), D, I, lim, &order, &active};
     if (tile)
         tiled(s);
     else
@@ -220,7 +214,33 @@ at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& weights_in, con
             ouro::lincomb(op + t * D, wp + t * k, rows.data(), k, D);
         }
     });
-    return out;
+}
+
+// x and the weights float32, or a bfloat16 model's: its rows converted at the boundary (`boundary.h`),
+// its expert weights read as they are (widened to float32 in registers), the output in x's dtype
+at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& weights_in, const at::Tensor& experts_in,
+                       const at::Tensor& gate_up_in, const at::Tensor& down_in, double limit, bool tile) {
+    const at::ScalarType wt = gate_up_in.scalar_type();
+    TORCH_CHECK((wt == at::kFloat || wt == at::kBFloat16) && down_in.scalar_type() == wt &&
+                (x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16),
+                "moe_experts: x and the expert weights must be float32 or bfloat16 (the weights of one dtype)");
+    TORCH_CHECK(experts_in.scalar_type() == at::kLong, "moe_experts: experts must be int64");
+    const at::Tensor x = ouro::f32(x_in).contiguous(), gate_up = gate_up_in.contiguous(), down = down_in.contiguous();
+    const at::Tensor w = weights_in.to(at::kFloat).contiguous(), ex = experts_in.contiguous();
+    const int64_t T = x.size(0), D = x.size(1), k = ex.size(1), E = gate_up.size(0), I = down.size(2);
+    TORCH_CHECK(gate_up.size(1) == 2 * I && gate_up.size(2) == D && down.size(1) == D,
+                "moe_experts: gate_up must be [E, 2I, D] and down [E, D, I]");
+    // the (token, choice) pairs by expert, stable (`by_expert.h`)
+    const ouro::ExpertOrder order = ouro::order_by_expert(ex.data_ptr<int64_t>(), T * k, k, E, "moe_experts");
+    std::vector<int64_t> active;
+    for (int64_t e = 0; e < E; ++e)
+        if (order.start[e + 1] > order.start[e]) active.push_back(e);
+    at::Tensor out = at::empty({T, D}, x.options());
+    if (wt == at::kBFloat16)
+        run_experts<ouro::bf16_t>(x, w, gate_up, down, order, active, out, k, static_cast<float>(limit), tile);
+    else
+        run_experts<float>(x, w, gate_up, down, order, active, out, k, static_cast<float>(limit), tile);
+    return ouro::as_dtype(out, x_in.scalar_type());
 }
 
 std::string experts_isa(int64_t force_portable) { return ouro::isa_switch(force_portable); }

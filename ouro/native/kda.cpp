@@ -27,6 +27,7 @@
 #include <cmath>
 #include <vector>
 
+#include "boundary.h"
 #include "vec.h"
 
 namespace {
@@ -206,12 +207,24 @@ at::Tensor kda_sequences(const at::Tensor& mixed, const at::Tensor& f, const at:
     return out;
 }
 
+// float32 inside: a bfloat16 model's projections and small weights converted at the boundary, the
+// output returned in the projections' dtype (`boundary.h`); the states are float32 in every model
+at::Tensor kda_boundary(const at::Tensor& mixed, const at::Tensor& f, const at::Tensor& b, const at::Tensor& gate,
+                        const at::Tensor& conv_w, const at::Tensor& dt_bias, const at::Tensor& A_log,
+                        double lower_bound, const at::Tensor& norm_w, double eps, at::Tensor& conv_state,
+                        at::Tensor& rec_state, const at::Tensor& slots, const at::Tensor& fresh, const at::Tensor& starts) {
+    using ouro::f32;
+    return ouro::as_dtype(kda_sequences(f32(mixed), f32(f), f32(b), f32(gate), f32(conv_w), f32(dt_bias), f32(A_log),
+                                        lower_bound, f32(norm_w), eps, conv_state, rec_state, slots, fresh, starts),
+                          f.scalar_type());
+}
+
 at::Tensor kda_decode(const at::Tensor& mixed, const at::Tensor& f, const at::Tensor& b, const at::Tensor& gate,
                       const at::Tensor& conv_w, const at::Tensor& dt_bias, const at::Tensor& A_log,
                       double lower_bound, const at::Tensor& norm_w, double eps,
                       at::Tensor& conv_state, at::Tensor& rec_state, const at::Tensor& slots, const at::Tensor& fresh) {
-    return kda_sequences(mixed, f, b, gate, conv_w, dt_bias, A_log, lower_bound, norm_w, eps, conv_state, rec_state,
-                         slots, fresh, at::empty({0}, slots.options()));
+    return kda_boundary(mixed, f, b, gate, conv_w, dt_bias, A_log, lower_bound, norm_w, eps, conv_state, rec_state,
+                        slots, fresh, at::empty({0}, slots.options()));
 }
 
 at::Tensor kda_prefill(const at::Tensor& mixed, const at::Tensor& f, const at::Tensor& b, const at::Tensor& gate,
@@ -219,8 +232,8 @@ at::Tensor kda_prefill(const at::Tensor& mixed, const at::Tensor& f, const at::T
                        double lower_bound, const at::Tensor& norm_w, double eps, at::Tensor& conv_state,
                        at::Tensor& rec_state, const at::Tensor& slots, const at::Tensor& fresh, const at::Tensor& starts) {
     TORCH_CHECK(starts.dim() == 1 && starts.numel() >= 1, "kda_prefill: starts must be [N + 1]");
-    return kda_sequences(mixed, f, b, gate, conv_w, dt_bias, A_log, lower_bound, norm_w, eps, conv_state, rec_state,
-                         slots, fresh, starts);
+    return kda_boundary(mixed, f, b, gate, conv_w, dt_bias, A_log, lower_bound, norm_w, eps, conv_state, rec_state,
+                        slots, fresh, starts);
 }
 
 std::string kda_isa(int64_t force_portable) { return ouro::isa_switch(force_portable); }

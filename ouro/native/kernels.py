@@ -4,9 +4,10 @@ Python module (`norms.py`, ...) registers its ops' fake implementations, so a co
 every fused op as one call.
 
 A layer takes the fused path only where `usable(...)` says so: the family built here, fused kernels
-not turned off (`OURO_FUSED=0`, `eager_only()`), no autograd, CPU float32 tensors. Everywhere else
-(no compiler, a GPU, bfloat16, float64 reference runs, training) the layer's eager code runs: it is
-also each kernel's reference in the tests. A family that cannot be built says so once in the log."""
+not turned off (`OURO_FUSED=0`, `eager_only()`), no autograd, CPU float32 tensors, or bfloat16 ones
+for the families in `BFLOAT16` (computed in float32 inside). Everywhere else (no compiler, a GPU,
+float16, float64 reference runs, training) the layer's eager code runs: it is also each kernel's
+reference in the tests. A family that cannot be built says so once in the log."""
 
 from __future__ import annotations
 
@@ -22,8 +23,11 @@ from .build import compile_native
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-HEADERS = (HERE / "vec.h", HERE / "tiles.h", HERE / "by_expert.h")
+HEADERS = (HERE / "vec.h", HERE / "tiles.h", HERE / "by_expert.h", HERE / "boundary.h")
 FAMILIES = ("norms", "mhc", "router", "experts", "kda", "mla", "gemv")   # one `<family>.cpp` each
+# the families whose ops also take a bfloat16 model's tensors: float32 inside, its rows converted at
+# the op's boundary (`boundary.h`); the others (MLA over a bfloat16 latent cache, the float32 gemv) do not
+BFLOAT16 = frozenset({"norms", "mhc", "router", "experts", "kda"})
 _STATE: dict = {"eager_only": False, "eager_families": frozenset()}
 _LOADED: dict[str, str | None] = {}      # family -> None when loaded, else why it is not
 _FAKES: dict[str, object] = {}           # family -> function registering its fake implementations
@@ -74,8 +78,9 @@ def usable(family: str, *tensors) -> bool:
     """Whether a layer should run `family`'s fused op on these tensors (see the module's text)."""
     if _STATE["eager_only"] or family in _STATE["eager_families"] or torch.is_grad_enabled():
         return False
+    bf16 = family in BFLOAT16
     for t in tensors:
-        if t.device.type != "cpu" or t.dtype != torch.float32:
+        if t.device.type != "cpu" or not (t.dtype == torch.float32 or (bf16 and t.dtype == torch.bfloat16)):
             return False
     return load(family)
 

@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <tuple>
 
+#include "boundary.h"
 #include "vec.h"
 
 namespace {
@@ -221,7 +222,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> weigh(const Hc& h, at::Tensor& s,
     return {x, post, comb};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> hc_pre(const at::Tensor& streams, const at::Tensor& fn, const at::Tensor& base,
+std::tuple<at::Tensor, at::Tensor, at::Tensor> hc_pre_f32(const at::Tensor& streams, const at::Tensor& fn, const at::Tensor& base,
                                                       const at::Tensor& scale, double norm_eps, double hc_eps, int64_t iters) {
     check_f32(streams, "streams");
     TORCH_CHECK(streams.dim() == 3, "streams must be [T, n, D], got ", streams.sizes());
@@ -230,7 +231,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hc_pre(const at::Tensor& streams,
     return weigh(h, s, nullptr);
 }
 
-at::Tensor hc_post(const at::Tensor& block_out, const at::Tensor& streams, const at::Tensor& post, const at::Tensor& comb) {
+at::Tensor hc_post_f32(const at::Tensor& block_out, const at::Tensor& streams, const at::Tensor& post, const at::Tensor& comb) {
     const MixTensors m = make_mix(block_out, streams, post, comb);
     const int64_t T = streams.size(0), n = m.mix.n, D = m.mix.D;
     at::Tensor y = at::empty({T, n, D}, streams.options());
@@ -241,7 +242,7 @@ at::Tensor hc_post(const at::Tensor& block_out, const at::Tensor& streams, const
     return y;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hc_post_pre(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hc_post_pre_f32(
         const at::Tensor& block_out, const at::Tensor& streams, const at::Tensor& post, const at::Tensor& comb,
         const at::Tensor& fn, const at::Tensor& base, const at::Tensor& scale, double norm_eps, double hc_eps,
         int64_t iters) {
@@ -250,6 +251,30 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hc_post_pre(
     at::Tensor y = at::empty(streams.sizes(), streams.options());
     auto [x, p, c] = weigh(h, y, &m.mix);
     return {y, x, p, c};
+}
+
+// the ops: float32 inside; a bfloat16 model's streams, block output and projection converted at the
+// boundary (`boundary.h`), the new streams and block input returned in the streams' dtype and the
+// mixing weights in float32, as the eager path gives them (`ouro/ops/mhc/sinkhorn.py`)
+std::tuple<at::Tensor, at::Tensor, at::Tensor> hc_pre(const at::Tensor& streams, const at::Tensor& fn, const at::Tensor& base,
+                                                      const at::Tensor& scale, double norm_eps, double hc_eps, int64_t iters) {
+    auto [x, p, c] = hc_pre_f32(ouro::f32(streams), ouro::f32(fn), ouro::f32(base), ouro::f32(scale), norm_eps, hc_eps, iters);
+    return {ouro::as_dtype(x, streams.scalar_type()), p, c};
+}
+
+at::Tensor hc_post(const at::Tensor& block_out, const at::Tensor& streams, const at::Tensor& post, const at::Tensor& comb) {
+    return ouro::as_dtype(hc_post_f32(ouro::f32(block_out), ouro::f32(streams), ouro::f32(post), ouro::f32(comb)),
+                          streams.scalar_type());
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hc_post_pre(
+        const at::Tensor& block_out, const at::Tensor& streams, const at::Tensor& post, const at::Tensor& comb,
+        const at::Tensor& fn, const at::Tensor& base, const at::Tensor& scale, double norm_eps, double hc_eps,
+        int64_t iters) {
+    auto [y, x, p, c] = hc_post_pre_f32(ouro::f32(block_out), ouro::f32(streams), ouro::f32(post), ouro::f32(comb),
+                                        ouro::f32(fn), ouro::f32(base), ouro::f32(scale), norm_eps, hc_eps, iters);
+    const at::ScalarType dt = streams.scalar_type();
+    return {ouro::as_dtype(y, dt), ouro::as_dtype(x, dt), p, c};
 }
 
 std::string mhc_isa(int64_t force_portable) { return ouro::isa_switch(force_portable); }

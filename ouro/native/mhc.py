@@ -32,8 +32,9 @@ def hc_post_pre(block_out, streams, post, comb, fn, base, scale, norm_eps: float
 
 
 def _weights_like(streams):
+    # the block input in the streams' dtype, the mixing weights in float32 (as the eager path gives them)
     T, n, D = streams.shape
-    return streams.new_empty(T, D), streams.new_empty(T, n), streams.new_empty(T, n, n)
+    return streams.new_empty(T, D), streams.new_empty(T, n, dtype=torch.float32), streams.new_empty(T, n, n, dtype=torch.float32)
 
 
 @register_fakes(FAMILY)

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "boundary.h"
 #include "vec.h"
 
 namespace {
@@ -24,7 +25,7 @@ void check_rows(const at::Tensor& t, const char* what) {
 }
 
 // y = weight * (x * rsqrt(mean(x^2) + eps)), row by row over the last dimension
-at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight, double eps) {
+at::Tensor rms_norm_f32(const at::Tensor& x_in, const at::Tensor& weight, double eps) {
     check_rows(x_in, "x");
     check_rows(weight, "weight");
     at::Tensor x = x_in.contiguous();
@@ -46,7 +47,7 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight, double eps
 }
 
 // weight * (x * rsqrt(mean(x^2) + eps)) * sigmoid(gate), row by row; x and gate of one shape
-at::Tensor gated_rms_norm(const at::Tensor& x_in, const at::Tensor& gate_in, const at::Tensor& weight, double eps) {
+at::Tensor gated_rms_norm_f32(const at::Tensor& x_in, const at::Tensor& gate_in, const at::Tensor& weight, double eps) {
     check_rows(x_in, "x");
     check_rows(gate_in, "gate");
     check_rows(weight, "weight");
@@ -74,7 +75,7 @@ at::Tensor gated_rms_norm(const at::Tensor& x_in, const at::Tensor& gate_in, con
 
 // silu(min(gate, limit)) * clamp(up, -limit, limit); gate and up are [T, I] views (e.g. the two
 // halves of one merged gate/up product) with any row stride
-at::Tensor clamped_swiglu(const at::Tensor& gate, const at::Tensor& up, double limit) {
+at::Tensor clamped_swiglu_f32(const at::Tensor& gate, const at::Tensor& up, double limit) {
     check_rows(gate, "gate");
     check_rows(up, "up");
     TORCH_CHECK(gate.dim() == 2 && up.sizes() == gate.sizes(), "gate and up must be [T, I] of one shape");
@@ -91,6 +92,19 @@ at::Tensor clamped_swiglu(const at::Tensor& gate, const at::Tensor& up, double l
         }
     });
     return y;
+}
+
+// the ops: float32 inside, a bfloat16 model's rows converted at the boundary (`boundary.h`)
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+    return ouro::as_dtype(rms_norm_f32(ouro::f32(x), ouro::f32(weight), eps), x.scalar_type());
+}
+
+at::Tensor gated_rms_norm(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& weight, double eps) {
+    return ouro::as_dtype(gated_rms_norm_f32(ouro::f32(x), ouro::f32(gate), ouro::f32(weight), eps), x.scalar_type());
+}
+
+at::Tensor clamped_swiglu(const at::Tensor& gate, const at::Tensor& up, double limit) {
+    return ouro::as_dtype(clamped_swiglu_f32(ouro::f32(gate), ouro::f32(up), limit), gate.scalar_type());
 }
 
 std::string norms_isa(int64_t force_portable) { return ouro::isa_switch(force_portable); }

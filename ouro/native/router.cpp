@@ -24,6 +24,7 @@
 #include <tuple>
 #include <vector>
 
+#include "boundary.h"
 #include "vec.h"
 
 namespace {
@@ -82,7 +83,7 @@ void select(const float* score, const float* bias, int64_t t0, int64_t t1, int64
     }
 }
 
-std::tuple<at::Tensor, at::Tensor> route(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias_in,
+std::tuple<at::Tensor, at::Tensor> route_f32(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias_in,
                                          int64_t top_k, int64_t n_group, int64_t topk_group, bool norm_topk,
                                          double scaling) {
     TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat &&
@@ -108,6 +109,14 @@ std::tuple<at::Tensor, at::Tensor> route(const at::Tensor& x, const at::Tensor& 
         select(sp, bp, t0, t1, E, top_k, n_group, topk_group, norm_topk, scale, wp, ep);
     });
     return {weights, experts};
+}
+
+// float32 inside: a bfloat16 model's rows converted at the boundary (`boundary.h`), as the eager path
+// scores `x.float() @ W.float().T`; the routing weights come back in float32, as there
+std::tuple<at::Tensor, at::Tensor> route(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                                         int64_t top_k, int64_t n_group, int64_t topk_group, bool norm_topk,
+                                         double scaling) {
+    return route_f32(ouro::f32(x), ouro::f32(weight), ouro::f32(bias), top_k, n_group, topk_group, norm_topk, scaling);
 }
 
 std::string router_isa(int64_t force_portable) { return ouro::isa_switch(force_portable); }

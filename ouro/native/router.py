@@ -23,4 +23,4 @@ def route(x, weight, bias, top_k: int, n_group: int, topk_group: int, norm_topk:
 def _fakes():
     torch.library.register_fake("ouro_native::route")(
         lambda x, weight, bias, top_k, n_group, topk_group, norm_topk, scaling:
-        (x.new_empty(x.shape[0], top_k), x.new_empty(x.shape[0], top_k, dtype=torch.long)))
+        (x.new_empty(x.shape[0], top_k, dtype=torch.float32), x.new_empty(x.shape[0], top_k, dtype=torch.long)))

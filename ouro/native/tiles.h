@@ -30,6 +30,16 @@ struct Lanes {
     static T zero() { return OURO_PS(setzero)(); }
     static T set1(float a) { return OURO_PS(set1)(a); }
     static T load(const float* p) { return OURO_PS(loadu)(p); }
+    // W bfloat16 values (their bits, `bf16_t`) widened to float32 lanes: exact, a shift into the high half
+#if defined(__AVX512F__)
+    static T load(const bf16_t* p) {
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+    }
+#else
+    static T load(const bf16_t* p) {
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+    }
+#endif
     static void store(float* p, T v) { OURO_PS(storeu)(p, v); }
     static T mul(T a, T b) { return OURO_PS(mul)(a, b); }
     static T fma(T a, T b, T c) { return OURO_PS(fmadd)(a, b, c); }
@@ -101,14 +111,16 @@ constexpr int64_t PANEL = 16;
 #endif
 constexpr int64_t PANEL_ROWS = 6;
 
-// b[kk * PANEL + j] = rows[j][kk] for j < PANEL, kk < K; a null row packs as zeros (a short panel)
-inline void pack_panel(const float* const rows[PANEL], int64_t K, float* b) {
+// b[kk * PANEL + j] = rows[j][kk] for j < PANEL, kk < K; a null row packs as zeros (a short panel).
+// Rows of float32 or bfloat16 (`bf16_t`, widened as they are packed)
+template <typename W>
+inline void pack_panel(const W* const rows[PANEL], int64_t K, float* b) {
     for (int64_t j = 0; j < PANEL; ++j) {
-        const float* r = rows[j];
+        const W* r = rows[j];
         if (r == nullptr) {
             for (int64_t kk = 0; kk < K; ++kk) b[kk * PANEL + j] = 0.f;
         } else {
-            for (int64_t kk = 0; kk < K; ++kk) b[kk * PANEL + j] = r[kk];
+            for (int64_t kk = 0; kk < K; ++kk) b[kk * PANEL + j] = to_float(r[kk]);
         }
     }
 }
@@ -146,7 +158,9 @@ inline void panel_tile(const float* const a[PANEL_ROWS], const float* b, int64_t
 // independent sums (enough to hide the FMA latency), each row loaded once. Each output is summed in
 // the same order whichever slot it sits in, so a caller that always goes through dot_2x4 (padding a
 // short group with repeats) gets a row's result independent of its neighbours.
-inline void dot_2x4(const float* const a[2], const float* const b[4], int64_t n, float out[8]) {
+// a's rows may be bfloat16 (`bf16_t`: a bfloat16 model's weights, widened as they are loaded).
+template <typename W>
+inline void dot_2x4(const W* const a[2], const float* const b[4], int64_t n, float out[8]) {
     int64_t i = 0;
     float s[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #if defined(OURO_LANES)
@@ -167,7 +181,7 @@ inline void dot_2x4(const float* const a[2], const float* const b[4], int64_t n,
 #endif
     for (; i < n; ++i)
         for (int r = 0; r < 2; ++r)
-            for (int k = 0; k < 4; ++k) s[r * 4 + k] += a[r][i] * b[k][i];
+            for (int k = 0; k < 4; ++k) s[r * 4 + k] = std::fma(to_float(a[r][i]), b[k][i], s[r * 4 + k]);
     for (int k = 0; k < 8; ++k) out[k] = s[k];
 }
 

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -18,6 +19,16 @@
 namespace ouro {
 
 inline bool& portable() { static bool on = false; return on; }
+
+// a bfloat16 value's bits (torch's at::BFloat16 storage): the high half of a float32, so widening is exact
+using bf16_t = uint16_t;
+inline float to_float(float v) { return v; }
+inline float to_float(bf16_t v) {
+    const uint32_t bits = static_cast<uint32_t>(v) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+}
 
 std::string isa();
 
