@@ -188,3 +188,29 @@ def test_a_bfloat16_engine_on_the_fused_step_is_as_near_float32_as_its_eager_ste
         err_fused, err_eager = rel_rms(lf[:same], l32[:same]), rel_rms(le[:same], l32[:same])
         assert err_fused <= 1.25 * err_eager + 1e-3, (err_fused, err_eager)
         assert rel_rms(lf[:same], le[:same]) <= 3e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF])
+@pytest.mark.parametrize("T", [4, 128])
+def test_bfloat16_experts_take_the_native_op_streamed_only(monkeypatch, dtype, T):
+    """Few rows an expert: the native op in either dtype. Many (the tiled form's range): float32 stays
+    native, bfloat16 goes to torch's 16-bit GEMM (the machine's bf16 units), which agrees with it."""
+    from types import SimpleNamespace
+    from ouro.layers.moe import Experts
+    cfg = SimpleNamespace(n_routed_experts=16, hidden_size=32, moe_intermediate_size=24, swiglu_limit=7.0,
+                          num_experts_per_tok=4)
+    layer = Experts(cfg).to(dtype)
+    g = torch.Generator().manual_seed(T)
+    layer.gate_up_proj.data = (torch.randn(16, 48, 32, generator=g) / 4).to(dtype)
+    layer.down_proj.data = (torch.randn(16, 32, 24, generator=g) / 4).to(dtype)
+    x = torch.randn(T, 32, generator=g).to(dtype)
+    ex, w = torch.rand(T, 16, generator=g).argsort(-1)[:, :4], torch.rand(T, 4, generator=g)
+    calls, op = [], fx.moe_experts
+    monkeypatch.setattr(fx, "moe_experts", lambda *a: calls.append(a[-1]) or op(*a))
+    got = layer(x, w, ex)
+    native = dtype == torch.float32 or not fx.tiled_for(ex, 16)
+    assert calls == ([fx.tiled_for(ex, 16)] if native else [])
+    with kernels.eager_only():
+        ref = layer(x, w, ex)
+    assert got.dtype == dtype
+    assert rel_rms(got, ref) <= (1e-6 if dtype == torch.float32 else 1e-2)

@@ -82,7 +82,7 @@ class Experts(nn.Module):
         'linear': experts_grouped) when the experts get `rows` tokens each on average (random
         routing). The whole path is timed, not one product: in bf16 the loop's per-expert ops
         made it 1.23x slower than the padded matmul at 16-64 tokens."""
-        if form == "packed" and fused_experts.can(self.gate_up_proj):
+        if form == "packed" and fused_experts.can(self.gate_up_proj) and self.gate_up_proj.dtype == torch.float32:
             return float("inf")     # the native op runs every row count here: a packed copy would only take memory
         E, D = self.gate_up_proj.shape[0], self.gate_up_proj.shape[2]
         k = min(E, self.top_k)
@@ -100,23 +100,35 @@ class Experts(nn.Module):
 
     def forward(self, x, weights, experts):
         if torch.compiler.is_compiling():
-            if fused_experts.can(x, self.gate_up_proj, self.down_proj):    # the native op, directly
+            if self._takes_native(x, experts):    # the native op, directly
                 return self._native(x, weights, experts)
             return call_opaque(self, x, weights, experts)    # the measured path as one op
         return self.eager(x, weights, experts)
 
-    def _native(self, x, weights, experts):
+    def _tiled(self, experts) -> bool:
         # streamed for a few rows an expert, tiled past that; under deterministic inference streamed
         # at any row count (its rows never depend on their batch, and a switch of form by batch size would)
-        tiled = fused_experts.tiled_for(experts, self.gate_up_proj.shape[0]) and not batch_invariant.enabled()
-        return fused_experts.moe_experts(x, weights, experts, self.gate_up_proj, self.down_proj, self.limit, tiled)
+        return fused_experts.tiled_for(experts, self.gate_up_proj.shape[0]) and not batch_invariant.enabled()
+
+    def _takes_native(self, x, experts) -> bool:
+        """Whether the native op runs these rows: float32 weights at any row count; bfloat16 weights
+        in the streamed form only. Past that torch's bfloat16 GEMM runs the machine's 16-bit units
+        (AMX, AVX512-BF16) where the tiled form widens to float32 FMAs: the routed experts of a 16 x
+        512 prefill of `small` took 733 ms that way against 1,223 native (Xeon, AMX, 2 threads)."""
+        if not fused_experts.can(x, self.gate_up_proj, self.down_proj):
+            return False
+        return self.gate_up_proj.dtype == torch.float32 or not self._tiled(experts)
+
+    def _native(self, x, weights, experts):
+        return fused_experts.moe_experts(x, weights, experts, self.gate_up_proj, self.down_proj, self.limit,
+                                         self._tiled(experts))
 
     def eager_shape(self, x, weights, experts):
         return x.shape, x.dtype
 
     def eager(self, x, weights, experts):
         E = self.gate_up_proj.shape[0]
-        if fused_experts.can(x, self.gate_up_proj, self.down_proj):
+        if self._takes_native(x, experts):
             return self._native(x, weights, experts)
         if self.forms is not None and not torch.is_grad_enabled() and reads_host(x) and not batch_invariant.enabled() and \
                 form_for(self.forms, max(1, experts.numel() // E)) == "packed":
