@@ -270,5 +270,5 @@ def test_a_bfloat16_graph_holds_the_fused_ops_and_matches_eager():
     assert worst < 1e-6, worst        # the same ops on the same bfloat16 values (0.0 here)
     assert same
     targets = graph_targets(graphs)
-    for op in ("moe_experts", "hc_post_pre", "kda_decode", "route", "rms_norm"):
+    for op in ("moe_experts", "hc_post_pre", "kda_decode", "route", "rms_norm", "sparse_mla_decode", "index_select_decode"):
         assert any(f"ouro_native.{op}" in t for t in targets), op

@@ -51,7 +51,36 @@ def test_the_families_that_take_bfloat16_and_those_that_do_not():
     for family in kernels.FAMILIES:
         assert kernels.usable(family, x) == (family in kernels.BFLOAT16), family
         assert not kernels.usable(family, x.half())
-    assert "mla" not in kernels.BFLOAT16       # its latent cache would be read in bfloat16: not written yet
+    assert kernels.BFLOAT16 == set(kernels.FAMILIES) - {"gemv"}   # the float32 few-row product only
+
+
+@pytest.mark.parametrize("path", ["native", "portable"])
+@pytest.mark.parametrize("n,H,r,W", [(1, 2, 24, 7), (6, 5, 40, 33), (16, 8, 64, 64)])
+def test_sparse_mla_reads_bfloat16_latent_rows_as_the_widened_float32_ones(path, n, H, r, W):
+    from test_native_mla import decode_case
+    from ouro.native import mla
+    paged, store, view, seq, tokens, q, kv_b, qk, v = decode_case(n, H, r, W, "", seed=n + H + r)
+    store16 = store.to(BF)
+    q_lat = torch.randn(n, H, r, generator=torch.Generator().manual_seed(n))
+    args = (tokens, paged.table, seq, paged.ps)
+    assert mla.cache_storage(store16) == (store16, "")
+    with kernels.portable("mla") if path == "portable" else torch.no_grad():
+        got = mla.sparse_mla_decode(q_lat, store16, "", 0, *args)
+        ref = mla.sparse_mla_decode(q_lat, store16.float(), "", 0, *args)
+    assert not got.isnan().any() and torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("path", ["native", "portable"])
+@pytest.mark.parametrize("n,Hi,d,kpool,topk", [(1, 1, 16, 4, 16), (5, 3, 40, 4, 8), (16, 8, 64, 4, 64)])
+def test_index_select_takes_bfloat16_queries(path, n, Hi, d, kpool, topk):
+    from test_native_mla import select_case
+    from ouro.native import mla
+    paged, pooled, seq, positions, q, w = select_case(n, Hi, d, kpool, topk, seed=n + Hi + d)
+    q16 = q.to(BF)
+    args = (paged.table, seq, positions, paged.ps, topk // kpool, kpool, d ** -0.5, topk + kpool - 1)
+    with kernels.portable("mla") if path == "portable" else torch.no_grad():
+        assert torch.equal(mla.index_select_decode(q16, w, pooled, *args),
+                           mla.index_select_decode(q16.float(), w, pooled, *args))
 
 
 @pytest.mark.parametrize("path", ["native", "portable"])

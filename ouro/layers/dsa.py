@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ..native import mla
-from ..ops.dsa import absorb_weights, index_select, pool_keys, sparse_mla, sparse_mla_chunk
+from ..ops.dsa import absorb_queries, absorb_weights, index_select, pool_keys, sparse_mla, sparse_mla_chunk
 from ..ops.quant.kv_rows import GROUP
 from .linear import Linear
 from .merged import project
@@ -165,7 +165,7 @@ class DSAttention(nn.Module):
         storage = mla.cache_storage(flat)
         if storage is None or not mla.can(q, w_uk, w_uv):
             return sparse_mla(q, flat, cache_rows(ctx, ctx.seq_index, selection), w_uk, w_uv, self.scale)
-        q_lat = torch.einsum("nhd,hdr->nhr", q, w_uk) * self.scale      # as sparse_mla absorbs it
+        _, q_lat, w_uv = absorb_queries(q, w_uk, w_uv, self.scale)      # as sparse_mla absorbs it (float32)
         o_lat = mla.sparse_mla_decode(q_lat, *storage, GROUP, selection, ctx.page_table, ctx.seq_index,
                                       ctx.cache.page_size)
-        return torch.einsum("nhr,hvr->nhv", o_lat, w_uv)
+        return torch.einsum("nhr,hvr->nhv", o_lat, w_uv).to(q.dtype)

@@ -26,8 +26,9 @@ HERE = Path(__file__).parent
 HEADERS = (HERE / "vec.h", HERE / "tiles.h", HERE / "by_expert.h", HERE / "boundary.h")
 FAMILIES = ("norms", "mhc", "router", "experts", "kda", "mla", "gemv")   # one `<family>.cpp` each
 # the families whose ops also take a bfloat16 model's tensors: float32 inside, its rows converted at
-# the op's boundary (`boundary.h`); the others (MLA over a bfloat16 latent cache, the float32 gemv) do not
-BFLOAT16 = frozenset({"norms", "mhc", "router", "experts", "kda"})
+# the op's boundary (`boundary.h`) or widened as they are read (expert weights, latent cache rows); the
+# float32 few-row product (`gemv`) does not
+BFLOAT16 = frozenset({"norms", "mhc", "router", "experts", "kda", "mla"})
 _STATE: dict = {"eager_only": False, "eager_families": frozenset()}
 _LOADED: dict[str, str | None] = {}      # family -> None when loaded, else why it is not
 _FAKES: dict[str, object] = {}           # family -> function registering its fake implementations

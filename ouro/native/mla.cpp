@@ -20,6 +20,7 @@
 #include <limits>
 #include <vector>
 
+#include "boundary.h"
 #include "vec.h"
 
 namespace {
@@ -51,17 +52,22 @@ Kind kind_of(const std::string& kind) {
     TORCH_CHECK(false, "unknown cache row kind '", kind, "' (expected '', 'int8' or 'fp8_e4m3')");
 }
 
-// A cache layer viewed flat: float32 rows [R, r], or quantised rows [R, r + 4 * groups] of bytes
-// (values, then one float32 scale per `group` values: ops/quant/kv_rows.py's layout)
+// A cache layer viewed flat: float32 or bfloat16 rows [R, r], or quantised rows [R, r + 4 * groups] of
+// bytes (values, then one float32 scale per `group` values: ops/quant/kv_rows.py's layout)
 struct Rows {
     const float* f = nullptr;
+    const ouro::bf16_t* b = nullptr;     // a bfloat16 model's rows: widened into buf (exact)
     const uint8_t* q = nullptr;
     int64_t stride = 0, r = 0, group = 0, count = 0;
     Kind kind = FLOAT;
 
-    // the row's values: the cache's own memory, or dequantised into buf (values * scale, as torch)
+    // the row's values: the cache's own memory, or widened or dequantised into buf (values * scale, as torch)
     const float* get(int64_t i, float* buf) const {
-        if (kind == FLOAT) return f + i * stride;
+        if (f != nullptr) return f + i * stride;
+        if (b != nullptr) {
+            for (int64_t j = 0; j < r; ++j) buf[j] = ouro::to_float(b[i * stride + j]);
+            return buf;
+        }
         const uint8_t* row = q + i * stride;
         const uint8_t* scales = row + r;
         for (int64_t g0 = 0, gi = 0; g0 < r; g0 += group, ++gi) {
@@ -83,9 +89,12 @@ Rows rows_of(const at::Tensor& t, const std::string& kind, int64_t r, int64_t gr
     rows.kind = kind_of(kind);
     rows.r = r, rows.group = group, rows.stride = t.stride(0), rows.count = t.size(0);
     if (rows.kind == FLOAT) {
-        TORCH_CHECK(t.scalar_type() == at::kFloat && t.size(1) == r,
-                    "float cache rows must be float32 [rows, ", r, "]");
-        rows.f = t.data_ptr<float>();
+        TORCH_CHECK((t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16) && t.size(1) == r,
+                    "float cache rows must be float32 or bfloat16 [rows, ", r, "]");
+        if (t.scalar_type() == at::kFloat)
+            rows.f = t.data_ptr<float>();
+        else
+            rows.b = static_cast<const ouro::bf16_t*>(t.data_ptr());
     } else {
         TORCH_CHECK(group > 0 && t.scalar_type() == at::kByte && t.size(1) == r + 4 * ((r + group - 1) / group),
                     "quantised cache rows must be uint8 [rows, r + 4 * ceil(r / group)]");
@@ -157,7 +166,7 @@ at::Tensor sparse_mla_decode(const at::Tensor& q_in, const at::Tensor& latents, 
     const int64_t hb = ((H + blocks - 1) / blocks + 1) / 2 * 2;
     blocks = (H + hb - 1) / hb;
     at::parallel_for(0, n * blocks, grain(W * hb * r * 2), [&](int64_t t0, int64_t t1) {
-        std::vector<float> buf(rows.kind == FLOAT ? 0 : TILE * r), s(hb * TILE), a(hb), m(hb), l(hb);
+        std::vector<float> buf(rows.f != nullptr ? 0 : TILE * r), s(hb * TILE), a(hb), m(hb), l(hb);
         std::vector<const float*> row(TILE), qh(hb);
         std::vector<int64_t> flat(W);
         for (int64_t task = t0; task < t1; ++task) {
@@ -183,7 +192,7 @@ at::Tensor sparse_mla_decode(const at::Tensor& q_in, const at::Tensor& latents, 
             for (int64_t w0 = 0; w0 < m_rows; w0 += TILE) {
                 const int64_t nt = std::min(TILE, m_rows - w0);
                 for (int64_t t = 0; t < nt; ++t)
-                    row[t] = rows.get(flat[w0 + t], rows.kind == FLOAT ? nullptr : buf.data() + t * r);
+                    row[t] = rows.get(flat[w0 + t], rows.f != nullptr ? nullptr : buf.data() + t * r);
                 tile_scores(qh.data(), nh, row.data(), nt, r, s.data());
                 for (int64_t h = 0; h < nh; ++h) {                  // online softmax: p = e^(s - max so far)
                     float* sh = s.data() + h * TILE;
@@ -229,8 +238,10 @@ at::Tensor sparse_mla_decode(const at::Tensor& q_in, const at::Tensor& latents, 
 at::Tensor index_select_decode(const at::Tensor& q_in, const at::Tensor& w_in, const at::Tensor& pooled,
                                const at::Tensor& page_table, const at::Tensor& seq, const at::Tensor& positions,
                                int64_t page_size, int64_t select_k, int64_t kpool, double scale, int64_t width) {
-    TORCH_CHECK(q_in.scalar_type() == at::kFloat && q_in.dim() == 3, "q must be float32 [n, Hi, d]");
-    at::Tensor q = q_in.contiguous(), w = w_in.contiguous();
+    // a bfloat16 model's queries widened at the boundary (`boundary.h`); the pool keys are float32 in every model
+    TORCH_CHECK((q_in.scalar_type() == at::kFloat || q_in.scalar_type() == at::kBFloat16) && q_in.dim() == 3,
+                "q must be float32 or bfloat16 [n, Hi, d]");
+    at::Tensor q = ouro::f32(q_in).contiguous(), w = w_in.contiguous();
     const int64_t n = q.size(0), Hi = q.size(1), d = q.size(2);
     TORCH_CHECK(w.scalar_type() == at::kFloat && w.dim() == 2 && w.size(0) == n && w.size(1) == Hi,
                 "weights must be float32 [n, Hi]");

@@ -16,10 +16,11 @@ def can(*tensors) -> bool:
 
 
 def cache_storage(rows):
-    """A cache layer viewed flat (a float32 tensor [R, r], or the cache's `QuantisedRows`) -> (the
-    storage the op reads, its kind: '' or a quantised kind); None where the op cannot read it."""
+    """A cache layer viewed flat (a float32 or bfloat16 tensor [R, r], or the cache's `QuantisedRows`)
+    -> (the storage the op reads, its kind: '' or a quantised kind); None where the op cannot read it."""
     if isinstance(rows, torch.Tensor):
-        return (rows, "") if rows.dtype == torch.float32 and rows.device.type == "cpu" else None
+        readable = rows.dtype in (torch.float32, torch.bfloat16) and rows.device.type == "cpu"
+        return (rows, "") if readable else None
     flat, kind = getattr(rows, "flat", None), getattr(rows, "kind", None)
     if isinstance(flat, torch.Tensor) and flat.device.type == "cpu" and kind in KINDS:
         return flat, kind

@@ -14,7 +14,7 @@ def absorb_weights(kv_b_weight, n_heads: int, qk_dim: int, v_dim: int):
     return w[:, :qk_dim], w[:, qk_dim:]
 
 
-def _absorbed(q_nope, w_uk, w_uv, scale: float):
+def absorb_queries(q_nope, w_uk, w_uv, scale: float):
     """(compute dtype, queries in the latent space scaled once, W_uv in the compute dtype). Latents
     are widened after their gather: `latents` may be the whole cache."""
     cdt = torch.promote_types(q_nope.dtype, torch.float32)
@@ -27,7 +27,7 @@ def sparse_mla(q_nope, latents, selected, w_uk, w_uv, scale: float, block: int =
     Returns [n, H, v] in q_nope's dtype; scores, softmax and the weighted sum run in float32 at
     least (16-bit inputs are widened, as flash-attention kernels accumulate)."""
     n = q_nope.shape[0]
-    cdt, q_lat, w_uv = _absorbed(q_nope, w_uk, w_uv, scale)
+    cdt, q_lat, w_uv = absorb_queries(q_nope, w_uk, w_uv, scale)
     L = latents.shape[0]
     if n <= block:   # one block: no loop (a traced graph keeps the row count symbolic)
         return _attend(q_lat, latents, selected, w_uv, 0, n, L, cdt).to(q_nope.dtype)
@@ -59,7 +59,7 @@ def sparse_mla_chunk(q_nope, latents, selected, w_uk, w_uv, scale: float, block:
     over the context the block can see, a masked dense product where that context is short
     (`MASKED_WIDTHS`), else the gathered rows."""
     n, W = selected.shape
-    cdt, q_lat, w_uv = _absorbed(q_nope, w_uk, w_uv, scale)
+    cdt, q_lat, w_uv = absorb_queries(q_nope, w_uk, w_uv, scale)
     out = q_nope.new_full((n, w_uv.shape[0], w_uv.shape[1]), float("nan"))
     for s in range(0, n, block):
         e = min(n, s + block)
