@@ -32,6 +32,7 @@
 
 namespace {
 
+constexpr int64_t AHEAD = 2;    // weight rows prefetched this many rows (gate/up channels, down pairs) ahead
 constexpr int64_t BLOCK = 32;   // output channels per task: 32 x D floats of weights, a few L2 lines' worth
 
 inline float swiglu(float g, float u, float lim) {
@@ -74,6 +75,10 @@ void streamed(const Step<W>& s) {
             const W* We = s.gate_up + e * 2 * I * D;
             for (int64_t j = j0; j < j1; ++j) {
                 const W* pair[2] = {We + j * D, We + (I + j) * D};
+                if (j + AHEAD < I) {
+                    ouro::prefetch(pair[0] + AHEAD * D, D * sizeof(W));
+                    ouro::prefetch(pair[1] + AHEAD * D, D * sizeof(W));
+                }
                 by_four(s.order->token, start[e], start[e + 1], s.x, D, [&](const float* const* rows, int64_t r, int64_t c) {
                     float v[8];
                     ouro::dot_2x4(pair, rows, D, v);
@@ -90,6 +95,7 @@ void streamed(const Step<W>& s) {
             for (int64_t d = d0; d < d1; d += 2) {
                 const int64_t d2 = std::min(d + 1, d1 - 1);     // an odd tail repeats its last row
                 const W* pair[2] = {We + d * I, We + d2 * I};
+                if (d + 2 * AHEAD + 1 < D) ouro::prefetch(We + (d + 2 * AHEAD) * I, 2 * I * sizeof(W));
                 by_four(sorted_rows, start[e], start[e + 1], s.h, I, [&](const float* const* rows, int64_t r, int64_t c) {
                     float v[8];
                     ouro::dot_2x4(pair, rows, I, v);

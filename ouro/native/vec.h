@@ -109,6 +109,17 @@ inline void scale_mul(float* y, const float* x, float alpha, const float* w, int
     for (; i < n; ++i) y[i] = w[i] * (x[i] * alpha);
 }
 
+// asks for `bytes` from p to be brought into cache ahead of their use (one request per 64-byte line): a
+// streamed weight row a few rows before it is read, so the loads of the row at hand find it there
+inline void prefetch(const void* p, int64_t bytes) {
+#if defined(__AVX2__) || defined(__AVX512F__)
+    const char* c = static_cast<const char*>(p);
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(c + b, _MM_HINT_T0);
+#else
+    (void)p, (void)bytes;
+#endif
+}
+
 inline float sigmoid(float x) { return 1.f / (1.f + std::exp(-x)); }
 inline float silu(float x) { return x / (1.f + std::exp(-x)); }
 
