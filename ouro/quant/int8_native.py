@@ -20,6 +20,8 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("int8_mm.cpp")
 BY_EXPERT = Path(__file__).parent.parent / "native" / "by_expert.h"    # the routed pairs' order, shared
+VEC = Path(__file__).parent.parent / "native" / "vec.h"    # `prefetch`, shared (tiles.h comes with it)
+TILES = VEC.with_name("tiles.h")
 _STATE: dict = {}
 
 
@@ -44,7 +46,7 @@ def why_not() -> str | None:
 def _load():
     if os.environ.get("OURO_INT8_NATIVE", "1") == "0":
         return None, "OURO_INT8_NATIVE=0"
-    return compile_native("int8_mm", SOURCE, (SOURCE.with_name("int8_products.h"), BY_EXPERT))
+    return compile_native("int8_mm", SOURCE, (SOURCE.with_name("int8_products.h"), BY_EXPERT, VEC, TILES))
 
 
 def _register_fakes():

@@ -11,6 +11,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "vec.h"   // ouro::prefetch
+
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -180,6 +182,9 @@ void packed_rows(const XT* X, int64_t xs, const int8_t* P, int64_t KGN, int64_t 
         const int64_t c1 = std::min(r1, c0 + ROW_CHUNK);
         int64_t nb = nbA;
         for (; nb + TB <= nbB; nb += TB) {
+            // the next tile's blocks requested while this one is summed (streamed weights: measured on
+            // the float experts, 1.2-1.35x a cold 16-token step's routed experts)
+            if (c0 == r0 && nb + 2 * TB <= nbB) ouro::prefetch(P + (nb + TB) * KGN * LANES * KG, TB * KGN * LANES * KG);
             int64_t m = c0;
             for (; m + TR <= c1; m += TR) {
                 packed_tile<TR, TB>(X + m * xs, xs, P, KGN, nb, out);
