@@ -243,3 +243,21 @@ def test_bfloat16_experts_take_the_native_op_streamed_only(monkeypatch, dtype, T
         ref = layer(x, w, ex)
     assert got.dtype == dtype
     assert rel_rms(got, ref) <= (1e-6 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("path", ["native", "portable"])
+def test_bfloat16_results_round_as_torch_does_ties_to_even_and_nan(path):
+    """hc_post writes its float32 sums into the bfloat16 streams: exact halfway values go to the even
+    neighbour, a NaN stays NaN, the rest to the nearest (every lane and the scalar tail)."""
+    T, n, D = 3, 2, 37
+    out = torch.ones(T, D, dtype=BF)
+    streams = torch.zeros(T, n, D, dtype=BF)
+    comb = torch.zeros(T, n, n)
+    post = torch.tensor([[1 + 2 ** -8, 1 + 3 * 2 ** -8], [1 + 2 ** -9, 1 - 2 ** -10], [1.3, float("nan")]])
+    with kernels.portable("mhc") if path == "portable" else torch.no_grad():
+        got = fm.hc_post(out, streams, post, comb)
+    want = (post[..., None] * out.float()[:, None, :]).to(BF)
+    # a NaN stays NaN (its bits differ between torch's own scalar and vector conversions)
+    assert torch.equal(got.isnan(), want.isnan()) and got[2, 1].isnan().all()
+    assert torch.equal(got.nan_to_num(7.0).view(torch.int16), want.nan_to_num(7.0).view(torch.int16))
+    assert got[0, 0, 0] == 1.0 and got[0, 1, 0] == 1 + 2 ** -6           # ties to even, both ways

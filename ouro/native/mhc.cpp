@@ -18,6 +18,8 @@
 
 #include <algorithm>
 #include <tuple>
+#include <type_traits>
+#include <vector>
 
 #include "boundary.h"
 #include "vec.h"
@@ -89,8 +91,8 @@ void sinkhorn(float* m, int64_t n, int64_t iters, float eps) {
 
 // `count` <= GROUP tokens from their projections z [count, K] (of the raw streams: the RMS is a
 // per-row scalar, applied here) and their streams rows[k] [n, D]: post and comb of token t0 + k, and
-// its block input x = sum_i pre_i s_i. A short group's empty lanes repeat its last token.
-void finish(const Hc& h, const float* z, const float* const* rows, int64_t count, int64_t t0, float* xp, float* pp,
+// its block input x = sum_i pre_i s_i (into x0 + k * D). A short group's empty lanes repeat its last token.
+void finish(const Hc& h, const float* z, const float* const* rows, int64_t count, int64_t t0, float* x0, float* pp,
             float* cp) {
     const int64_t n = h.n, D = h.D;
     float pre[GROUP][MAX_N], m[MAX_N * MAX_N * GROUP];
@@ -119,7 +121,7 @@ void finish(const Hc& h, const float* z, const float* const* rows, int64_t count
         for (int64_t e = 0; e < n * n; ++e) comb[e] = m[e * GROUP + k];
         const float* streams[MAX_N];
         for (int64_t i = 0; i < n; ++i) streams[i] = rows[k] + i * D;
-        ouro::lincomb(xp + (t0 + k) * D, pre[k], streams, n, D);
+        ouro::lincomb(x0 + k * D, pre[k], streams, n, D);
     }
 }
 
@@ -146,15 +148,18 @@ void project(const Hc& h, const float* const* rows, int64_t count, float* z, int
     }
 }
 
-// hc_post's operands: the block's output [T, D], the streams it read [T, n, D], post [T, n], comb [T, n, n]
+// hc_post's operands: the block's output [T, D], the streams it read [T, n, D] (both of the model's
+// dtype T: float32, or bfloat16 widened as read), post [T, n], comb [T, n, n] (float32)
+template <typename T>
 struct Mix {
-    const float *out, *streams, *post, *comb;
+    const T *out, *streams;
+    const float *post, *comb;
     int64_t n, D;
 
-    // new streams of token t into dst [n, D]
+    // new streams of token t into dst [n, D], float32
     void token(int64_t t, float* dst) const {
         float c[MAX_N + 1];
-        const float* src[MAX_N + 1];
+        const T* src[MAX_N + 1];
         src[0] = out + t * D;
         for (int64_t j = 0; j < n; ++j) src[1 + j] = streams + (t * n + j) * D;
         for (int64_t i = 0; i < n; ++i) {
@@ -165,41 +170,75 @@ struct Mix {
     }
 };
 
+template <typename T>
 struct MixTensors {   // keeps hc_post's contiguous operands alive while a Mix points into them
     at::Tensor out, streams, post, comb;
-    Mix mix;
+    Mix<T> mix;
 };
 
-MixTensors make_mix(const at::Tensor& block_out, const at::Tensor& streams, const at::Tensor& post, const at::Tensor& comb) {
-    for (auto* t : {&block_out, &streams, &post, &comb}) check_f32(*t, "hc_post operand");
+// float32 or bfloat16 tensors of the model (`boundary.h`: widened as read, results rounded once)
+template <typename T>
+const T* data(const at::Tensor& t) { return static_cast<const T*>(t.data_ptr()); }
+template <typename T>
+T* data(at::Tensor& t) { return static_cast<T*>(t.data_ptr()); }
+
+void check_model_dtype(const at::Tensor& t, const char* what) {
+    TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, what,
+                " must be float32 or bfloat16, got ", t.scalar_type());
+}
+
+template <typename T>
+MixTensors<T> make_mix(const at::Tensor& block_out, const at::Tensor& streams, const at::Tensor& post, const at::Tensor& comb) {
+    TORCH_CHECK(block_out.scalar_type() == streams.scalar_type(), "block_out must have the streams' dtype");
     TORCH_CHECK(streams.dim() == 3, "streams must be [T, n, D], got ", streams.sizes());
-    const int64_t T = streams.size(0), n = streams.size(1), D = streams.size(2);
+    const int64_t T_ = streams.size(0), n = streams.size(1), D = streams.size(2);
     TORCH_CHECK(n <= MAX_N, "hc_mult ", n, " is over ", MAX_N);
-    TORCH_CHECK(block_out.numel() == T * D && post.numel() == T * n && comb.numel() == T * n * n,
+    TORCH_CHECK(block_out.numel() == T_ * D && post.numel() == T_ * n && comb.numel() == T_ * n * n,
                 "block_out / post / comb do not match streams ", streams.sizes());
-    MixTensors m{block_out.contiguous(), streams.contiguous(), post.contiguous(), comb.contiguous(), {}};
-    m.mix = Mix{m.out.data_ptr<float>(), m.streams.data_ptr<float>(), m.post.data_ptr<float>(),
-                m.comb.data_ptr<float>(), n, D};
+    MixTensors<T> m{block_out.contiguous(), streams.contiguous(), ouro::f32(post).contiguous(),
+                    ouro::f32(comb).contiguous(), {}};
+    m.mix = Mix<T>{data<T>(m.out), data<T>(m.streams), m.post.template data_ptr<float>(),
+                   m.comb.template data_ptr<float>(), n, D};
     return m;
 }
 
-// the weights of `h` for the streams s [T, n, D]; with `mix`, each token's streams are first written
-// into s by it. Returns (x [T, D], post [T, n], comb [T, n, n]).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> weigh(const Hc& h, at::Tensor& s, const Mix* mix) {
-    const int64_t T = s.size(0), n = h.n, D = h.D, K = h.K;
-    at::Tensor x = at::empty({T, D}, s.options()), post = at::empty({T, n}, s.options()),
-               comb = at::empty({T, n, n}, s.options());
-    float *sp = s.data_ptr<float>(), *xp = x.data_ptr<float>(), *pp = post.data_ptr<float>(), *cp = comb.data_ptr<float>();
+// the weights of `h` for the streams s [T, n, D] of the model's dtype T; with `mix`, each token's
+// streams are first written into s by it. Returns (x [T, D] in T, post [T, n], comb [T, n, n] float32).
+// float32 streams are read and written in place; bfloat16 ones go through a group's float32 scratch
+// (the weights and block input computed from the unrounded new streams, each result rounded once).
+template <typename T>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> weigh(const Hc& h, at::Tensor& s, const Mix<T>* mix) {
+    constexpr bool wide = std::is_same<T, float>::value;
+    const int64_t T_ = s.size(0), n = h.n, D = h.D, K = h.K;
+    const auto f32 = s.options().dtype(at::kFloat);
+    at::Tensor x = at::empty({T_, D}, s.options()), post = at::empty({T_, n}, f32), comb = at::empty({T_, n, n}, f32);
+    T *sp = data<T>(s), *xp = data<T>(x);
+    float *pp = post.data_ptr<float>(), *cp = comb.data_ptr<float>();
     const int64_t per_token = K * n * D + (mix ? n * (n + 1) * D : 0) + 8 * h.iters * n * n;
-    const int64_t groups = (T + GROUP - 1) / GROUP;
+    const int64_t groups = (T_ + GROUP - 1) / GROUP;
     // one group of tokens: their new streams (after a mix), projection, weights and block input
-    auto group = [&](int64_t g, bool split) {
+    auto group = [&](int64_t g, bool split, std::vector<float>& scratch) {
         float z[GROUP * (2 + MAX_N) * MAX_N];
         const float* rows[GROUP];
-        const int64_t t0 = g * GROUP, count = std::min(GROUP, T - t0);
+        const int64_t t0 = g * GROUP, count = std::min(GROUP, T_ - t0);
+        float* x0 = nullptr;
         for (int64_t k = 0; k < count; ++k) {
-            if (mix) mix->token(t0 + k, sp + (t0 + k) * n * D);
-            rows[k] = sp + (t0 + k) * n * D;
+            T* row = sp + (t0 + k) * n * D;
+            if constexpr (wide) {
+                if (mix) mix->token(t0 + k, row);
+                rows[k] = row;
+                x0 = xp + t0 * D;
+            } else {
+                float* buf = scratch.data() + k * n * D;
+                if (mix) {
+                    mix->token(t0 + k, buf);
+                    ouro::narrow(row, buf, n * D);
+                } else {
+                    ouro::widen(buf, row, n * D);
+                }
+                rows[k] = buf;
+                x0 = scratch.data() + GROUP * n * D;
+            }
         }
         if (split)
             at::parallel_for(0, (K + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
@@ -207,74 +246,93 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> weigh(const Hc& h, at::Tensor& s,
             });
         else
             project(h, rows, count, z, 0, K);
-        finish(h, z, rows, count, t0, xp, pp, cp);
+        finish(h, z, rows, count, t0, x0, pp, cp);
+        if constexpr (!wide) ouro::narrow(xp + t0 * D, x0, count * D);
     };
+    const int64_t scratch_floats = wide ? 0 : GROUP * (n + 1) * D;
     if (groups == 1 && K * n * D >= SPLIT_FLOATS && at::get_num_threads() > 1) {
         // one group (a decode step of up to 4 tokens): its projection's rows split over the threads.
         // Its weights come from memory, not cache, where one thread streams ~8 GB/s and two ~13-20
         // (`small`: 196 KB a hyper-connection, 25 us a call on one thread, AVX2 Zen 3)
-        group(0, true);
+        std::vector<float> scratch(scratch_floats);
+        group(0, true, scratch);
     } else {
         at::parallel_for(0, groups, std::max<int64_t>(1, GRAIN_FMAS / (GROUP * per_token)), [&](int64_t g0, int64_t g1) {
-            for (int64_t g = g0; g < g1; ++g) group(g, false);
+            std::vector<float> scratch(scratch_floats);
+            for (int64_t g = g0; g < g1; ++g) group(g, false, scratch);
         });
     }
     return {x, post, comb};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> hc_pre_f32(const at::Tensor& streams, const at::Tensor& fn, const at::Tensor& base,
-                                                      const at::Tensor& scale, double norm_eps, double hc_eps, int64_t iters) {
-    check_f32(streams, "streams");
-    TORCH_CHECK(streams.dim() == 3, "streams must be [T, n, D], got ", streams.sizes());
+template <typename T>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> pre(const at::Tensor& streams, const at::Tensor& fn, const at::Tensor& base,
+                                                   const at::Tensor& scale, double norm_eps, double hc_eps, int64_t iters) {
     const Hc h = make_hc(fn, base, scale, streams.size(1), streams.size(2), norm_eps, hc_eps, iters);
     at::Tensor s = streams.contiguous();
-    return weigh(h, s, nullptr);
+    return weigh<T>(h, s, nullptr);
 }
 
-at::Tensor hc_post_f32(const at::Tensor& block_out, const at::Tensor& streams, const at::Tensor& post, const at::Tensor& comb) {
-    const MixTensors m = make_mix(block_out, streams, post, comb);
-    const int64_t T = streams.size(0), n = m.mix.n, D = m.mix.D;
-    at::Tensor y = at::empty({T, n, D}, streams.options());
-    float* yp = y.data_ptr<float>();
-    at::parallel_for(0, T, std::max<int64_t>(1, GRAIN_FMAS / (n * (n + 1) * D)), [&](int64_t t0, int64_t t1) {
-        for (int64_t t = t0; t < t1; ++t) m.mix.token(t, yp + t * n * D);
+template <typename T>
+at::Tensor post_mix(const at::Tensor& block_out, const at::Tensor& streams, const at::Tensor& post, const at::Tensor& comb) {
+    const MixTensors<T> m = make_mix<T>(block_out, streams, post, comb);
+    const int64_t T_ = streams.size(0), n = m.mix.n, D = m.mix.D;
+    at::Tensor y = at::empty({T_, n, D}, streams.options());
+    T* yp = data<T>(y);
+    at::parallel_for(0, T_, std::max<int64_t>(1, GRAIN_FMAS / (n * (n + 1) * D)), [&](int64_t t0, int64_t t1) {
+        std::vector<float> buf(std::is_same<T, float>::value ? 0 : n * D);
+        for (int64_t t = t0; t < t1; ++t) {
+            if constexpr (std::is_same<T, float>::value) {
+                m.mix.token(t, yp + t * n * D);
+            } else {
+                m.mix.token(t, buf.data());
+                ouro::narrow(yp + t * n * D, buf.data(), n * D);
+            }
+        }
     });
     return y;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hc_post_pre_f32(
+template <typename T>
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> post_pre(
         const at::Tensor& block_out, const at::Tensor& streams, const at::Tensor& post, const at::Tensor& comb,
         const at::Tensor& fn, const at::Tensor& base, const at::Tensor& scale, double norm_eps, double hc_eps,
         int64_t iters) {
-    const MixTensors m = make_mix(block_out, streams, post, comb);
+    const MixTensors<T> m = make_mix<T>(block_out, streams, post, comb);
     const Hc h = make_hc(fn, base, scale, m.mix.n, m.mix.D, norm_eps, hc_eps, iters);
     at::Tensor y = at::empty(streams.sizes(), streams.options());
-    auto [x, p, c] = weigh(h, y, &m.mix);
+    auto [x, p, c] = weigh<T>(h, y, &m.mix);
     return {y, x, p, c};
 }
 
-// the ops: float32 inside; a bfloat16 model's streams, block output and projection converted at the
-// boundary (`boundary.h`), the new streams and block input returned in the streams' dtype and the
-// mixing weights in float32, as the eager path gives them (`ouro/ops/mhc/sinkhorn.py`)
+// the ops: the streams and block output in the model's dtype (float32, or bfloat16 read and written as
+// such: `widen` / `narrow`), the projection and the mixing weights in float32 (a bfloat16 `fn` converted
+// at the boundary), the new streams and block input returned in the streams' dtype and the mixing
+// weights in float32, as the eager path gives them (`ouro/ops/mhc/sinkhorn.py`)
 std::tuple<at::Tensor, at::Tensor, at::Tensor> hc_pre(const at::Tensor& streams, const at::Tensor& fn, const at::Tensor& base,
                                                       const at::Tensor& scale, double norm_eps, double hc_eps, int64_t iters) {
-    auto [x, p, c] = hc_pre_f32(ouro::f32(streams), ouro::f32(fn), ouro::f32(base), ouro::f32(scale), norm_eps, hc_eps, iters);
-    return {ouro::as_dtype(x, streams.scalar_type()), p, c};
+    check_model_dtype(streams, "streams");
+    TORCH_CHECK(streams.dim() == 3, "streams must be [T, n, D], got ", streams.sizes());
+    const at::Tensor f = ouro::f32(fn), b = ouro::f32(base), sc = ouro::f32(scale);
+    return streams.scalar_type() == at::kFloat ? pre<float>(streams, f, b, sc, norm_eps, hc_eps, iters)
+                                               : pre<ouro::bf16_t>(streams, f, b, sc, norm_eps, hc_eps, iters);
 }
 
 at::Tensor hc_post(const at::Tensor& block_out, const at::Tensor& streams, const at::Tensor& post, const at::Tensor& comb) {
-    return ouro::as_dtype(hc_post_f32(ouro::f32(block_out), ouro::f32(streams), ouro::f32(post), ouro::f32(comb)),
-                          streams.scalar_type());
+    check_model_dtype(streams, "streams");
+    return streams.scalar_type() == at::kFloat ? post_mix<float>(block_out, streams, post, comb)
+                                               : post_mix<ouro::bf16_t>(block_out, streams, post, comb);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hc_post_pre(
         const at::Tensor& block_out, const at::Tensor& streams, const at::Tensor& post, const at::Tensor& comb,
         const at::Tensor& fn, const at::Tensor& base, const at::Tensor& scale, double norm_eps, double hc_eps,
         int64_t iters) {
-    auto [y, x, p, c] = hc_post_pre_f32(ouro::f32(block_out), ouro::f32(streams), ouro::f32(post), ouro::f32(comb),
-                                        ouro::f32(fn), ouro::f32(base), ouro::f32(scale), norm_eps, hc_eps, iters);
-    const at::ScalarType dt = streams.scalar_type();
-    return {ouro::as_dtype(y, dt), ouro::as_dtype(x, dt), p, c};
+    check_model_dtype(streams, "streams");
+    const at::Tensor f = ouro::f32(fn), b = ouro::f32(base), sc = ouro::f32(scale);
+    return streams.scalar_type() == at::kFloat
+        ? post_pre<float>(block_out, streams, post, comb, f, b, sc, norm_eps, hc_eps, iters)
+        : post_pre<ouro::bf16_t>(block_out, streams, post, comb, f, b, sc, norm_eps, hc_eps, iters);
 }
 
 std::string mhc_isa(int64_t force_portable) { return ouro::isa_switch(force_portable); }

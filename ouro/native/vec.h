@@ -123,29 +123,95 @@ inline void prefetch(const void* p, int64_t bytes) {
 inline float sigmoid(float x) { return 1.f / (1.f + std::exp(-x)); }
 inline float silu(float x) { return x / (1.f + std::exp(-x)); }
 
-// y[i] = sum_k c[k] * x[k][i] for k < m (m >= 1), summed in order of k: a weighted sum of rows in one pass
-inline void lincomb(float* y, const float* c, const float* const* x, int64_t m, int64_t n) {
+// a register of lanes loaded from float32 or widened from bfloat16 (exact: the bits shifted up)
+#if defined(__AVX512F__)
+inline __m512 load512(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load512(const bf16_t* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+inline __m256 load256(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load256(const bf16_t* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+#endif
+
+// y[i] = sum_k c[k] * x[k][i] for k < m (m >= 1), summed in order of k: a weighted sum of rows in one
+// pass. Rows of float32 or bfloat16 (widened as they are read: the same sums as on the widened rows)
+template <typename T>
+inline void lincomb(float* y, const float* c, const T* const* x, int64_t m, int64_t n) {
     int64_t i = 0;
     if (!portable()) {
 #if defined(__AVX512F__)
         for (; i + 16 <= n; i += 16) {
-            __m512 acc = _mm512_mul_ps(_mm512_set1_ps(c[0]), _mm512_loadu_ps(x[0] + i));
-            for (int64_t k = 1; k < m; ++k) acc = _mm512_fmadd_ps(_mm512_set1_ps(c[k]), _mm512_loadu_ps(x[k] + i), acc);
+            __m512 acc = _mm512_mul_ps(_mm512_set1_ps(c[0]), load512(x[0] + i));
+            for (int64_t k = 1; k < m; ++k) acc = _mm512_fmadd_ps(_mm512_set1_ps(c[k]), load512(x[k] + i), acc);
             _mm512_storeu_ps(y + i, acc);
         }
 #elif defined(__AVX2__) && defined(__FMA__)
         for (; i + 8 <= n; i += 8) {
-            __m256 acc = _mm256_mul_ps(_mm256_set1_ps(c[0]), _mm256_loadu_ps(x[0] + i));
-            for (int64_t k = 1; k < m; ++k) acc = _mm256_fmadd_ps(_mm256_set1_ps(c[k]), _mm256_loadu_ps(x[k] + i), acc);
+            __m256 acc = _mm256_mul_ps(_mm256_set1_ps(c[0]), load256(x[0] + i));
+            for (int64_t k = 1; k < m; ++k) acc = _mm256_fmadd_ps(_mm256_set1_ps(c[k]), load256(x[k] + i), acc);
             _mm256_storeu_ps(y + i, acc);
         }
 #endif
     }
     for (; i < n; ++i) {
-        float s = c[0] * x[0][i];
-        for (int64_t k = 1; k < m; ++k) s += c[k] * x[k][i];
+        float s = c[0] * to_float(x[0][i]);
+        for (int64_t k = 1; k < m; ++k) s = std::fma(c[k], to_float(x[k][i]), s);
         y[i] = s;
     }
+}
+
+// y[i] = x[i] widened to float32 (a bfloat16 row into a kernel's float32 scratch)
+inline void widen(float* y, const bf16_t* x, int64_t n) {
+    int64_t i = 0;
+    if (!portable()) {
+#if defined(__AVX512F__)
+        for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, load512(x + i));
+#elif defined(__AVX2__) && defined(__FMA__)
+        for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, load256(x + i));
+#endif
+    }
+    for (; i < n; ++i) y[i] = to_float(x[i]);
+}
+
+// float32 -> bfloat16 rounded to nearest, ties to even (torch's `.to(torch.bfloat16)`), a NaN as 0x7FC0
+inline bf16_t to_bf16(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, sizeof u);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return bf16_t(0x7FC0);
+    return bf16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+// y[i] = x[i] rounded to bfloat16 (a kernel's float32 result stored into a bfloat16 model's tensor)
+inline void narrow(bf16_t* y, const float* x, int64_t n) {
+    int64_t i = 0;
+    if (!portable()) {
+#if defined(__AVX512F__)
+        const __m512i half = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1), qnan = _mm512_set1_epi32(0x7FC0);
+        for (; i + 16 <= n; i += 16) {
+            const __m512 v = _mm512_loadu_ps(x + i);
+            const __m512i u = _mm512_castps_si512(v);
+            __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(half, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
+            r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_srli_epi32(r, 16), qnan);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i), _mm512_cvtepi32_epi16(r));
+        }
+#elif defined(__AVX2__) && defined(__FMA__)
+        const __m256i half = _mm256_set1_epi32(0x7FFF), one = _mm256_set1_epi32(1), qnan = _mm256_set1_epi32(0x7FC0);
+        for (; i + 8 <= n; i += 8) {
+            const __m256 v = _mm256_loadu_ps(x + i);
+            const __m256i u = _mm256_castps_si256(v);
+            __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(half, _mm256_and_si256(_mm256_srli_epi32(u, 16), one))), 16);
+            r = _mm256_blendv_epi8(r, qnan, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+            // 32 -> 16 bits: packus works within 128-bit halves, the permute puts the two halves together
+            const __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(y + i), _mm256_castsi256_si128(p));
+        }
+#endif
+    }
+    for (; i < n; ++i) y[i] = to_bf16(x[i]);
 }
 
 // e^x for x <= 0 (sigmoid and silu need only e^-|x|), lane by lane: 2^n times a degree-6 polynomial
