@@ -9,8 +9,6 @@
 
 namespace ouro {
 
-inline bool is_half_float(const at::Tensor& t) { return t.scalar_type() == at::kBFloat16; }
-
 inline at::Tensor f32(const at::Tensor& t) { return t.scalar_type() == at::kFloat ? t : t.to(at::kFloat); }
 
 inline at::Tensor as_dtype(const at::Tensor& t, at::ScalarType dt) { return t.scalar_type() == dt ? t : t.to(dt); }

@@ -30,15 +30,11 @@ struct Lanes {
     static T zero() { return OURO_PS(setzero)(); }
     static T set1(float a) { return OURO_PS(set1)(a); }
     static T load(const float* p) { return OURO_PS(loadu)(p); }
-    // W bfloat16 values (their bits, `bf16_t`) widened to float32 lanes: exact, a shift into the high half
+    // bfloat16 values (their bits, `bf16_t`) widened to float32 lanes (vec.h's load512 / load256)
 #if defined(__AVX512F__)
-    static T load(const bf16_t* p) {
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-    }
+    static T load(const bf16_t* p) { return load512(p); }
 #else
-    static T load(const bf16_t* p) {
-        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
-    }
+    static T load(const bf16_t* p) { return load256(p); }
 #endif
     static void store(float* p, T v) { OURO_PS(storeu)(p, v); }
     static T mul(T a, T b) { return OURO_PS(mul)(a, b); }

@@ -14,7 +14,11 @@ import logging
 import os
 from pathlib import Path
 
+import torch
+
 from ..native.build import compile_native
+from ..native.kernels import fused_off
+from ..ops.quant import quantize_rows
 
 log = logging.getLogger(__name__)
 
@@ -58,3 +62,12 @@ def _register_fakes():
         lambda x: (torch.empty(x.shape, dtype=torch.int8, device=x.device), x.new_empty(x.shape[0])))
     torch.library.register_fake("ouro_int8::w8a8_experts")(
         lambda x, weights, experts, gate_up, gate_up_scale, down, down_scale, I, limit: torch.empty_like(x))
+
+
+def quantize_for_int8(x):
+    """x [M, K] -> (int8 q, float32 scale): `quantize_rows`' values, by ouro's one-pass op where it is
+    built (torch's ~8 element-wise ops took ~3.4 ms for a 2,048-row prefill input on the Xeon), by
+    torch's ops under `eager_only()` (the reference) or elsewhere."""
+    if x.device.type == "cpu" and x.dim() == 2 and not fused_off() and native() is not None:
+        return torch.ops.ouro_int8.quantize_int8(x.float())
+    return quantize_rows(x)

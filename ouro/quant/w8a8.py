@@ -34,7 +34,7 @@ from ..ops.moe.experts import by_expert, combine, padded_by_expert
 from ..ops.opaque import call_opaque
 from ..ops.quant import E4M3, dequantize, quantize_rows, quantize_rows_fp8
 from . import fp8_forms, int8_forms
-from .int8_native import native
+from .int8_native import native, quantize_for_int8
 
 METHODS = ("w8a8", "fp8")
 QUANTIZERS = {"w8a8": quantize_rows, "fp8": quantize_rows_fp8}
@@ -85,15 +85,6 @@ def _offsets(counts):
 
 def _form(forms, rows: int) -> str:
     return forms[0] if forms.count(forms[0]) == len(forms) else form_for(forms, rows, int8_forms.ROWS)
-
-
-def quantize_for_int8(x):
-    """x [M, K] -> (int8 q, float32 scale): `quantize_rows`' values, by ouro's one-pass op where it is
-    built (torch's ~8 element-wise ops took ~3.4 ms for a 2,048-row prefill input on the Xeon), by
-    torch's ops under `eager_only()` (the reference) or elsewhere."""
-    if x.device.type == "cpu" and x.dim() == 2 and not fused_off() and native() is not None:
-        return torch.ops.ouro_int8.quantize_int8(x.float())
-    return quantize_rows(x)
 
 
 def w8a8_product(x, qweight, weight_scale, forms, owner=None, name: str = "weight"):
