@@ -216,7 +216,10 @@ def test_a_bfloat16_engine_on_the_fused_step_is_as_near_float32_as_its_eager_ste
         same = min(same, len(l32))
         err_fused, err_eager = rel_rms(lf[:same], l32[:same]), rel_rms(le[:same], l32[:same])
         assert err_fused <= 1.25 * err_eager + 1e-3, (err_fused, err_eager)
-        assert rel_rms(lf[:same], le[:same]) <= 3e-2
+        # the two bfloat16 runs round apart: bounded by the eager run's own bfloat16 error, not a fixed
+        # figure (the eager bf16 products round differently per machine: AVX2 here gave 0.065 on a row
+        # where AVX-512 gave under 0.03)
+        assert rel_rms(lf[:same], le[:same]) <= 1.5 * err_eager + 1e-3, err_eager
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, BF])
