@@ -38,7 +38,11 @@ class Server:
             cmd += ["--api-key", api_key]
         self.log = open(os.path.join(str(tmp_path), f"server-{self.port}.log"), "w+")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
-        self.wait_ready()
+        try:
+            self.wait_ready()
+        except BaseException:       # nothing else stops a server whose constructor raised: its processes outlived the test
+            self.stop()
+            raise
 
     def wait_ready(self, timeout=180):
         deadline = time.monotonic() + timeout

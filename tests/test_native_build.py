@@ -19,6 +19,27 @@ def test_a_source_that_does_not_compile_gives_the_compilers_error(tmp_path, monk
     assert built is None and "undefined_name" in why
 
 
+def test_a_lock_left_by_a_killed_build_does_not_stall_the_next_start(tmp_path):
+    """torch's build lock file outlives a builder killed mid-build, and cpp_extension waits on it for
+    ever: every later `ouro serve` hung at start (found on the Zen 3 class, a TP server after a killed
+    one). A stale lock before the build and one after it: each next start builds or loads at once."""
+    from ouro.native.build import build_key
+    src = tmp_path / "tiny.cpp"
+    src.write_text('extern "C" int ouro_tiny_answer() { return 7; }\n')
+    directory = tmp_path / "cache" / "ext" / f"tiny_{build_key([src])}"
+    directory.mkdir(parents=True)
+    code = ("import ctypes, sys; from pathlib import Path; from ouro.native.build import compile_native; "
+            "lib, why = compile_native('tiny', Path(sys.argv[1]), python_module=False); "
+            "print('ANSWER', why or ctypes.CDLL(lib).ouro_tiny_answer())")
+    env = {**os.environ, "OURO_CACHE": str(tmp_path / "cache")}
+    for stage in ("before the build", "after it"):
+        (directory / "lock").touch()
+        out = subprocess.run([sys.executable, "-c", code, str(src)], capture_output=True, text=True, timeout=180,
+                             env=env, cwd=os.path.dirname(os.path.dirname(__file__)))
+        assert out.returncode == 0 and "ANSWER 7" in out.stdout, (stage, out.stdout, out.stderr[-2000:])
+    assert (directory / "built").is_file()
+
+
 def test_no_compiler_falls_back_to_eager_with_one_log_line(tmp_path):
     """A fresh cache and a compiler that is not there: every family says why once, the model runs."""
     code = textwrap.dedent("""

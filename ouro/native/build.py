@@ -8,7 +8,10 @@ compiler gets None and the reason; callers fall back to their eager forms."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
+import importlib.util
 import os
 from pathlib import Path
 
@@ -50,12 +53,45 @@ def compile_native(name: str, source: Path, headers: tuple[Path, ...] = (), pyth
                 tmp = copy.with_suffix(f".{os.getpid()}.tmp")
                 tmp.write_bytes(f.read_bytes())
                 tmp.replace(copy)
-        built = cpp_extension.load(name=f"ouro_{name}_{key}", sources=[str(directory / source.name)],
-                                   extra_cflags=CFLAGS, extra_include_paths=[str(directory)],
-                                   build_directory=str(directory), verbose=False, is_python_module=python_module)
-        return (built if python_module else str(directory / f"ouro_{name}_{key}.so")), None
+        library = directory / f"ouro_{name}_{key}.so"
+        done = directory / "built"              # written once a build has loaded: one cut short leaves none
+        if done.is_file() and library.is_file():
+            return _load(library, python_module), None
+        with _build_lock(directory):
+            built = cpp_extension.load(name=f"ouro_{name}_{key}", sources=[str(directory / source.name)],
+                                       extra_cflags=CFLAGS, extra_include_paths=[str(directory)],
+                                       build_directory=str(directory), verbose=False, is_python_module=python_module)
+            done.write_text(f"{library.name}\n")
+        return (built if python_module else str(library)), None
     except Exception as e:                         # noqa: BLE001 - no compiler, no ninja, a failed build
         lines = str(e).strip().splitlines()
         # a compiler's message names the line at fault; otherwise the exception's first line
         first = next((line for line in lines if "error:" in line), lines[0] if lines else "")
         return None, f"{type(e).__name__}: {first.strip()[:300]}"
+
+
+@contextlib.contextmanager
+def _build_lock(directory: Path):
+    """One builder at a time per build directory, across processes. An OS lock (flock) is released
+    with the process that holds it, killed or not; torch's own lock file (cpp_extension's `lock`) is
+    not: a process killed mid-build left it, and every later start waited on it for ever. Under this
+    lock no live ouro builder holds torch's, so one found is stale and is removed."""
+    with open(directory / "build.flock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            (directory / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _load(library: Path, python_module: bool):
+    """A built library loaded without cpp_extension (no lock, no ninja run): its ops into `torch.ops`,
+    or as a Python module named as it was built."""
+    if not python_module:
+        torch.ops.load_library(str(library))
+        return str(library)
+    spec = importlib.util.spec_from_file_location(library.stem, library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
