@@ -134,3 +134,22 @@ def test_config_from_flat_and_nested_dicts():
     assert ModelConfig.from_dict(nested) == ModelConfig.from_dict(flat) == PRESETS["tiny"]
     with pytest.raises(CheckpointError, match="qk_rope_head_dim"):
         ModelConfig.from_dict(dict(flat, qk_rope_head_dim=64))
+
+
+def test_loading_leaves_torch_init_alone_and_does_not_import_dynamo():
+    """The meta-device skeleton is built for shapes only: torch's init functions are restored after it
+    (a model built next is initialised), and a fresh process loading a model does not import
+    torch._dynamo (1.4 s of every `ouro serve` start on the AVX2 machine)."""
+    import os
+    import subprocess
+    import sys
+    init = {n: getattr(torch.nn.init, n) for n in ("normal_", "uniform_", "kaiming_uniform_", "zeros_")}
+    from ouro.models.resolve import resolve_model
+    load_model(resolve_model("tiny-py"))
+    assert {n: getattr(torch.nn.init, n) for n in init} == init
+    assert torch.nn.Linear(4, 4).weight.abs().sum() > 0
+    code = ("import sys; from ouro.models.loader import load_model; from ouro.models.resolve import resolve_model; "
+            "load_model(resolve_model('tiny-py')); print('DYNAMO', 'torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert "DYNAMO False" in out.stdout, out.stdout + out.stderr[-2000:]

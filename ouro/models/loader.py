@@ -11,6 +11,7 @@ The vision tower (`model.visual.*`) is its own model: `load_vision` reads it (`h
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from dataclasses import dataclass
@@ -270,7 +271,7 @@ def load_model(directory: str | Path, dtype=torch.float32, device="cpu", kda_chu
     of allocating. `available`: bytes the model may use (default: free memory of `device`)."""
     from .glm5_next import Glm5NextModel
     config = ModelConfig.from_hf(directory)
-    with torch.device("meta"):
+    with torch.device("meta"), _shapes_only():
         skeleton = Glm5NextModel(config, kda_chunk_size).to(dtype)
     check_checkpoint(skeleton, directory)
     need = sum(t.numel() * t.element_size() for t in skeleton.state_dict().values())
@@ -285,6 +286,22 @@ def load_model(directory: str | Path, dtype=torch.float32, device="cpu", kda_chu
     report = load_weights(model, directory, progress=progress)
     model.load_report = report
     return model.eval()
+
+
+@contextlib.contextmanager
+def _shapes_only():
+    """A meta-device model built for its shapes: `torch.nn.init`'s in-place initialisers skipped. On
+    the meta device they run torch's reference kernels, whose first call imports torch._dynamo: 1.4 s
+    of every engine start, for values a meta tensor does not hold."""
+    names = [n for n in dir(torch.nn.init) if n.endswith("_") and not n.startswith("_")]
+    saved = {n: getattr(torch.nn.init, n) for n in names}
+    try:
+        for n in names:
+            setattr(torch.nn.init, n, lambda tensor, *args, **kwargs: tensor)
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(torch.nn.init, n, f)
 
 
 def _vision_prefix(where: dict) -> str | None:
