@@ -165,3 +165,21 @@ def test_a_cache_reached_through_a_link_reuses_the_build(tmp_path, monkeypatch):
     again, why = compile_native("fused_norms", kernels.HERE / "norms.cpp", kernels.HEADERS, python_module=False)
     assert why is None and os.path.realpath(again) == os.path.realpath(built)
     assert (open(ninja, "rb").read(), os.stat(built).st_mtime_ns) == before
+
+
+def test_builds_side_by_side_leave_each_built_and_a_failing_one_to_its_caller(tmp_path, monkeypatch):
+    """`build_side_by_side` builds what is not built yet in child processes; a source that does not
+    compile is left unbuilt (the caller's own compile_native then gives its error), nothing raises."""
+    from ouro.native.build import build_side_by_side, is_built
+    monkeypatch.setenv("OURO_CACHE", str(tmp_path / "cache"))
+    good = []
+    for i in range(2):
+        src = tmp_path / f"tiny{i}.cpp"
+        src.write_text(f'extern "C" int ouro_tiny_answer() {{ return {i}; }}\n')
+        good.append((f"tiny{i}", src, ()))
+    bad = tmp_path / "bad.cpp"
+    bad.write_text("int f() { return undefined_name; }\n")
+    build_side_by_side([*good, ("bad", bad, ())], workers=2)
+    assert all(is_built(*b) for b in good) and not is_built("bad", bad)
+    built, why = compile_native("bad", bad, python_module=False)
+    assert built is None and "undefined_name" in why

@@ -81,8 +81,11 @@ class ModelRunner:
         (`ouro.engine.decode_graph`); it takes one more state slot and page, for padding rows.
         cache_config: the config the cache is laid out for (the model's, or with the MTP draft layer)."""
         from ..gemm_pick import apply_to
+        from ..native.kernels import load_all
         self.model = model
         self.device = device
+        if torch.device(device).type == "cpu":
+            load_all()           # a first start builds the fused kernels side by side, not one per first use
         apply_to(model)          # each projection's product, by measurement on this machine
         dtype = model.embed_tokens.weight.dtype
         extra = 1 if compile_max_bs else 0     # the scratch slot and page sit past the pools' ids

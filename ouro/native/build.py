@@ -8,11 +8,14 @@ compiler gets None and the reason; callers fall back to their eager forms."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import fcntl
 import hashlib
 import importlib.util
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -32,6 +35,36 @@ def build_key(files: list[Path]) -> str:
     return h.hexdigest()[:16]
 
 
+def build_directory(name: str, files: list[Path]) -> Path:
+    return cache_root() / "ext" / f"{name}_{build_key(files)}"
+
+
+def is_built(name: str, source: Path, headers: tuple[Path, ...] = ()) -> bool:
+    directory = build_directory(name, [source, *headers])
+    return (directory / "built").is_file() and any(directory.glob(f"ouro_{name}_*.so"))
+
+
+def build_side_by_side(builds: list[tuple[str, Path, tuple[Path, ...]]], workers: int | None = None) -> None:
+    """The builds not done yet, each in a child process, `workers` at a time (default: the CPUs).
+    A compile is one thread: a first start that needs every kernel family then waits about one
+    build per CPU, not all of them in turn (~10 s each on the 2-core machines). A child that fails
+    changes nothing: the caller's own `compile_native` then builds it, or reports why not."""
+    pending = [b for b in builds if not is_built(*b)]
+    if len(pending) < 2:
+        return
+    code = ("import sys; from pathlib import Path; from ouro.native.build import compile_native; "
+            "compile_native(sys.argv[1], Path(sys.argv[2]), tuple(Path(h) for h in sys.argv[3:]), python_module=False)")
+    root = str(Path(__file__).resolve().parents[2])
+
+    def one(build):
+        name, source, headers = build
+        subprocess.run([sys.executable, "-c", code, name, str(source), *map(str, headers)], cwd=root,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
+
+    with concurrent.futures.ThreadPoolExecutor(workers or os.cpu_count() or 1) as pool:
+        list(pool.map(one, pending))
+
+
 def compile_native(name: str, source: Path, headers: tuple[Path, ...] = (), python_module: bool = True):
     """(module or library path, None) when built and loaded, (None, why) when it cannot be here.
     `python_module=False` builds a plain library of `TORCH_LIBRARY` ops (loaded into `torch.ops`)."""
@@ -40,7 +73,7 @@ def compile_native(name: str, source: Path, headers: tuple[Path, ...] = (), pyth
         cpp_extension.verify_ninja_availability()
         files = [source, *headers]
         key = build_key(files)
-        directory = cache_root() / "ext" / f"{name}_{key}"
+        directory = build_directory(name, files)
         directory.mkdir(parents=True, exist_ok=True)
         # the real path: build.ninja names it, and a cache reached through a link (a test's fresh
         # $OURO_CACHE linking the machine's `ext/`) must write the same file, or ninja rebuilds all

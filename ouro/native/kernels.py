@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from .build import compile_native
+from .build import build_side_by_side, compile_native
 
 log = logging.getLogger(__name__)
 
@@ -109,9 +109,17 @@ def fused_off() -> bool:
     return _STATE["eager_only"]
 
 
+def builds() -> list[tuple[str, Path, tuple[Path, ...]]]:
+    """(name, source, headers) of each family's build, for `build.build_side_by_side`."""
+    return [(f"fused_{f}", HERE / f"{f}.cpp", HEADERS) for f in FAMILIES]
+
+
 def load_all() -> dict[str, bool]:
     """Every family built and loaded (or its reason recorded): before a graph is traced, so the
-    trace reads each family's state and never starts a build."""
+    trace reads each family's state and never starts a build. Families not built yet build side by
+    side."""
+    if os.environ.get("OURO_FUSED", "1") != "0" and any(f not in _LOADED for f in FAMILIES):
+        build_side_by_side(builds())
     return {f: load(f) for f in FAMILIES}
 
 

@@ -47,10 +47,13 @@ def why_not() -> str | None:
     return _STATE["why"]
 
 
+BUILD = ("int8_mm", SOURCE, (SOURCE.with_name("int8_products.h"), BY_EXPERT, VEC, TILES))   # (name, source, headers)
+
+
 def _load():
     if os.environ.get("OURO_INT8_NATIVE", "1") == "0":
         return None, "OURO_INT8_NATIVE=0"
-    return compile_native("int8_mm", SOURCE, (SOURCE.with_name("int8_products.h"), BY_EXPERT, VEC, TILES))
+    return compile_native(*BUILD)
 
 
 def _register_fakes():
