@@ -14,7 +14,7 @@ from ouro.native.build import compile_native
 def test_a_source_that_does_not_compile_gives_the_compilers_error(tmp_path, monkeypatch):
     monkeypatch.setenv("OURO_CACHE", str(tmp_path / "cache"))
     src = tmp_path / "broken.cpp"
-    src.write_text("#include <torch/library.h>\nint f() { return undefined_name; }\n")
+    src.write_text("int f() { return undefined_name; }\n")     # no torch headers: the error, not 6 s of parsing
     built, why = compile_native("broken_test", src, python_module=False)
     assert built is None and "undefined_name" in why
 
