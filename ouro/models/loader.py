@@ -11,7 +11,6 @@ The vision tower (`model.visual.*`) is its own model: `load_vision` reads it (`h
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from safetensors.torch import save_file
 from ..config import CheckpointError, ModelConfig
 from ..config.model import VisionConfig
 from .fp8_checkpoint import FP8_DTYPES, SCALE_SUFFIX, FP8Format, check_scale, dequantize
+from .skeleton import meta_skeleton
 
 PREFIX = "model.language_model."
 VISION_PREFIXES = ("model.visual.", "visual.")   # what save_pretrained writes; older exports
@@ -271,8 +271,7 @@ def load_model(directory: str | Path, dtype=torch.float32, device="cpu", kda_chu
     of allocating. `available`: bytes the model may use (default: free memory of `device`)."""
     from .glm5_next import Glm5NextModel
     config = ModelConfig.from_hf(directory)
-    with torch.device("meta"), _shapes_only():
-        skeleton = Glm5NextModel(config, kda_chunk_size).to(dtype)
+    skeleton = meta_skeleton(config, kda_chunk_size, dtype)
     check_checkpoint(skeleton, directory)
     need = sum(t.numel() * t.element_size() for t in skeleton.state_dict().values())
     have = available if available is not None else device_free_bytes(device)
@@ -286,22 +285,6 @@ def load_model(directory: str | Path, dtype=torch.float32, device="cpu", kda_chu
     report = load_weights(model, directory, progress=progress)
     model.load_report = report
     return model.eval()
-
-
-@contextlib.contextmanager
-def _shapes_only():
-    """A meta-device model built for its shapes: `torch.nn.init`'s in-place initialisers skipped. On
-    the meta device they run torch's reference kernels, whose first call imports torch._dynamo: 1.4 s
-    of every engine start, for values a meta tensor does not hold."""
-    names = [n for n in dir(torch.nn.init) if n.endswith("_") and not n.startswith("_")]
-    saved = {n: getattr(torch.nn.init, n) for n in names}
-    try:
-        for n in names:
-            setattr(torch.nn.init, n, lambda tensor, *args, **kwargs: tensor)
-        yield
-    finally:
-        for n, f in saved.items():
-            setattr(torch.nn.init, n, f)
 
 
 def _vision_prefix(where: dict) -> str | None:

@@ -35,13 +35,20 @@ def build_key(files: list[Path]) -> str:
     return h.hexdigest()[:16]
 
 
-def build_directory(name: str, files: list[Path]) -> Path:
-    return cache_root() / "ext" / f"{name}_{build_key(files)}"
+def _paths(name: str, files: list[Path]) -> tuple[Path, Path]:
+    """(build directory, the library built there)."""
+    key = build_key(files)
+    directory = cache_root() / "ext" / f"{name}_{key}"
+    return directory, directory / f"ouro_{name}_{key}.so"
+
+
+def _done(directory: Path, library: Path) -> bool:
+    """`built` is written once a build has loaded: a build cut short leaves none."""
+    return (directory / "built").is_file() and library.is_file()
 
 
 def is_built(name: str, source: Path, headers: tuple[Path, ...] = ()) -> bool:
-    directory = build_directory(name, [source, *headers])
-    return (directory / "built").is_file() and any(directory.glob(f"ouro_{name}_*.so"))
+    return _done(*_paths(name, [source, *headers]))
 
 
 def build_side_by_side(builds: list[tuple[str, Path, tuple[Path, ...]]], workers: int | None = None) -> None:
@@ -69,15 +76,17 @@ def compile_native(name: str, source: Path, headers: tuple[Path, ...] = (), pyth
     """(module or library path, None) when built and loaded, (None, why) when it cannot be here.
     `python_module=False` builds a plain library of `TORCH_LIBRARY` ops (loaded into `torch.ops`)."""
     try:
+        files = [source, *headers]
+        directory, library = _paths(name, files)
+        if _done(directory, library):
+            return _load(library, python_module), None
         from torch.utils import cpp_extension
         cpp_extension.verify_ninja_availability()
-        files = [source, *headers]
-        key = build_key(files)
-        directory = build_directory(name, files)
         directory.mkdir(parents=True, exist_ok=True)
         # the real path: build.ninja names it, and a cache reached through a link (a test's fresh
         # $OURO_CACHE linking the machine's `ext/`) must write the same file, or ninja rebuilds all
         directory = directory.resolve()
+        library = directory / library.name
         # compiled from copies inside the build directory: another checkout of the same sources (the
         # fault suite's patched copies, a worktree) then finds the build done instead of redoing it
         for f in files:
@@ -86,15 +95,11 @@ def compile_native(name: str, source: Path, headers: tuple[Path, ...] = (), pyth
                 tmp = copy.with_suffix(f".{os.getpid()}.tmp")
                 tmp.write_bytes(f.read_bytes())
                 tmp.replace(copy)
-        library = directory / f"ouro_{name}_{key}.so"
-        done = directory / "built"              # written once a build has loaded: one cut short leaves none
-        if done.is_file() and library.is_file():
-            return _load(library, python_module), None
         with _build_lock(directory):
-            built = cpp_extension.load(name=f"ouro_{name}_{key}", sources=[str(directory / source.name)],
+            built = cpp_extension.load(name=library.stem, sources=[str(directory / source.name)],
                                        extra_cflags=CFLAGS, extra_include_paths=[str(directory)],
                                        build_directory=str(directory), verbose=False, is_python_module=python_module)
-            done.write_text(f"{library.name}\n")
+            (directory / "built").write_text(f"{library.name}\n")
         return (built if python_module else str(library)), None
     except Exception as e:                         # noqa: BLE001 - no compiler, no ninja, a failed build
         lines = str(e).strip().splitlines()
