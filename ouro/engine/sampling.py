@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..native import sample as native_sample
+
 # Temperatures this small overflow logits/T; treat them as greedy instead.
 _GREEDY_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20
@@ -171,15 +173,8 @@ class Sampler:
             raise ValueError(f"need logits [B, V] with B == len(params) == len(generators); got "
                              f"{tuple(logits.shape)}, {len(params)} params, {len(generators)} generators")
         logits = logits.float()
-        token_ids = [0] * len(params)
-        greedy = [i for i, p in enumerate(params) if p.greedy]
+        token_ids = [-1] * len(params)      # -1: the row's first maximum (greedy)
         sampled = [i for i, p in enumerate(params) if not p.greedy]
-        if greedy:
-            # torch.argmax returns the first maximum, i.e. ties go to the lowest id.
-            rows = logits if len(greedy) == len(params) else logits[torch.tensor(greedy, device=logits.device)]
-            picks = greedy_picks(rows).tolist()
-            for i, t in zip(greedy, picks):
-                token_ids[i] = t
         if sampled:
             probs = self._filtered(logits[torch.tensor(sampled, device=logits.device)], [params[i] for i in sampled])
             # One draw per row from that row's own generator: batch-invariant streams.
@@ -188,7 +183,34 @@ class Sampler:
                 if gen is not None and gen.device != row.device:
                     row = row.to(gen.device)
                 token_ids[i] = int(torch.multinomial(row, 1, generator=gen))
-        return self._with_logprobs(logits, params, token_ids)
+        return self.with_logprobs(logits, params, token_ids)
+
+    def with_logprobs(self, logits: torch.Tensor, params: list[SamplingParams], token_ids: list[int]) -> SampleOutput:
+        """Each row's token (-1: its first maximum, the greedy pick), that token's raw logprob and the
+        top logprobs of rows that ask."""
+        logits = logits.float()
+        if native_sample.can(logits) and logits.stride(-1) == 1:
+            # the greedy picks and every pick's logprob in one pass pair over each row (`sample.cpp`)
+            ids, chosen = native_sample.pick_logprobs(logits, torch.tensor(token_ids, dtype=torch.long))
+            token_ids, chosen = ids.tolist(), chosen.tolist()
+        else:
+            token_ids, chosen = self.picks_reference(logits, token_ids)
+        return SampleOutput(token_ids=token_ids, logprobs=chosen, top_logprobs=self._top_logprobs(logits, params))
+
+    @staticmethod
+    def picks_reference(logits: torch.Tensor, token_ids: list[int]) -> tuple[list[int], list[float]]:
+        """torch's form of the native pick: rows with id -1 take their first maximum (greedy_picks);
+        each pick's raw logprob (before temperature and filters, as vLLM reports by default)."""
+        greedy = [i for i, t in enumerate(token_ids) if t < 0]
+        if greedy:
+            # torch.argmax returns the first maximum, i.e. ties go to the lowest id.
+            rows = logits if len(greedy) == len(token_ids) else logits[torch.tensor(greedy, device=logits.device)]
+            token_ids = list(token_ids)
+            for i, t in zip(greedy, greedy_picks(rows).tolist()):
+                token_ids[i] = t
+        logp = logits.log_softmax(dim=-1)
+        chosen = logp.gather(-1, torch.tensor(token_ids, device=logits.device)[:, None])[:, 0].tolist()
+        return token_ids, chosen
 
     def _filtered(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         """Sampled rows' distributions: temperature, then top-k, top-p and min-p, renormalised."""
@@ -212,21 +234,19 @@ class Sampler:
         return out
 
     @staticmethod
-    def _with_logprobs(logits: torch.Tensor, params: list[SamplingParams], token_ids: list[int]) -> SampleOutput:
-        # Raw logprobs (before temperature/filters), as vLLM reports by default.
-        logp = logits.log_softmax(dim=-1)
-        chosen = logp.gather(-1, torch.tensor(token_ids, device=logits.device)[:, None])[:, 0].tolist()
+    def _top_logprobs(logits: torch.Tensor, params: list[SamplingParams]) -> list[list[tuple[int, float]] | None]:
+        """The `logprobs` most likely tokens of each row that asks, with their raw logprobs."""
         top: list[list[tuple[int, float]] | None] = [None] * len(params)
         want = [i for i, p in enumerate(params) if p.logprobs]
         if want:
             k = max(params[i].logprobs for i in want)
-            k_rows = logp[torch.tensor(want, device=logits.device)]
+            k_rows = logits[torch.tensor(want, device=logits.device)].log_softmax(dim=-1)
             vals, ids = k_rows.sort(dim=-1, descending=True, stable=True)
             vals, ids = vals[:, :k].tolist(), ids[:, :k].tolist()
             for j, i in enumerate(want):
                 n = params[i].logprobs
                 top[i] = list(zip(ids[j][:n], vals[j][:n]))
-        return SampleOutput(token_ids=token_ids, logprobs=chosen, top_logprobs=top)
+        return top
 
 
 def prompt_logprob_entries(logits: torch.Tensor, next_ids: list[int], k: int,

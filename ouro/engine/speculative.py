@@ -186,7 +186,7 @@ class Speculator:
         for b, (r, start) in enumerate(zip(batch.requests, starts)):
             if b in spec_logits:
                 emitted = self.verify(r, spec_logits[b])
-                sampled = e.sampler._with_logprobs(spec_logits[b][:len(emitted)], [r.params] * len(emitted), emitted)
+                sampled = e.sampler.with_logprobs(spec_logits[b][:len(emitted)], [r.params] * len(emitted), emitted)
                 new_ids, new_text = [], ""
                 for k, tok in enumerate(emitted):
                     new_ids.append(tok)

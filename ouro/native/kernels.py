@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
 HEADERS = (HERE / "vec.h", HERE / "tiles.h", HERE / "by_expert.h", HERE / "boundary.h")
-FAMILIES = ("norms", "mhc", "router", "experts", "kda", "mla", "gemv")   # one `<family>.cpp` each
+FAMILIES = ("norms", "mhc", "router", "experts", "kda", "mla", "gemv", "sample")   # one `<family>.cpp` each
 # the families whose ops also take a bfloat16 model's tensors: float32 inside, its rows converted at
 # the op's boundary (`boundary.h`) or widened as they are read (expert weights, latent cache rows); the
 # float32 few-row product (`gemv`) does not
