@@ -29,6 +29,7 @@ from torch.nn.modules import module as module_hooks
 from torch.utils.hooks import RemovableHandle
 
 from ..layers.context import GraphContext, ModelCache
+from .graph_direct import DirectCall
 from ..layers.merged import bound_merged
 from ..native.kernels import load_all
 from ..ops.opaque import opaque_key
@@ -117,6 +118,10 @@ class DecodeGraph:
                 options["cpp_wrapper"] = True
         self._compiled = torch.compile(types.MethodType(own, self), backend=backend, mode=mode,
                                        fullgraph=True, options=options)
+        # (bucket, table width) -> the graph called without dynamo's frame (`graph_direct`), None where
+        # that entry does not qualify; CPU only (a host-time saving, the CUDA path is left as torch runs it)
+        self._direct: dict[tuple[int, int], DirectCall | None] = {}
+        self.direct = str(next(model.parameters()).device) == "cpu"
         self._modules = list(model.modules())
         self._sealed_hooks: tuple | None = None     # the model's forward hooks at the first trace
         self._handles_seen = 0                      # torch's hook-handle count at the last look
@@ -137,13 +142,22 @@ class DecodeGraph:
                 opaque_key(m)
             self._bound = True
             self._sealed_hooks, self._handles_seen = self._hooks(), RemovableHandle.next_id
+        key = (inputs[0].shape[0], inputs[-1].shape[1])
+        direct = self._direct.get(key) if self.direct else None
+        if direct is not None:
+            return direct(*inputs)
         # only the batch and the page-table width vary: every other size and constant is traced as it
         # is (batch 1 is its own graph: torch specialises size 1)
         if inputs[0].shape[0] > 1:
             for t in inputs:
                 torch._dynamo.mark_dynamic(t, 0)
         torch._dynamo.mark_dynamic(inputs[-1], 1)
-        return self._compiled(*inputs)
+        out = self._compiled(*inputs)
+        if self.direct and key not in self._direct:
+            table = inputs[-1]
+            wider = (*inputs[:-1], torch.cat([table, torch.full_like(table, self.scratch_page)], dim=1))
+            self._direct[key] = DirectCall.make(self._compiled, self, inputs, wider)
+        return out
 
     def _context(self, positions, slot_mapping, state_slots, fresh, page_table) -> GraphContext:
         ctx = GraphContext(self.cache, positions, slot_mapping, state_slots, fresh, page_table, self.scratch_page)
