@@ -77,6 +77,8 @@ def test_graph_decode_equals_eager_and_leaves_the_same_cache():
     assert worst < 1e-5, worst
     assert same, "the graph left a real sequence's cache different from the eager path"
     assert graph.runs == 8
+    # every step after a (bucket, width)'s first called the graph without dynamo's frame
+    assert sum(d.calls for d in graph._direct.values() if d is not None) == graph.runs - len(graph._direct)
     # batch 1 is a graph of its own (torch specialises size 1); every other batch and width shares one
     assert len(graphs) == 2, f"{len(graphs)} graphs traced: a batch size or table width was specialised"
 
@@ -123,57 +125,37 @@ def test_the_graph_guards_nothing_on_the_model_and_a_hook_added_later_sends_step
 
 def test_the_graph_called_without_dynamos_frame_matches_dynamos_call_bit_for_bit():
     """`graph_direct.DirectCall`: after a (bucket, width)'s first step through dynamo, its graph is
-    called with the step's inputs put into a prepared argument list. Two runners stepped in lockstep,
-    one graph calling through dynamo every step and one directly: the same logits and caches bit for
-    bit at buckets 1 and 2 and two table widths; a direct call ran for every key after its first
-    step; a direct call with two of its input slots swapped gives other logits (the check can fail)."""
+    called with the step's inputs put into a prepared argument list. The same step (fresh one-token
+    sequences in the scratch slot: a fresh row starts from a zero state, so the step repeats exactly)
+    through dynamo and then directly, at batches 1 and 2 and table widths 2 and 4: logits bit for bit;
+    the second call of each key went direct; a direct call fed the wrong input gives other logits.
+    (The test against eager above runs the direct path over real contexts.)"""
     torch.manual_seed(0)
     model = load_model(resolve_model("tiny"))
-    n, max_len = 4, 160
-    runners = [SimpleRunner(model, n + 1, max_len, poison=True) for _ in range(2)]
-    graphs = [DecodeGraph(model, r.cache, n, int(r.page_table[n, 0]), max_bs=2, backend="aot_eager") for r in runners]
-    graphs[1].direct = False
-    g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(1, model.config.vocab_size, (L,), generator=g).tolist() for L in (9, 30, 17, 4)]
-    first = [r.step(prompts + [[]]) for r in runners]
-    assert torch.equal(first[0], first[1])
-    tokens = [int(t) for t in first[0].argmax(-1)]
-    ps, widths = runners[0].page_size, set()
-    schedule = [[0], [0, 1], [1], [1, 2], [2, 3], [3]] * 2      # row 1 (30 tokens) crosses 2 pages
-    for step, rows in enumerate(schedule):
-        outs = []
-        for r, graph in zip(runners, graphs):
-            pages = [r.page_table[i, : r.lengths[i] // ps + 1].tolist() for i in rows]
-            with torch.inference_mode():
-                outs.append(graph.run([tokens[i] for i in rows], [r.lengths[i] for i in rows], rows, pages))
-            for i in rows:
-                r.lengths[i] += 1
-        widths.add(max(graphs[0].min_width, 1 << (len(pages[-1]) - 1).bit_length(),
-                       *(1 << (len(p) - 1).bit_length() for p in pages)))
-        assert torch.equal(outs[0], outs[1]), f"step {step}: the direct call's logits differ from dynamo's"
-        for j, i in enumerate(rows):
-            tokens[i] = int(outs[0][j].argmax())
-    parts = [cache_parts(r.cache, list(range(n)), r.page_table[:n].flatten()) for r in runners]
-    for name in parts[0]:
-        assert torch.equal(parts[0][name].nan_to_num(7.0), parts[1][name].nan_to_num(7.0)), name
-    direct = graphs[0]._direct
-    assert not graphs[1]._direct and len(widths) == 2, widths
-    assert {b for b, _ in direct} == {1, 2} and len({w for _, w in direct}) == 2, sorted(direct)
-    # every step after a key's first went direct
-    assert all(d is not None for d in direct.values()) and sum(d.calls for d in direct.values()) == len(schedule) - len(direct)
+    runner = SimpleRunner(model, 1, 96)         # its one slot and its pages: the graph's scratch
+    graph = DecodeGraph(model, runner.cache, 0, int(runner.page_table[0, 0]), max_bs=2, backend="aot_eager")
+    pages = runner.page_table[0].tolist()
 
-    call = direct[(1, min(w for b, w in direct if b == 1))]      # the mutation: two input slots swapped
-    (i0, k0), (i1, k1) = call.inputs_at[:2]
-    call.inputs_at = [(i0, k1), (i1, k0)] + call.inputs_at[2:]
-    r, graph = runners[0], graphs[0]
-    with torch.inference_mode():
-        try:
-            wrong = graph.run([tokens[0]], [0], [n], [[graph.scratch_page]])
-        except (IndexError, RuntimeError):      # positions read as token ids: out of range
-            wrong = None
-        graph.direct = False
-        right = graph.run([tokens[0]], [0], [n], [[graph.scratch_page]])
-    assert wrong is None or not torch.equal(wrong.nan_to_num(0.0), right)
+    def step(B, width, direct):
+        graph.direct = direct
+        with torch.inference_mode():
+            return graph.run([3 + b for b in range(B)], [0] * B, [0] * B, [pages[:width]] * B)
+
+    assert graph.min_width <= 2
+    for B in (1, 2):
+        for width in (2, 4):
+            through_dynamo = step(B, width, False)
+            direct = step(B, width, True)          # the key's first call with direct on makes its DirectCall
+            again = step(B, width, True)
+            assert not through_dynamo.isnan().any()
+            assert torch.equal(through_dynamo, direct) and torch.equal(direct, again), (B, width)
+    calls = {k: d.calls for k, d in graph._direct.items() if d is not None}
+    assert calls == {(1, 2): 1, (1, 4): 1, (2, 2): 1, (2, 4): 1}, calls
+
+    call = graph._direct[(1, 2)]          # the mutation: the token ids' slot fed the positions (token 0)
+    assert sorted(k for _, k in call.inputs_at) == list(range(6))
+    call.inputs_at = [(i, 1 if k == 0 else k) for i, k in call.inputs_at]
+    assert not torch.equal(step(1, 2, True), step(1, 2, False))
 
 
 def graph_targets(graphs) -> list[str]:
