@@ -31,7 +31,7 @@ from torch.utils.hooks import RemovableHandle
 from ..layers.context import GraphContext, ModelCache
 from .graph_direct import DirectCall
 from ..layers.merged import bound_merged
-from ..native.kernels import load_all
+from ..native.kernels import load_all, switches
 from ..ops.opaque import opaque_key
 
 
@@ -118,9 +118,9 @@ class DecodeGraph:
                 options["cpp_wrapper"] = True
         self._compiled = torch.compile(types.MethodType(own, self), backend=backend, mode=mode,
                                        fullgraph=True, options=options)
-        # (bucket, table width) -> the graph called without dynamo's frame (`graph_direct`), None where
+        # (bucket, table width, fused switches) -> the graph called without dynamo's frame (`graph_direct`), None where
         # that entry does not qualify; CPU only (a host-time saving, the CUDA path is left as torch runs it)
-        self._direct: dict[tuple[int, int], DirectCall | None] = {}
+        self._direct: dict[tuple, DirectCall | None] = {}
         self.direct = str(next(model.parameters()).device) == "cpu"
         self._modules = list(model.modules())
         self._sealed_hooks: tuple | None = None     # the model's forward hooks at the first trace
@@ -142,7 +142,8 @@ class DecodeGraph:
                 opaque_key(m)
             self._bound = True
             self._sealed_hooks, self._handles_seen = self._hooks(), RemovableHandle.next_id
-        key = (inputs[0].shape[0], inputs[-1].shape[1])
+        # dynamo's guards see a changed fused-path switch and trace again; the direct call is keyed by it
+        key = (inputs[0].shape[0], inputs[-1].shape[1], switches())
         direct = self._direct.get(key) if self.direct else None
         if direct is not None:
             return direct(*inputs)

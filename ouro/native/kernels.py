@@ -109,6 +109,12 @@ def fused_off() -> bool:
     return _STATE["eager_only"]
 
 
+def switches() -> tuple:
+    """The fused paths' switches as they stand (`eager_only()` and the families it names): a traced
+    graph holds the paths these chose, so a graph called without its guards is keyed by them."""
+    return _STATE["eager_only"], _STATE["eager_families"]
+
+
 def builds() -> list[tuple[str, Path, tuple[Path, ...]]]:
     """(name, source, headers) of each family's build, for `build.build_side_by_side`."""
     return [(f"fused_{f}", HERE / f"{f}.cpp", HEADERS) for f in FAMILIES]
