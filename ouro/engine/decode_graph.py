@@ -29,10 +29,10 @@ from torch.nn.modules import module as module_hooks
 from torch.utils.hooks import RemovableHandle
 
 from ..layers.context import GraphContext, ModelCache
-from .graph_direct import DirectCall
 from ..layers.merged import bound_merged
 from ..native.kernels import load_all, switches
 from ..ops.opaque import opaque_key
+from .graph_direct import DirectCall
 
 
 BACKEND = "inductor"    # torch.compile's backend (tests use aot_eager: the same capture, no C++ build)

@@ -67,16 +67,16 @@ def _only_reads_then_moves(code: types.CodeType, graph_fn: str) -> bool:
     if not calls or any(i.opname in _STORES for i in ins):
         return False
     last = calls[-1]
-    helpers, graph_loads, aliases, loaded = 0, 0, set(), None   # dynamo keeps a helper in a local it calls
+    helpers = graph_loads = 0
+    aliases, after_helper = set(), False      # dynamo may keep a helper in a local and call it from there
     for i in ins[:last]:
         name = i.argval if i.opname in ("LOAD_ATTR", "LOAD_METHOD", "LOAD_GLOBAL") else None
         graph_loads += name == graph_fn
-        if name in _READ_ONLY_CALLS or (i.opname == "LOAD_FAST" and i.argval in aliases):
-            helpers, loaded = helpers + 1, i.argval
-        elif i.opname == "STORE_FAST" and loaded is not None:
+        is_helper = name in _READ_ONLY_CALLS or (i.opname == "LOAD_FAST" and i.argval in aliases)
+        helpers += is_helper
+        if i.opname == "STORE_FAST" and after_helper:
             aliases.add(i.argval)
-        if i.opname not in ("COPY",) and not (name in _READ_ONLY_CALLS or i.argval in aliases):
-            loaded = None
+        after_helper = is_helper or (after_helper and i.opname == "COPY")
     return graph_loads == 1 and helpers >= len(calls) - 1 and all(i.opname in _MOVES for i in ins[last + 1:])
 
 
@@ -105,8 +105,8 @@ class DirectCall:
         inputs with a different table width (the dynamic sizes tell themselves apart)."""
         try:
             from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-            fn = compiled._torchdynamo_orig_callable if hasattr(compiled, "_torchdynamo_orig_callable") else compiled.__wrapped__
-            code = fn.__func__.__code__ if hasattr(fn, "__func__") else fn.__code__
+            fn = compiled._torchdynamo_orig_callable.__func__       # the bound method torch.compile wraps
+            code, globals_ = fn.__code__, fn.__globals__
             names = code.co_varnames[:code.co_argcount]
             frame = dict(zip(names, (owner, *inputs)))
             if code.co_flags & inspect.CO_VARARGS:
@@ -116,7 +116,6 @@ class DirectCall:
             return None
         if entry is None:
             return None
-        globals_ = fn.__func__.__globals__ if hasattr(fn, "__func__") else fn.__globals__
         graph_fn = _graph_function(entry.code, globals_)
         if graph_fn is None or not _only_reads_then_moves(entry.code, graph_fn):
             return None

@@ -189,7 +189,7 @@ class Sampler:
         """Each row's token (-1: its first maximum, the greedy pick), that token's raw logprob and the
         top logprobs of rows that ask."""
         logits = logits.float()
-        if native_sample.can(logits) and logits.stride(-1) == 1:
+        if native_sample.can(logits):
             # the greedy picks and every pick's logprob in one pass pair over each row (`sample.cpp`)
             ids, chosen = native_sample.pick_logprobs(logits, torch.tensor(token_ids, dtype=torch.long))
             token_ids, chosen = ids.tolist(), chosen.tolist()

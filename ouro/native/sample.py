@@ -11,9 +11,9 @@ FAMILY = "sample"
 
 def can(logits: torch.Tensor) -> bool:
     """Sampling needs no autograd whatever the grad mode: only a logits tensor that wants gradients
-    keeps torch's path."""
+    keeps torch's path (as do rows that are not contiguous, which the op refuses)."""
     with torch.no_grad():
-        return not logits.requires_grad and usable(FAMILY, logits)
+        return not logits.requires_grad and logits.stride(-1) == 1 and usable(FAMILY, logits)
 
 
 def pick_logprobs(logits: torch.Tensor, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
