@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from ouro.lab import sampler_taps
 from ouro.lab.fault_patch import Fault, FaultDoesNotApply, applied_in_process, find_cpp_function, patch_source
 from ouro.lab.fault_suite import run_fault
 from ouro.lab.faults import all_faults
@@ -64,18 +65,14 @@ def test_fused_is_a_numerics_configuration_key():
 
 def test_every_fused_op_has_a_planted_fault_that_names_it():
     named = {spec.get("op") for f in NATIVE_FAULTS for spec in f.localised}
-    ops = {op for _, op, _, _ in FUSED_OPS}
+    ops = {op for _, op, _, _ in FUSED_OPS} | {sampler_taps.OP}     # the sampler's pick runs after the model
     assert ops - {"hc_post"} <= named       # hc_post is hc_post_pre's first half (`Mix::token`), one fault for both
     # every C++ source of the package (the fused families and the int8 kernel) has a planted fault,
     # but gemv: gemm_pick checks each form against a float64 product before offering it, so a wrong
     # gemv is refused with a warning and never runs (a planted one was: tests/test_gemm_pick.py)
     checked_at_selection = {"ouro/native/gemv.cpp"}
-    # and the sampler's pick: it runs after the model, where no probe looks yet (the numerics probe
-    # taps the model's modules and ops, the kernels probe the eager kernels inside a model step); its
-    # tests (tests/test_native_sample.py) hold it to torch's form, a planted bad pick included
-    outside_the_model = {"ouro/native/sample.cpp"}
     sources = {p.as_posix() for p in Path("ouro").rglob("*.cpp")}
-    assert sources - checked_at_selection - outside_the_model <= {f.file for f in NATIVE_FAULTS} <= sources | {
+    assert sources - checked_at_selection <= {f.file for f in NATIVE_FAULTS} <= sources | {
         p.as_posix() for p in Path("ouro").rglob("*.h")}
 
 
@@ -94,7 +91,10 @@ def test_the_fused_ops_are_compared_where_the_eager_path_records_their_work():
             seen.setdefault(op, set()).add(key)
     # gated_rms_norm: KDA's output norm where the layer runs eagerly (deterministic inference,
     # speculative replay, CP); here both prefill and decode take the fused KDA ops
-    assert set(seen) == {op for _, op, _, _ in FUSED_OPS} - {"gated_rms_norm"}, set(seen)
+    assert set(seen) == {op for _, op, _, _ in FUSED_OPS} - {"gated_rms_norm"} | {sampler_taps.OP}, set(seen)
+    # the sampler's rows: every probed pick, the free one at the end (a real logprob) among them
+    assert seen[sampler_taps.OP] == {sampler_taps.KEY} and rows[sampler_taps.KEY]["kind"] == "sampler"
+    assert len(rows[sampler_taps.KEY]["positions"]) > 1 and rb.stacked(sampler_taps.KEY)[1].min() < -0.1
     assert seen["hc_post_pre"] >= {"layers.0.attn_hc.mix", "layers.0.ffn_hc", "layers.0.ffn_hc.comb", "layers.1.attn_hc"}
     assert seen["sparse_mla_decode"] == {"layers.3.self_attn.attention_core"}
     assert "layers.0.self_attn.o_norm" in seen["kda_decode"] & seen["kda_prefill"]   # decode / prefill rows

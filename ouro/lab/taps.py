@@ -25,6 +25,7 @@ from ..layers.context import ForwardContext
 from ..layers.watch import passive
 from . import sub_taps
 from .fused_taps import FUSED_OPS
+from .sampler_taps import wrap_sampler
 from .sub_taps import DERIVED, OP_ROLES, OURO_PARTS, parts, wrap_methods
 from .tolerances import kind_of_module, kind_of_op
 
@@ -219,6 +220,7 @@ class OuroTaps:
         self.handles.append(self.model.register_forward_hook(self._post))
         self._wrap_ops()
         self.patched += wrap_methods(lambda owner, method, fn, out: self._record_op(owner, method, method, fn, out))
+        self.patched += wrap_sampler(self.rec, self.slots, source_of)
         return self
 
     def __exit__(self, *exc):
