@@ -13,6 +13,7 @@ import pytest
 from ouro.config import EngineConfig, ModelConfig
 from ouro.config.file import load_config_file, write_config_file
 from ouro.models.resolve import resolve_model
+from ouro.tune.report import format_journal
 from ouro.tune.search import TIE, Tuner, Workload, greedy_agree, logprob_noise
 from ouro.tune.space import BASELINE, Option, Space, apply, choice_of, lossy_fields, search_space
 
@@ -88,9 +89,21 @@ def test_search_space_and_choices():
     assert "dtype" not in [o.name for o in slow.options] and "0.95 GFLOP/s" in slow.left_out["dtype=bfloat16"]
     fast = search_space(c, 8, cores=1, gemm_rates={"bfloat16": 600.0, "float32": 150.0})
     assert next(o for o in fast.options if o.name == "dtype").choices[1] == ("bfloat16", {"dtype": "bfloat16"})
+    budgets = next(o for o in search_space(c, 8, cores=1, input_len=128).options if o.name == "max_num_batched_tokens")
+    assert budgets.choices[0] == ("2048", {}) and budgets.exact       # the default first; exact: tokens unchanged
+    assert budgets.choices[-1] == ("136 (one prompt a step)", {"max_num_batched_tokens": 136})
+    assert len(next(o for o in space.options if o.name == "max_num_batched_tokens").choices) == 3   # no prompt length
     two = search_space(ModelConfig.from_hf(resolve_model("tiny")), 8, cores=2)
     par = next(o for o in two.options if o.name == "parallelism")
     assert par.choices[1][1] == {"tensor_parallel_size": 2, "expert_parallel": False}
+
+
+def test_a_ttft_objective_needs_the_serve_workload(tmp_path):
+    d = resolve_model("tiny")
+    with pytest.raises(ValueError, match="--workload serve"):
+        Tuner(d, Workload(objective="ttft"), tmp_path / "a.jsonl", quality_dir=d, progress=False)
+    with pytest.raises(ValueError, match="objective must be one of"):
+        Tuner(d, Workload(kind="serve", objective="latency"), tmp_path / "b.jsonl", quality_dir=d, progress=False)
 
 
 @pytest.mark.slow       # 19 s: a whole offline search; the space, the exactness check's rule, the gap report by default
@@ -203,6 +216,19 @@ def test_the_serve_workload_times_real_servers_and_checks_through_http(tmp_path)
     assert rows["routed experts"]["floor_ms"] > 0 and rows["KDA"]["ms"] > 0
     from ouro.measure.step_breakdown import format_breakdown
     assert "routed experts" in format_breakdown(gap) and t.journal.get("gap", best)["breakdown"] == gap
+
+    # --objective ttft: the clients' median first-token times decide, not the workload's time
+    wl = Workload(num_prompts=4, input_len=16, output_len=6, concurrency=2, max_memory=32 << 20, kind="serve",
+                  objective="ttft")
+    t = Tuner(d, wl, tmp_path / "ttft.jsonl", quality_dir=d, rounds=1, check_prompts=2, check_tokens=8,
+              progress=False, log=lambda s: None)
+    t.space = Space([Option("max_num_batched_tokens", (("2048", {}), ("18", {"max_num_batched_tokens": 18})),
+                            exact=True)])
+    t.search()
+    t.close()
+    ab = t.journal.in_order("candidate")[0]["ab"]
+    assert ab["objective"] == "ttft" and ab["ratio"] == pytest.approx(ab["ttft_s"]["b"] / ab["ttft_s"]["a"])
+    assert "TTFT ratio" in format_journal(t.journal.in_order("candidate"))
 
 
 

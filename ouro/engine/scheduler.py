@@ -206,7 +206,11 @@ class Scheduler:
                     and req.params.prompt_logprobs is None):
                 self._attach_prefix(req)
             n = self._chunk(req, budget)
-            if n == 0 or not self._grow(req, req.num_computed + n):
+            left = req.num_tokens - req.num_computed
+            # a prompt that a whole step could take is not cut to fill this one's leftover budget: its
+            # first token would wait a step for the tail, and every row of this step for its head
+            fragment = batch.requests and n < left <= self.token_budget
+            if n == 0 or fragment or not self._grow(req, req.num_computed + n):
                 # a request that is not running holds nothing: its prefix references would
                 # keep pages from the running requests (and they could then only preempt themselves)
                 self._detach_prefix(req)

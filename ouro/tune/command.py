@@ -27,6 +27,9 @@ def add_tune_parser(sub) -> None:
     t.add_argument("--max-concurrency", type=int, default=8)
     t.add_argument("--request-rate", type=float, default=float("inf"),
                    help="serve: requests per second (Poisson arrivals); inf sends them all at once")
+    t.add_argument("--objective", default="throughput", choices=["throughput", "ttft"],
+                   help="what a candidate must improve to be kept: the workload's time (throughput), or with "
+                        "--workload serve the clients' median time to first token (ttft)")
     t.add_argument("--max-memory", type=int, default=512 << 20, help="cache bytes of every candidate")
     t.add_argument("--rounds", type=int, default=3, help="A/B rounds per candidate (each runs both sides)")
     t.add_argument("--no-ablation", action="store_true", help="skip removing each kept option from the winner")
@@ -64,13 +67,13 @@ def run_tune(args) -> int:
     if args.workload != "serve" and args.request_rate != float("inf"):
         raise ValueError("--request-rate is for --workload serve (the offline workload queues every prompt at once)")
     wl = Workload(args.num_prompts, args.input_len, args.output_len, args.max_concurrency, 0, args.max_memory,
-                  args.workload, args.request_rate)
+                  args.workload, args.request_rate, args.objective)
     journal = args.journal or str(Path(args.output).with_suffix(".journal.jsonl"))
     tuner = Tuner(model_dir, wl, journal, budget, quality_model(model_dir, args.quality_model), args.rounds,
                   log=lambda s: print(s, file=sys.stderr))
     why = motivations(model_dir, wl)
     print(f"ouro tune: {model_dir.name}, {wl.kind} workload {wl.num_prompts} x {wl.input_len} in / {wl.output_len} out at "
-          f"concurrency {wl.concurrency}; quality on {tuner.quality_dir.name} within +{budget:.2%}; journal {journal}",
+          f"concurrency {wl.concurrency}, objective {wl.objective}; quality on {tuner.quality_dir.name} within +{budget:.2%}; journal {journal}",
           file=sys.stderr)
     for name, reason in tuner.space.left_out.items():
         print(f"  left out: {name}: {reason}", file=sys.stderr)

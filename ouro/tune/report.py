@@ -34,7 +34,7 @@ def format_journal(entries: list[dict]) -> str:
     lines = ["| option | choice | check | A/B (candidate vs best) | kept / why |", "|---|---|---|---|---|"]
     for e in entries:
         ab = e.get("ab")
-        abtxt = (f"{ab['verdict']}, time ratio {ab['ratio']:.3f} [{ab['low']:.3f}, {ab['high']:.3f}], noise "
+        abtxt = (f"{ab['verdict']}, {'TTFT' if ab.get('objective') == 'ttft' else 'time'} ratio {ab['ratio']:.3f} [{ab['low']:.3f}, {ab['high']:.3f}], noise "
                  f"{ab['noise']:.1%}" if ab else "not timed")
         if ab and ab.get("ttft_s") and None not in ab["ttft_s"].values() and None not in ab["decode_step_s"].values():
             t, d = ab["ttft_s"], ab["decode_step_s"]

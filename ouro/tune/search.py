@@ -25,6 +25,7 @@ from .journal import Journal
 from .space import BASELINE, apply, choice_of, lossy_fields, search_space
 from .worker import Worker
 
+OBJECTIVES = ("throughput", "ttft")
 TIE = 1e-3      # nats: a greedy pick this close to the runner-up may go either way
 NOISE_TIES = 4  # ... or within this many times the two runs' measured logprob noise
 NOISE_MAX = 0.05    # nats: runs whose logprobs of the same picks differ more do not compute the same model
@@ -55,6 +56,7 @@ class Workload:
     max_memory: int = 512 << 20
     kind: str = "offline"              # offline: the engine in a process; serve: `ouro serve` under load
     request_rate: float = math.inf     # serve: arrivals per second (Poisson), inf = all at once
+    objective: str = "throughput"      # what a kept candidate must improve: the workload's time, or (serve) median TTFT
 
 
 def greedy_agree(ref: list[dict], got: list[dict]) -> str | None:
@@ -89,7 +91,12 @@ class Tuner:
         from ..dtype_pick import cached_entry, pick_dtype
         pick_dtype("cpu")                  # measured once per machine, then cached
         rates = (cached_entry("cpu") or {}).get("gflop_s")
-        self.space = search_space(ModelConfig.from_hf(model_dir), workload.concurrency, gemm_rates=rates)
+        if workload.objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got {workload.objective!r}")
+        if workload.objective == "ttft" and workload.kind != "serve":
+            raise ValueError("--objective ttft needs --workload serve (the clients' first tokens are what it measures)")
+        self.space = search_space(ModelConfig.from_hf(model_dir), workload.concurrency, gemm_rates=rates,
+                                  input_len=workload.input_len)
         self.journal = Journal(journal_path, workload=asdict(workload))
         self._best_worker = None
 
@@ -128,7 +135,13 @@ class Tuner:
                     if out.get(key) is not None:
                         into[side].append(out[key])
                 tokens = out["output_tokens"]
-        v = verdict_from_times(ta, tb, "best", "candidate", paired=True).to_dict()
+        if self.workload.objective == "ttft":     # each round's median first-token time decides
+            if len(ttft["a"]) != len(ta) or len(ttft["b"]) != len(tb):
+                raise RuntimeError("a round reported no TTFT (every request failed?)")
+            v = verdict_from_times(ttft["a"], ttft["b"], "best", "candidate", paired=True).to_dict()
+        else:
+            v = verdict_from_times(ta, tb, "best", "candidate", paired=True).to_dict()
+        v["objective"] = self.workload.objective
         v["output_tok_s"] = {"a": tokens / statistics.median(ta), "b": tokens / statistics.median(tb)}
         v["decode_step_s"] = {k: statistics.median(s) if s else None for k, s in steps.items()}
         if self.workload.kind == "serve":      # the step as the clients saw it, and their first tokens

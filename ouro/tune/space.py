@@ -40,10 +40,14 @@ HEAD_TOO = tuple(p for p in UNQUANTISED if p != "lm_head")    # quantisation's d
 SLOW_GEMM = 0.5       # a dtype whose measured GEMM rate is below this share of float32's is not tried
 
 
-def search_space(model_config, concurrency: int, cores: int | None = None, gemm_rates: dict | None = None) -> Space:
+def search_space(model_config, concurrency: int, cores: int | None = None, gemm_rates: dict | None = None,
+                 input_len: int | None = None) -> Space:
     """gemm_rates: {dtype: GFLOP/s} measured on this machine (`dtype_pick`, what `--dtype auto`
     reads); a 16-bit dtype far below float32's is left out with the figures, not timed (one
-    workload run at its rate would take minutes)."""
+    workload run at its rate would take minutes). input_len: the workload's prompt length, for the
+    token budget that takes one whole prompt a step beside every running request's decode row (on a
+    CPU a prompt's prefill costs about the same alone as in a batch: waiting prompts taken one by
+    one get their first tokens sooner, at some cost in throughput)."""
     cores = cores or os.cpu_count() or 1
     left_out = {}
     dtypes = [("float32", {})]
@@ -61,8 +65,7 @@ def search_space(model_config, concurrency: int, cores: int | None = None, gemm_
                exact=False),
         Option("kv_cache_dtype", (("auto", {}), ("int8", {"kv_cache_dtype": "int8"}),
                                   ("fp8_e4m3", {"kv_cache_dtype": "fp8_e4m3"})), exact=False),
-        Option("max_num_batched_tokens", (("2048", {}), ("512", {"max_num_batched_tokens": 512}),
-                                          ("8192", {"max_num_batched_tokens": 8192})), exact=True),
+        Option("max_num_batched_tokens", budgets(concurrency, input_len), exact=True),
         Option("page_size", (("64", {}), ("16", {"page_size": 16}), ("128", {"page_size": 128})), exact=True),
     ]
     if model_config.has_mtp:
@@ -89,6 +92,16 @@ def search_space(model_config, concurrency: int, cores: int | None = None, gemm_
     opts.append(Option("compile", (("off", {}), ("on", {"compile": True, "torch_compile_max_bs": concurrency})),
                        exact=True))
     return Space([o for o in opts if len(o.choices) > 1], left_out)
+
+
+def budgets(concurrency: int, input_len: int | None) -> tuple:
+    """The token budgets tried: the default, a small and a large one, and one prompt a step."""
+    out = [("2048", {}), ("512", {"max_num_batched_tokens": 512}), ("8192", {"max_num_batched_tokens": 8192})]
+    if input_len:
+        one = input_len + concurrency
+        if one not in (512, 2048, 8192):
+            out.append((f"{one} (one prompt a step)", {"max_num_batched_tokens": one}))
+    return tuple(out)
 
 
 def apply(config: dict, option: Option, choice: dict) -> dict:
