@@ -109,8 +109,41 @@ constexpr int64_t PANEL_ROWS = 6;
 
 // b[kk * PANEL + j] = rows[j][kk] for j < PANEL, kk < K; a null row packs as zeros (a short panel).
 // Rows of float32 or bfloat16 (`bf16_t`, widened as they are packed)
+#if defined(__AVX2__) && defined(__FMA__)
+// rows j0..j0+7 (null: zeros), columns k..k+7, as 8 columns of 8: one 8 x 8 transpose in registers
+template <typename W>
+inline void pack_block8(const W* const* rows, int64_t k, float* b) {
+    __m256 r[8];
+    for (int i = 0; i < 8; ++i) r[i] = rows[i] ? load256(rows[i] + k) : _mm256_setzero_ps();
+    __m256 t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int c = 0; c < 4; ++c) {
+        _mm256_storeu_ps(b + (k + c) * PANEL, _mm256_permute2f128_ps(u[c], u[c + 4], 0x20));
+        _mm256_storeu_ps(b + (k + c + 4) * PANEL, _mm256_permute2f128_ps(u[c], u[c + 4], 0x31));
+    }
+}
+#endif
+
 template <typename W>
 inline void pack_panel(const W* const rows[PANEL], int64_t K, float* b) {
+#if defined(__AVX2__) && defined(__FMA__)
+    // the same copy, 8 x 8 blocks transposed in registers: the scalar loop below stores one value per
+    // cache line of `b` in turn, and at a few rows an expert it cost about as much as the products
+    if (!portable() && K % 8 == 0) {
+        for (int64_t j0 = 0; j0 < PANEL; j0 += 8)
+            for (int64_t k = 0; k < K; k += 8) pack_block8(rows + j0, k, b + j0);
+        return;
+    }
+#endif
     for (int64_t j = 0; j < PANEL; ++j) {
         const W* r = rows[j];
         if (r == nullptr) {
