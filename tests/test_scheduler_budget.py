@@ -14,8 +14,9 @@ from ouro.engine.sampling import SamplingParams
 from ouro.engine.scheduler import Scheduler
 
 
-def scheduler(budget: int, seqs: int = 8) -> Scheduler:
-    return Scheduler(PagePool(256), SlotPool(seqs), page_size=16, max_num_seqs=seqs, max_num_batched_tokens=budget)
+def scheduler(budget: int, seqs: int = 8, chunk_align: int = 0) -> Scheduler:
+    return Scheduler(PagePool(256), SlotPool(seqs), page_size=16, max_num_seqs=seqs, max_num_batched_tokens=budget,
+                     chunk_align=chunk_align)
 
 
 def request(rid: str, n: int) -> Request:
@@ -77,3 +78,27 @@ def test_a_step_with_nothing_else_takes_the_first_prompt():
     s.add(request("a", 200))
     assert run_step(s) == {"a": 64}
     assert run_step(s) == {"a": 64}
+
+
+def test_a_cut_at_a_checkpoint_boundary_still_admits_beside_running_requests():
+    """Prefix caching ends prefill chunks on checkpoint boundaries (`chunk_align`): that cut is no
+    leftover-budget cut, so a prompt is admitted beside running decode rows, never starved by them."""
+    s = scheduler(512, chunk_align=64)
+    s.add(request("a", 100))
+    assert run_step(s) == {"a": 64}                 # to the last boundary, then the rest
+    s.add(request("b", 200))
+    assert run_step(s) == {"a": 36, "b": 192}       # b too: cut at its own last boundary
+    assert run_step(s) == {"a": 1, "b": 8}
+
+
+def test_a_prompt_the_next_step_could_not_take_whole_is_cut_now():
+    """Beside running requests a step never has its whole budget: a prompt longer than the budget
+    less a row for each of them is cut to fill this step, not held for a whole step that never comes."""
+    s = scheduler(136, seqs=16)
+    for i in range(7):
+        s.add(request(f"r{i}", 16))
+    assert run_step(s) == {f"r{i}": 16 for i in range(7)}
+    s.add(request("p", 130))
+    s.add(request("q", 120))
+    assert run_step(s) == {**{f"r{i}": 1 for i in range(7)}, "p": 129}     # 136 - 7 < 130: cut, as before
+    assert run_step(s) == {**{f"r{i}": 1 for i in range(7)}, "p": 1, "q": 120}   # 128 left: q whole

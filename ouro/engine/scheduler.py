@@ -207,9 +207,11 @@ class Scheduler:
                 self._attach_prefix(req)
             n = self._chunk(req, budget)
             left = req.num_tokens - req.num_computed
-            # a prompt that a whole step could take is not cut to fill this one's leftover budget: its
-            # first token would wait a step for the tail, and every row of this step for its head
-            fragment = batch.requests and n < left <= self.token_budget
+            # a prompt that the next step could take whole (beside a row for each running request) is not
+            # cut to fill this one's leftover budget: its first token would wait a step for the tail, and
+            # every row of this step for its head. A prompt no step could take whole is cut as before, and
+            # a cut at a checkpoint boundary (`chunk_align`) is no such cut: it happens in any step
+            fragment = batch.requests and budget < left <= self.token_budget - len(self.running)
             if n == 0 or fragment or not self._grow(req, req.num_computed + n):
                 # a request that is not running holds nothing: its prefix references would
                 # keep pages from the running requests (and they could then only preempt themselves)
