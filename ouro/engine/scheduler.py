@@ -1,5 +1,6 @@
-"""FCFS scheduler: a per-step token budget, chunked prefill, one decode step for every running
-request, admission only with both pages and a KDA state slot, preemption by recompute."""
+"""FCFS scheduler: a per-step token budget, chunked prefill (a prompt the next step could take whole is
+not cut to fill this one), one decode step for every running request, admission only with both pages
+and a KDA state slot, preemption by recompute."""
 
 from __future__ import annotations
 
