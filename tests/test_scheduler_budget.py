@@ -102,3 +102,16 @@ def test_a_prompt_the_next_step_could_not_take_whole_is_cut_now():
     s.add(request("q", 120))
     assert run_step(s) == {**{f"r{i}": 1 for i in range(7)}, "p": 129}     # 136 - 7 < 130: cut, as before
     assert run_step(s) == {**{f"r{i}": 1 for i in range(7)}, "p": 1, "q": 120}   # 128 left: q whole
+
+
+def test_drafted_rows_count_against_the_next_step():
+    """Running requests that verify drafts take 1 + K tokens a step: a prompt the next step could not
+    take whole beside them is cut now, not held for as long as they run."""
+    s = scheduler(64, seqs=16)
+    for i in range(4):
+        s.add(request(f"r{i}", 8))
+    assert run_step(s) == {f"r{i}": 8 for i in range(4)}
+    for i in range(4):
+        s.running[i].draft_ids = [5, 5, 5]          # each verifies 3 drafts next: 4 tokens a step
+    s.add(request("p", 56))
+    assert run_step(s) == {**{f"r{i}": 4 for i in range(4)}, "p": 48}    # 64 - 16 < 56: cut, as before

@@ -191,6 +191,9 @@ class Scheduler:
                 batch.requests.append(req)
                 batch.num_new_tokens.append(n)
                 budget -= n
+        # what the next step will give the requests running now, at least: what they take in this one
+        # (a decode row each, drafts included), and a row for each prompt admitted below
+        held_back = self.token_budget - budget
         # no admission in a step that had to preempt: the freed pages went to the running requests
         while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
                and self.num_preemptions == preempted_before):
@@ -208,11 +211,11 @@ class Scheduler:
                 self._attach_prefix(req)
             n = self._chunk(req, budget)
             left = req.num_tokens - req.num_computed
-            # a prompt that the next step could take whole (beside a row for each running request) is not
+            # a prompt that the next step could take whole (beside what the running requests take) is not
             # cut to fill this one's leftover budget: its first token would wait a step for the tail, and
             # every row of this step for its head. A prompt no step could take whole is cut as before, and
             # a cut at a checkpoint boundary (`chunk_align`) is no such cut: it happens in any step
-            fragment = batch.requests and budget < left <= self.token_budget - len(self.running)
+            fragment = batch.requests and budget < left <= self.token_budget - held_back
             if n == 0 or fragment or not self._grow(req, req.num_computed + n):
                 # a request that is not running holds nothing: its prefix references would
                 # keep pages from the running requests (and they could then only preempt themselves)
@@ -222,6 +225,7 @@ class Scheduler:
             batch.requests.append(req)
             batch.num_new_tokens.append(n)
             budget -= n
+            held_back += 1
         return batch
 
     def _detach_prefix(self, req: Request) -> None:
