@@ -32,9 +32,9 @@ def wrap_sampler(rec, slots, source_of) -> list[tuple]:
         ran_native.append(True)
         return pick(*args, **kwargs)
 
-    def tapped_sample(self, logits, params, generators):
+    def tapped_sample(self, *args, **kwargs):
         ran_native.clear()
-        out = sample(self, logits, params, generators)
+        out = sample(self, *args, **kwargs)
         reqs = sys._getframe(1).f_locals.get("reqs")        # `LLMEngine._sample`: the rows' requests
         if not isinstance(reqs, list) or len(reqs) != len(out.logprobs):
             return out
