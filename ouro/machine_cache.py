@@ -4,6 +4,8 @@ written atomically, keyed by `machine_key`. Imports only torch and the standard 
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import platform
@@ -12,6 +14,21 @@ from pathlib import Path
 
 def cache_root() -> Path:
     return Path(os.environ.get("OURO_CACHE", Path.home() / ".cache" / "ouro"))
+
+
+@contextlib.contextmanager
+def cache_lock(path: Path):
+    """One holder at a time across processes, for writing something under the cache that others may
+    be about to read or write too (a preset, a kernel build). An OS lock (flock): released with the
+    process that holds it, killed or not, so a crash never leaves it held."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def machine_key(device: str) -> str:

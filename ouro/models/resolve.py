@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..config import CheckpointError
-from ..machine_cache import cache_root
+from ..machine_cache import cache_lock, cache_root
 from .presets import BUILTIN_DIR, CONFIG_ONLY, PRESETS, TRAINED
 
 # the model a command uses when none is named (a preset name or a directory)
@@ -29,11 +29,31 @@ def resolve_model(name_or_dir: str, progress: bool = True) -> Path:
         if name_or_dir in CONFIG_ONLY:
             raise CheckpointError(f"preset {name_or_dir!r} is config-only (no weights); use it for memory planning")
         target = cache_root() / "presets" / name_or_dir
-        if not (target / "config.json").is_file() or not any(target.glob("*.safetensors")) or not _current(target):
-            from .presets import make_model
-            make_model(name_or_dir, target, progress=progress, overwrite=True)   # a half-written cache entry
+        if not _ready(target):
+            with cache_lock(target.parent / f"{name_or_dir}.lock"):
+                if not _ready(target):     # else another process wrote it while this one waited
+                    _write_preset(name_or_dir, target, progress)
         return target
     raise CheckpointError(f"{name_or_dir!r} is neither a checkpoint directory nor a preset ({', '.join(PRESETS)})")
+
+
+def _ready(target: Path) -> bool:
+    return (target / "config.json").is_file() and any(target.glob("*.safetensors")) and _current(target)
+
+
+def _write_preset(name: str, target: Path, progress: bool) -> None:
+    """Written beside its place and moved in whole: a process that finds the directory finds all of
+    it (test workers and servers start side by side on a fresh cache), and a stale entry goes only
+    once its replacement is complete."""
+    import os
+    import shutil
+
+    from .presets import make_model
+    partial = target.parent / f".{name}.partial-{os.getpid()}"
+    shutil.rmtree(partial, ignore_errors=True)
+    make_model(name, partial, progress=progress, overwrite=True)
+    shutil.rmtree(target, ignore_errors=True)
+    os.rename(partial, target)
 
 
 def _current(target: Path) -> bool:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import fcntl
 import hashlib
 import importlib.util
 import os
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from ..machine_cache import cache_root, cpuinfo
+from ..machine_cache import cache_lock, cache_root, cpuinfo
 
 # -fopenmp at compile time only: at::parallel_for then runs on torch's own OpenMP runtime (its GOMP
 # symbols resolve through libtorch at load time); linking -lgomp would load a second runtime
@@ -114,13 +113,9 @@ def _build_lock(directory: Path):
     with the process that holds it, killed or not; torch's own lock file (cpp_extension's `lock`) is
     not: a process killed mid-build left it, and every later start waited on it for ever. Under this
     lock no live ouro builder holds torch's, so one found is stale and is removed."""
-    with open(directory / "build.flock", "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            (directory / "lock").unlink(missing_ok=True)
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    with cache_lock(directory / "build.flock"):
+        (directory / "lock").unlink(missing_ok=True)
+        yield
 
 
 def _load(library: Path, python_module: bool):
