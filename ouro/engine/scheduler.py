@@ -215,7 +215,7 @@ class Scheduler:
             # cut to fill this one's leftover budget: its first token would wait a step for the tail, and
             # every row of this step for its head. A prompt no step could take whole is cut as before, and
             # a cut at a checkpoint boundary (`chunk_align`) is no such cut: it happens in any step
-            fragment = batch.requests and budget < left <= self.token_budget - held_back
+            fragment = budget < left <= self.token_budget - held_back     # (never in a step with nothing else)
             if n == 0 or fragment or not self._grow(req, req.num_computed + n):
                 # a request that is not running holds nothing: its prefix references would
                 # keep pages from the running requests (and they could then only preempt themselves)

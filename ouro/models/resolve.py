@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
 from ..config import CheckpointError
 from ..machine_cache import cache_lock, cache_root
-from .presets import BUILTIN_DIR, CONFIG_ONLY, PRESETS, TRAINED
+from .presets import BUILTIN_DIR, CONFIG_ONLY, PRESETS, TRAINED, make_model
 
 # the model a command uses when none is named (a preset name or a directory)
 DEFAULT_MODEL = "tiny-py"   # the trained built-in model: serve, generate and eval use it
@@ -45,10 +47,6 @@ def _write_preset(name: str, target: Path, progress: bool) -> None:
     """Written beside its place and moved in whole: a process that finds the directory finds all of
     it (test workers and servers start side by side on a fresh cache), and a stale entry goes only
     once its replacement is complete."""
-    import os
-    import shutil
-
-    from .presets import make_model
     partial = target.parent / f".{name}.partial-{os.getpid()}"
     shutil.rmtree(partial, ignore_errors=True)
     make_model(name, partial, progress=progress, overwrite=True)

@@ -107,8 +107,6 @@ constexpr int64_t PANEL = 16;
 #endif
 constexpr int64_t PANEL_ROWS = 6;
 
-// b[kk * PANEL + j] = rows[j][kk] for j < PANEL, kk < K; a null row packs as zeros (a short panel).
-// Rows of float32 or bfloat16 (`bf16_t`, widened as they are packed)
 #if defined(__AVX2__) && defined(__FMA__)
 // rows j0..j0+7 (null: zeros), columns k..k+7, as 8 columns of 8: one 8 x 8 transpose in registers
 template <typename W>
@@ -133,6 +131,8 @@ inline void pack_block8(const W* const* rows, int64_t k, float* b) {
 }
 #endif
 
+// b[kk * PANEL + j] = rows[j][kk] for j < PANEL, kk < K; a null row packs as zeros (a short panel).
+// Rows of float32 or bfloat16 (`bf16_t`, widened as they are packed)
 template <typename W>
 inline void pack_panel(const W* const rows[PANEL], int64_t K, float* b) {
 #if defined(__AVX2__) && defined(__FMA__)

@@ -99,7 +99,7 @@ def budgets(concurrency: int, input_len: int | None) -> tuple:
     out = [("2048", {}), ("512", {"max_num_batched_tokens": 512}), ("8192", {"max_num_batched_tokens": 8192})]
     if input_len:
         one = input_len + concurrency
-        if one not in (512, 2048, 8192):
+        if str(one) not in {label for label, _ in out}:
             out.append((f"{one} (one prompt a step)", {"max_num_batched_tokens": one}))
     return tuple(out)
 
