@@ -156,16 +156,25 @@ struct Mix {
     const float *post, *comb;
     int64_t n, D;
 
-    // new streams of token t into dst [n, D], float32
+    // new streams of token t into dst [n, D], float32: four streams at a time, each source row
+    // loaded once for the four (`lincomb_4`; a last short set repeats its last stream)
     void token(int64_t t, float* dst) const {
-        float c[MAX_N + 1];
+        float c[MAX_N][MAX_N + 1];
         const T* src[MAX_N + 1];
         src[0] = out + t * D;
         for (int64_t j = 0; j < n; ++j) src[1 + j] = streams + (t * n + j) * D;
         for (int64_t i = 0; i < n; ++i) {
-            c[0] = post[t * n + i];
-            for (int64_t j = 0; j < n; ++j) c[1 + j] = comb[(t * n + j) * n + i];   // comb transposed
-            ouro::lincomb(dst + i * D, c, src, n + 1, D);
+            c[i][0] = post[t * n + i];
+            for (int64_t j = 0; j < n; ++j) c[i][1 + j] = comb[(t * n + j) * n + i];   // comb transposed
+        }
+        for (int64_t i0 = 0; i0 < n; i0 += 4) {
+            float* y[4];
+            const float* cs[4];
+            for (int64_t q = 0; q < 4; ++q) {
+                const int64_t i = std::min(i0 + q, n - 1);
+                y[q] = dst + i * D, cs[q] = c[i];
+            }
+            ouro::lincomb_4(y, cs, src, n + 1, D);
         }
     }
 };

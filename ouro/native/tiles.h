@@ -67,6 +67,30 @@ inline int64_t rescale_lincomb_4_lanes(float* const y[4], const float a[4], cons
     return i;
 }
 
+// lincomb_4's vector part from element i on, NV registers per output at a time; returns where it stopped
+template <int NV, typename X>
+inline int64_t lincomb_4_lanes(float* const y[4], const float* const c[4], const X* const* x, int64_t m, int64_t n,
+                               int64_t i) {
+    using L = Lanes;
+    for (; i + NV * L::W <= n; i += NV * L::W) {
+        L::T acc[NV][4], xv[NV];
+        for (int v = 0; v < NV; ++v) xv[v] = L::load(x[0] + i + v * L::W);
+        for (int j = 0; j < 4; ++j) {
+            const L::T vc = L::set1(c[j][0]);
+            for (int v = 0; v < NV; ++v) acc[v][j] = L::mul(vc, xv[v]);
+        }
+        for (int64_t k = 1; k < m; ++k) {
+            for (int v = 0; v < NV; ++v) xv[v] = L::load(x[k] + i + v * L::W);
+            for (int j = 0; j < 4; ++j) {
+                const L::T vc = L::set1(c[j][k]);
+                for (int v = 0; v < NV; ++v) acc[v][j] = L::fma(vc, xv[v], acc[v][j]);
+            }
+        }
+        for (int j = 0; j < 4; ++j)
+            for (int v = 0; v < NV; ++v) L::store(y[j] + i + v * L::W, acc[v][j]);
+    }
+    return i;
+}
 // rows_tdot's vector part from column i on, NB registers of columns at a time; returns where it stopped
 template <int NB, bool RANK1>
 inline int64_t rows_tdot_lanes(float* x, int64_t rows, int64_t n, int64_t ld, const float* a, const float* u,
@@ -236,6 +260,27 @@ inline void rescale_lincomb_4(float* const y[4], const float a[4], const float* 
             for (int j = 0; j < 4; ++j) s[j] += c[j][k] * x[k][i];
         for (int j = 0; j < 4; ++j) y[j][i] = s[j];
     }
+}
+
+// y[j][i] = sum_k c[j][k] * x[k][i] for j < 4, k < m (m >= 1): four weighted sums of the same rows
+// (float32 or bfloat16, widened as read), each row loaded once for all four. Every y[j][i] has
+// `lincomb`'s arithmetic exactly (a product, then one FMA a term in order of k), whichever slot or
+// block it falls in; a repeated y[j] (fewer than four outputs) gets the same value twice.
+template <typename X>
+inline void lincomb_4(float* const y[4], const float* const c[4], const X* const* x, int64_t m, int64_t n) {
+    int64_t i = 0;
+#if defined(OURO_LANES)
+    if (!portable()) {
+        i = lincomb_4_lanes<16 / Lanes::W>(y, c, x, m, n, 0);
+        if (Lanes::W < 16) i = lincomb_4_lanes<1>(y, c, x, m, n, i);
+    }
+#endif
+    for (; i < n; ++i)
+        for (int j = 0; j < 4; ++j) {
+            float s = c[j][0] * to_float(x[0][i]);
+            for (int64_t k = 1; k < m; ++k) s = std::fma(c[j][k], to_float(x[k][i]), s);
+            y[j][i] = s;
+        }
 }
 
 // Two sweeps over a [rows, n] tile X (row stride ld), the column sums kept in registers across the
