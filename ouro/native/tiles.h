@@ -42,44 +42,22 @@ struct Lanes {
 };
 #undef OURO_PS
 
-// rescale_lincomb_4's vector part from element i on, NV registers per head at a time; returns where it stopped
-template <int NV>
-inline int64_t rescale_lincomb_4_lanes(float* const y[4], const float a[4], const float* const c[4],
-                                       const float* const* x, int64_t m, int64_t n, int64_t i) {
-    using L = Lanes;
-    for (; i + NV * L::W <= n; i += NV * L::W) {
-        L::T acc[NV][4];
-        for (int j = 0; j < 4; ++j) {
-            const L::T va = L::set1(a[j]);
-            for (int v = 0; v < NV; ++v) acc[v][j] = L::mul(va, L::load(y[j] + i + v * L::W));
-        }
-        for (int64_t k = 0; k < m; ++k) {
-            L::T xv[NV];
-            for (int v = 0; v < NV; ++v) xv[v] = L::load(x[k] + i + v * L::W);
-            for (int j = 0; j < 4; ++j) {
-                const L::T vc = L::set1(c[j][k]);
-                for (int v = 0; v < NV; ++v) acc[v][j] = L::fma(vc, xv[v], acc[v][j]);
-            }
-        }
-        for (int j = 0; j < 4; ++j)
-            for (int v = 0; v < NV; ++v) L::store(y[j] + i + v * L::W, acc[v][j]);
-    }
-    return i;
-}
-
-// lincomb_4's vector part from element i on, NV registers per output at a time; returns where it stopped
-template <int NV, typename X>
-inline int64_t lincomb_4_lanes(float* const y[4], const float* const c[4], const X* const* x, int64_t m, int64_t n,
-                               int64_t i) {
+// rescale_lincomb_4's (RESCALE) and lincomb_4's vector part from element i on, NV registers per output
+// at a time; returns where it stopped. Each sum starts from a[j] * y[j] (RESCALE) or from its first
+// term's product, then one FMA a term in order of k
+template <int NV, bool RESCALE, typename X>
+inline int64_t lincomb_4_lanes(float* const y[4], const float* a, const float* const c[4], const X* const* x,
+                               int64_t m, int64_t n, int64_t i) {
     using L = Lanes;
     for (; i + NV * L::W <= n; i += NV * L::W) {
         L::T acc[NV][4], xv[NV];
-        for (int v = 0; v < NV; ++v) xv[v] = L::load(x[0] + i + v * L::W);
+        if (!RESCALE)
+            for (int v = 0; v < NV; ++v) xv[v] = L::load(x[0] + i + v * L::W);
         for (int j = 0; j < 4; ++j) {
-            const L::T vc = L::set1(c[j][0]);
-            for (int v = 0; v < NV; ++v) acc[v][j] = L::mul(vc, xv[v]);
+            const L::T va = L::set1(RESCALE ? a[j] : c[j][0]);
+            for (int v = 0; v < NV; ++v) acc[v][j] = L::mul(va, RESCALE ? L::load(y[j] + i + v * L::W) : xv[v]);
         }
-        for (int64_t k = 1; k < m; ++k) {
+        for (int64_t k = RESCALE ? 0 : 1; k < m; ++k) {
             for (int v = 0; v < NV; ++v) xv[v] = L::load(x[k] + i + v * L::W);
             for (int j = 0; j < 4; ++j) {
                 const L::T vc = L::set1(c[j][k]);
@@ -249,8 +227,8 @@ inline void rescale_lincomb_4(float* const y[4], const float a[4], const float* 
     if (!portable()) {
         // blocks of 16 columns per head (two registers each on AVX2: eight independent sums hide the
         // FMA latency), then single registers
-        i = rescale_lincomb_4_lanes<16 / Lanes::W>(y, a, c, x, m, n, 0);
-        if (Lanes::W < 16) i = rescale_lincomb_4_lanes<1>(y, a, c, x, m, n, i);
+        i = lincomb_4_lanes<16 / Lanes::W, true>(y, a, c, x, m, n, 0);
+        if (Lanes::W < 16) i = lincomb_4_lanes<1, true>(y, a, c, x, m, n, i);
     }
 #endif
     for (; i < n; ++i) {
@@ -271,8 +249,8 @@ inline void lincomb_4(float* const y[4], const float* const c[4], const X* const
     int64_t i = 0;
 #if defined(OURO_LANES)
     if (!portable()) {
-        i = lincomb_4_lanes<16 / Lanes::W>(y, c, x, m, n, 0);
-        if (Lanes::W < 16) i = lincomb_4_lanes<1>(y, c, x, m, n, i);
+        i = lincomb_4_lanes<16 / Lanes::W, false>(y, nullptr, c, x, m, n, 0);
+        if (Lanes::W < 16) i = lincomb_4_lanes<1, false>(y, nullptr, c, x, m, n, i);
     }
 #endif
     for (; i < n; ++i)
