@@ -144,8 +144,14 @@ class DSAttention(nn.Module):
             selection = prev_selection
         w_uk, w_uv = absorb_weights(self.kv_b_proj.weight, self.H, self.qk, self.v)
         ctx.dsa_attend(self)
-        if ctx.rows_as_queries:
-            out = self._attend_decode(q, flat, selection, w_uk, w_uv, ctx)
+        storage = mla.cache_storage(flat)
+        if storage is not None and mla.can(q, w_uk, w_uv):
+            # one op for every new token, decode or prefill: each query against its selected rows,
+            # read in place. A prefill chunk's rows sit in cache for its queries; measured on a 512-token
+            # chunk of `small` (2 threads, AVX2) 6.8 ms against 9.4 for the masked products per block
+            out = self._attend_native(q, storage, selection, w_uk, w_uv, ctx)
+        elif ctx.rows_as_queries:
+            out = sparse_mla(q, flat, cache_rows(ctx, ctx.seq_index, selection), w_uk, w_uv, self.scale)
         else:
             out = q.new_full((q.shape[0], self.H, self.v), float("nan"))
             for b in range(len(ctx.query_lens)):
@@ -159,12 +165,9 @@ class DSAttention(nn.Module):
                     out[r] = sparse_mla_chunk(q[r], latents, selection[r], w_uk, w_uv, self.scale)
         return self.o_proj(out.reshape(q.shape[0], -1)), selection
 
-    def _attend_decode(self, q, flat, selection, w_uk, w_uv, ctx):
-        """Each decode query against its selected tokens: one native op over the cache rows in place
-        (float32 or quantised) where it can run, else `sparse_mla` on the gathered rows."""
-        storage = mla.cache_storage(flat)
-        if storage is None or not mla.can(q, w_uk, w_uv):
-            return sparse_mla(q, flat, cache_rows(ctx, ctx.seq_index, selection), w_uk, w_uv, self.scale)
+    def _attend_native(self, q, storage, selection, w_uk, w_uv, ctx):
+        """Each new token's query against its selected tokens: one native op over the cache rows in
+        place (float32, bfloat16 or quantised: `mla.cache_storage`)."""
         _, q_lat, w_uv = absorb_queries(q, w_uk, w_uv, self.scale)      # as sparse_mla absorbs it (float32)
         o_lat = mla.sparse_mla_decode(q_lat, *storage, GROUP, selection, ctx.page_table, ctx.seq_index,
                                       ctx.cache.page_size)
