@@ -341,4 +341,24 @@ def quantize_model(model: nn.Module, method: str = "w8a8", ignore=None, referenc
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
         done.append(name)
+    prepack(model)
     return {"quantized": done, "kept": kept}
+
+
+def prepack(model: nn.Module) -> None:
+    """The kernel-layout copies of every int8 host weight, made now rather than at the first forward
+    (as vLLM processes weights after loading): the first prefill of `small` (16 x 512, W8A8) packed
+    its routed experts inside its first step, ~240 of that step's ~1,000 ms. A weight changed later
+    (a shard, a reload) is packed again at its next use (`packed_for`'s key)."""
+    if native() is None:
+        return
+    for module in model.modules():
+        if isinstance(module, W8A8Linear):
+            pairs = [("weight", module.qweight)]
+        elif isinstance(module, W8A8Experts):
+            pairs = [("gate_up", module.gate_up_proj_q), ("down", module.down_proj_q)]
+        else:
+            continue
+        for name, q in pairs:       # only what ouro's kernel will run (a form the machine picked)
+            if q.dtype == torch.int8 and q.device.type == "cpu" and "native" in module.int8_forms:
+                packed_for(module, q, name)
