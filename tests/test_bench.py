@@ -62,7 +62,7 @@ def test_floors_follow_from_reported_numbers(offline, tiny_checkpoint):
     r, _ = offline
     f, p = r["decode_floor"], r["prefill"]
     assert f["batch"] == CONC and IN + 1 <= f["context"] <= IN + OUT - 1   # tokens a decoded token sees
-    assert f["floor_s"] == pytest.approx(floor_of(f["flops"], f["weight_bytes"] + f["cache_bytes"], r))
+    assert f["floor_s"] == pytest.approx(floor_of(f["flops"], f["weight_bytes"] + f["cache_bytes"] + f["activation_bytes"], r))
     assert r["decode_step_over_floor"] == pytest.approx(r["ouro"]["decode_step_s"] / f["floor_s"])
     assert p["floor_s"] == pytest.approx(floor_of(p["flops"], p["bytes"], r))
     assert p["over_floor"] == pytest.approx(p["seconds"] / p["floor_s"])
@@ -70,8 +70,8 @@ def test_floors_follow_from_reported_numbers(offline, tiny_checkpoint):
     model = load_model(tiny_checkpoint)
     roof = Roofline(flops_per_s=r["matmul_flops_per_s"], bytes_per_s=r["copy_bytes_per_s"])
     again = decode_floor(model, roof, f["context"], CONC)
-    assert (again["flops"], again["weight_bytes"], again["cache_bytes"]) == \
-        pytest.approx((f["flops"], f["weight_bytes"], f["cache_bytes"]))
+    assert (again["flops"], again["weight_bytes"], again["cache_bytes"], again["activation_bytes"]) == \
+        pytest.approx((f["flops"], f["weight_bytes"], f["cache_bytes"], f["activation_bytes"]))
     assert p["flops"] == prefill_cost(model, IN).flops
 
 

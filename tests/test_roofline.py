@@ -37,6 +37,13 @@ INDEXER = 3 * 2 * 2 + 4 * 2 + 2 * 2 + 4 * 2 + 2 * 2 + 2 * 4
 ROUTER, SHARED = 4 * 4, 3 * 4 * 3
 EXPERT = 3 * 3 * 4                # gate, up, down of one routed expert (I=3, D=4)
 DENSE_PARAMS = 4 + 2 * PER_LAYER + KDA + DENSE_MLP + DSA + INDEXER + ROUTER + SHARED   # 4: final norm
+# element-wise traffic (`activation_traffic`, float32, n = 4 streams): per token two layers of two
+# norms (row in and out) and two merges (4 streams + the block output in, 4 streams out), layer 0's
+# block input (4 streams in, a row out), the MoE layer's combine (the routed experts' sum and the
+# shared expert's row in, a row out), the embedding row written and copied into 4 streams; per logits row the
+# streams' mean (4 in, 1 out) and the final norm
+ACT_TOKEN = 4 * (2 * 2 * 2 * 4 + 2 * 2 * 9 * 4 + 5 * 4 + 3 * 4 + 4 + 5 * 4)
+ACT_ROW = 4 * (2 * 4 + 5 * 4)
 SLOT = 4 * (3 * 6 * 3 + 3 * 2 * 2)     # fp32 conv window [3C, K-1] + recurrent state [H, dk, dv]
 TOKEN_ROW = 4 * (5 + 2 * 2) + 4 * 2 // 2   # latent + indexer key and gate, + fp32 pool key per kpool tokens
 
@@ -72,8 +79,9 @@ def test_decode_floor_by_hand(model):
         assert f["flops"] == flops
         assert f["weight_bytes"] == pytest.approx(weight_bytes, rel=1e-12)
         assert f["cache_bytes"] == cache_bytes
-        assert f["floor_s"] == pytest.approx(max(flops / rates[0], (weight_bytes + cache_bytes) / rates[1]),
-                                             rel=1e-12)
+        assert f["activation_bytes"] == B * (ACT_TOKEN + ACT_ROW)
+        assert f["floor_s"] == pytest.approx(
+            max(flops / rates[0], (weight_bytes + cache_bytes + B * (ACT_TOKEN + ACT_ROW)) / rates[1]), rel=1e-12)
 
 
 def test_prefill_cost_by_hand(model):
@@ -87,7 +95,7 @@ def test_prefill_cost_by_hand(model):
     cache_bytes = n * TOKEN_ROW + 4 * 7 * 5 + 4 * 3 * 2 + SLOT   # fresh: KDA state only written
     c = prefill_cost(model, n)
     assert c.flops == flops
-    assert c.bytes == pytest.approx(weight_bytes + cache_bytes, rel=1e-12)
+    assert c.bytes == pytest.approx(weight_bytes + cache_bytes + n * ACT_TOKEN + 1 * ACT_ROW, rel=1e-12)
 
 
 def test_expected_distinct_experts_by_enumeration():

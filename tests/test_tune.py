@@ -270,6 +270,12 @@ def test_the_prefill_breakdown_splits_an_engine_prefill_by_part():
     rows = {r["part"]: r for r in b["rows"]}
     assert set(rows) == set(ROWS) and b["batch"] == 2 and b["tokens"] == 40 and not eng.has_unfinished()
     assert b["steps"] == 2          # 40 tokens at 32 a step
+    # the floor is the two steps' floors: each reads the head's weight again (one step would read it once)
+    from ouro.measure.step_breakdown import step_part_floors
+    assert b["floor_steps"] == 2
+    one_step = step_part_floors(eng.model, roof, [20, 20], [0, 0])
+    assert rows["embedding + head"]["floor_ms"] > 1e3 * one_step["embedding + head"] * 1.5
+    assert sum(r["floor_ms"] for r in b["rows"]) > 1e3 * sum(one_step.values())
     assert rows["routed experts"]["floor_ms"] > 0 and rows["KDA"]["ms"] > 0 and rows["KDA"]["floor_ms"] > 0
     assert sum(r["ms"] for r in b["rows"]) == pytest.approx(b["hooked_step_ms"], rel=1e-6)
     text = format_breakdown(b)

@@ -84,7 +84,7 @@ def decode_floor(model, roof: Roofline, context: int, batch: int) -> dict:
     cost = decode_cost(model, context, batch)
     low = cost.parts["low_precision_flops"]
     return {"context": context, "batch": batch, "weight_bytes": cost.weight_bytes, "cache_bytes": cost.cache_bytes,
-            "flops": cost.flops, "low_precision_flops": low, "floor_s": roof.floor_s(cost.flops, cost.bytes, low),
+            "activation_bytes": cost.activation_bytes, "flops": cost.flops, "low_precision_flops": low, "floor_s": roof.floor_s(cost.flops, cost.bytes, low),
             "parts": cost.parts}
 
 

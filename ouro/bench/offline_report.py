@@ -44,7 +44,7 @@ def format_offline(r: dict) -> str:
     if o["decode_step_s"]:
         lines.append(f"  decode step (batch {f['batch']}, context {f['context']}): {1e3 * o['decode_step_s']:.1f} ms "
                      f"(median of {o['decode_steps_timed']}); floor {1e3 * f['floor_s']:.1f} ms = "
-                     f"{_floor_terms(f['flops'], f['weight_bytes'] + f['cache_bytes'], r, f.get('low_precision_flops', 0.0))}: "
+                     f"{_floor_terms(f['flops'], f['weight_bytes'] + f['cache_bytes'] + f.get('activation_bytes', 0.0), r, f.get('low_precision_flops', 0.0))}: "
                      f"{r['decode_step_over_floor']:.1f}x the floor")
     p = r["prefill"]
     lines.append(f"  prefill of {p['tokens']} tokens: {1e3 * p['seconds']:.0f} ms; floor {1e3 * p['floor_s']:.1f} ms = "

@@ -18,12 +18,14 @@ from collections import defaultdict
 
 import torch
 
-from .step_cost import LOW_PRECISION, ROUTED, SCALE, decode_cost, step_cost, weight_tensors
+from .step_cost import LOW_PRECISION, ROUTED, SCALE, StepCost, decode_cost, step_cost, weight_tensors
 
 # "outside the timed modules": the engine (scheduling, metadata, sampling) and the model's own glue
+# "mHC (weights, merge) + layer glue": one row, since a layer's merge computes the next hyper-connection's
+# weights in the same op (`hc_post_pre`), so the time of both is the layer's own
+MHC = "mHC (weights, merge) + layer glue"
 ROWS = ["routed experts", "router", "MoE combine", "shared expert + dense MLP", "KDA", "DSA without indexer",
-        "DSA indexer", "mHC weights (Sinkhorn)", "mHC merge + layer glue", "norms", "embedding + head",
-        "outside the timed modules"]
+        "DSA indexer", MHC, "norms", "embedding + head", "outside the timed modules"]
 
 
 def parts(model):
@@ -31,8 +33,7 @@ def parts(model):
     out = [(model, "outside the timed modules"), (model.embed_tokens, "embedding + head"),
            (model.lm_head, "embedding + head"), (model.norm, "norms")]
     for layer in model.layers:
-        out += [(layer, "mHC merge + layer glue"), (layer.attn_hc, "mHC weights (Sinkhorn)"),
-                (layer.ffn_hc, "mHC weights (Sinkhorn)"), (layer.input_layernorm, "norms"),
+        out += [(layer, MHC), (layer.attn_hc, MHC), (layer.ffn_hc, MHC), (layer.input_layernorm, "norms"),
                 (layer.post_attention_layernorm, "norms")]
         a = layer.self_attn
         if layer.is_kda:
@@ -136,6 +137,10 @@ def step_part_floors(model, roof, query_lens: list[int], start_pos: list[int], l
     work["DSA without indexer"][2] += cb["latent_read"] + cb["written"]
     work["DSA indexer"][0] += f["indexer"]
     work["DSA indexer"][2] += cb["pool_keys_read"]
+    acts = cost.parts["activation_bytes"]
+    for row, key in (("norms", "norms"), (MHC, "mhc"), ("MoE combine", "moe_combine"),
+                     ("embedding + head", "embedding"), ("outside the timed modules", "streams")):
+        work[row][2] += acts[key]
     return {row: roof.floor_s(fl, nb, low) for row, (fl, low, nb) in work.items()}
 
 
@@ -194,11 +199,19 @@ def prefill_breakdown(engine, prompt_sets: list[list[list[int]]], roof, params) 
     """The engine's prefill of each set of prompts (one set per repeat, distinct prompts so no prefix
     is cached; `params` with max_tokens=1): the steps until every request of the set has its first
     token. Sets alternate plain (the engine as it runs) and hooked; per row the median milliseconds
-    of a whole prefill and its floor (the prefill of every prompt in one step, one logits row each)."""
+    of a whole prefill and its floor: the sum of the floors of the steps the engine ran (each step
+    reads the weights and runs the head on its logits rows again)."""
     model = engine.model
-    plain, hooked, per_row, steps = [], [], defaultdict(list), []
+    plain, hooked, per_row, steps, shapes = [], [], defaultdict(list), [], []
+
+    def record(module, args):   # each forward's (new tokens, cached tokens, logits rows) per sequence
+        ctx = args[1]
+        rows = sum(ctx.query_lens) if ctx.logits_index is None else int(ctx.logits_index.numel())
+        shapes.append((list(ctx.query_lens), list(ctx.start_pos), rows))
+    record.ouro_passive = True
     for i, prompts in enumerate(prompt_sets):
         timer = Timer(model, engine.config.device) if i % 2 else None
+        recorder = model.register_forward_pre_hook(record) if i == 0 else None
         for p in prompts:
             engine.add_request({"prompt_token_ids": p}, params)
         t, n = time.perf_counter(), 0
@@ -206,6 +219,8 @@ def prefill_breakdown(engine, prompt_sets: list[list[list[int]]], roof, params) 
             engine.step()
             n += 1
         total = time.perf_counter() - t
+        if recorder is not None:
+            recorder.remove()
         if timer is None:
             plain.append(total)
             steps.append(n)
@@ -214,11 +229,23 @@ def prefill_breakdown(engine, prompt_sets: list[list[list[int]]], roof, params) 
         hooked.append(total)
         timer.charge(total, per_row)
     lens = [len(p) for p in prompt_sets[0]]
-    floors = step_part_floors(model, roof, lens, [0] * len(lens))
-    cost = step_cost(model, lens, [0] * len(lens))
+    shapes = shapes or [(lens, [0] * len(lens), len(lens))]      # (a runner that bypasses the module)
+    floors, cost = defaultdict(float), None
+    for q, s, rows in shapes:
+        for row, sec in step_part_floors(model, roof, q, s, rows).items():
+            floors[row] += sec
+        one = step_cost(model, q, s, rows)
+        cost = one if cost is None else _added(cost, one)
     return {"kind": "prefill", "batch": len(lens), "tokens": sum(lens), "input_len": max(lens),
-            "steps": statistics.median(steps), "compiled": False,
-            **_medians(plain, hooked, per_row, floors, cost, roof)}
+            "steps": statistics.median(steps), "compiled": False, "floor_steps": len(shapes),
+            **_medians(plain, hooked, per_row, dict(floors), cost, roof)}
+
+
+def _added(a, b):
+    """Two steps' costs as one: their FLOPs, bytes and low-precision FLOPs added."""
+    return StepCost(flops=a.flops + b.flops, weight_bytes=a.weight_bytes + b.weight_bytes,
+                    cache_bytes=a.cache_bytes + b.cache_bytes, activation_bytes=a.activation_bytes + b.activation_bytes,
+                    parts={"low_precision_flops": a.parts["low_precision_flops"] + b.parts["low_precision_flops"]})
 
 
 def format_breakdown(b: dict, target_over_floor: float = 3.0) -> str:

@@ -44,9 +44,28 @@ class StepCost:
     cache_bytes: float
     parts: dict = field(default_factory=dict)   # the terms above, itemised
 
+    activation_bytes: float = 0.0
+
     @property
     def bytes(self) -> float:
-        return self.weight_bytes + self.cache_bytes
+        return self.weight_bytes + self.cache_bytes + self.activation_bytes
+
+
+def activation_traffic(c, T: int, rows: int, e: int) -> dict:
+    """Bytes the element-wise parts of a step must read and write, each fused as far as ouro fuses
+    it (`T` new tokens, `rows` logits rows, activations of `e` bytes, hidden D, n streams): per layer
+    two RMSNorms (a row in, a row out) and two hyper-connection merges (n streams and the block's
+    output in, n streams out; the next weights read the new streams while they are in cache), the
+    first layer's block input (n streams in, a row out), per MoE layer the combine (the routed
+    experts' weighted sum, made inside their op, and the shared expert's row in, a row out); the embedding rows written and copied into the n
+    streams, and at the top the streams' mean and the final norm of the logits rows."""
+    D, n, L = c.hidden_size, c.hc_mult, c.num_hidden_layers
+    n_moe = sum(t == "sparse" for t in c.mlp_layer_types)
+    return {"norms": float(T * L * 2 * 2 * D * e + rows * 2 * D * e),
+            "mhc": float(T * L * 2 * (2 * n + 1) * D * e + T * (n + 1) * D * e),
+            "moe_combine": float(T * n_moe * 3 * D * e),
+            "embedding": float(T * D * e),                         # the rows looked up, written
+            "streams": float(T * (n + 1) * D * e + rows * (n + 1) * D * e)}   # copied to n streams; their mean
 
 
 def expected_distinct(n_experts: int, k: int, tokens: int) -> float:
@@ -79,7 +98,8 @@ def step_cost(model, query_lens: list[int], start_pos: list[int], logits_rows: i
     the recurrent state). Element-wise work (norms, activations, mHC mixing, Sinkhorn, top-k) is
     not counted.
 
-    Bytes: every parameter except the embedding and the routed experts, read once; the embedding
+    Bytes: the element-wise parts' own reads and writes (`activation_traffic`); every parameter
+    except the embedding and the routed experts, read once; the embedding
     rows looked up (one per new token, at most the vocabulary); per MoE layer the routed experts the
     step's tokens touch, by `expected_distinct`. Cache: each new token's paged row written
     (`ModelConfig.cache_bytes_per_token`); per sequence and DSA layer the latent rows its queries attend
@@ -132,8 +152,10 @@ def step_cost(model, query_lens: list[int], start_pos: list[int], logits_rows: i
     # the share of those FLOPs that are int8 / e4m3 products (a machine runs them at their own rate)
     low = 2.0 * T * (sum(p.numel() for p in dense.values() if p.dtype in LOW_PRECISION) + n_moe * k * per_expert_low)
     low += 2.0 * rows * head.numel() if head.dtype in LOW_PRECISION else 0.0
+    acts = activation_traffic(c, T, rows, e)
     return StepCost(flops=sum(flops.values()), weight_bytes=sum(weights.values()), cache_bytes=sum(cache.values()),
-                    parts={"flops": flops, "weight_bytes": weights, "cache_bytes": cache,
+                    activation_bytes=sum(acts.values()),
+                    parts={"flops": flops, "weight_bytes": weights, "cache_bytes": cache, "activation_bytes": acts,
                            "distinct_experts_per_layer": distinct, "low_precision_flops": low})
 
 
