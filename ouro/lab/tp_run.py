@@ -33,7 +33,7 @@ from .taps import OuroTaps, Recording
 # keys (by their last name) joined side by side: column-parallel projections, then the computations
 # on local heads or channels between them and the row-parallel projection
 CONCAT = ("q_proj", "k_proj", "v_proj", "f_b_proj", "g_b_proj", "b_proj", "q_b_proj", "kv_b_proj", "gate_proj",
-          "up_proj", "clamped_swiglu", "forget_gate", "attention_core", "o_norm")
+          "up_proj", "clamped_swiglu", "forget_gate", "attention_core", "o_norm", "absorb_queries")
 THIRDS = ("causal_conv1d",)        # [q | k | v] channels, each third split across the ranks
 TIMEOUT_S = 20.0
 
