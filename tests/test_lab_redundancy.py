@@ -198,3 +198,22 @@ def eager_reference():
     from ouro.native.kernels import eager_only
     with eager_only():
         yield
+
+
+def test_the_fused_off_option_weighs_the_eager_reference():
+    """`ouro probe redundancy --fused off` runs the steps on the eager code the fused ops keep as
+    their reference: the planted all-experts read there is found with it and not without it (the
+    fused experts op reads the chosen experts whatever that code does)."""
+    from ouro.lab.fault_patch import applied_in_process
+    from ouro.lab.fault_scoring import score
+    from ouro.lab.faults import all_faults
+    from ouro.native import kernels
+    if not kernels.load("experts"):
+        pytest.skip(f"no fused experts op here: {kernels.why_not('experts')}")
+    fault = {f.name: f for f in all_faults()}["moe_decode_reads_all_experts"]
+    assert fault.probes == [["redundancy", "--model", "tiny", "--fused", "off"]]
+    with applied_in_process(fault, str(Path(__file__).resolve().parent.parent)):
+        off = redundancy.probe_redundancy("tiny", prompt_len=24, context=48, fused=False)
+        on = redundancy.probe_redundancy("tiny", prompt_len=24, context=48, fused=True)
+    assert score(off, fault.localised)["localised"]
+    assert not score(on, fault.localised)["detected"]

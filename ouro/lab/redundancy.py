@@ -106,13 +106,20 @@ def probe_model(model, prompt_len: int = 32, context: int = 64, batch: int = 1, 
 
 
 def probe_redundancy(model: str = "tiny", prompt_len: int = 32, context: int = 64, batch: int = 1,
-                     dtype: str = "float32", measure: bool = False, graph: bool = False) -> list[Finding]:
+                     dtype: str = "float32", measure: bool = False, graph: bool = False,
+                     fused: bool = True) -> list[Finding]:
     """Load a preset or checkpoint directory and run the probe; findings in order of importance.
-    graph: also trace the compiled decode step (`graph_check`) and report whether it is one graph."""
+    graph: also trace the compiled decode step (`graph_check`) and report whether it is one graph.
+    fused=False: the steps run the eager code every fused op keeps as its reference (what a machine
+    without a compiler runs), so the work of that code is what is weighed."""
+    from contextlib import nullcontext
+
     from ..models.loader import load_model
     from ..models.resolve import resolve_model
+    from ..native.kernels import eager_only
     m = load_model(resolve_model(model, progress=False), dtype=getattr(torch, dtype))
-    findings = probe_model(m, prompt_len, context, batch, CostModel.measure() if measure else CostModel())
+    with nullcontext() if fused else eager_only():
+        findings = probe_model(m, prompt_len, context, batch, CostModel.measure() if measure else CostModel())
     if graph:
         from .graph_check import graph_finding
         f = graph_finding(m)
@@ -135,6 +142,9 @@ def add_arguments(p) -> None:
                    help="also run held-out prompts with MTP speculation (K drafts) and report the draft work thrown "
                         "away (a checkpoint with an MTP layer, e.g. tiny-py): info while the engine accepts what the "
                         "draft layer driven from scratch on the same tokens accepts, a warning when it departs")
+    p.add_argument("--fused", default="on", choices=["on", "off"],
+                   help="off: weigh the eager code the fused native ops keep as their reference (the path a "
+                        "machine without a compiler runs)")
     p.add_argument("--graph", action="store_true",
                    help="also trace the compiled decode step (--compile's graph, aot_eager) at two batch sizes "
                         "and report whether it is one graph with no break")
@@ -142,7 +152,7 @@ def add_arguments(p) -> None:
 
 def run(args) -> list[Finding]:
     findings = probe_redundancy(args.model, args.prompt_len, args.context, args.batch, args.dtype,
-                                measure=args.measure, graph=args.graph)
+                                measure=args.measure, graph=args.graph, fused=args.fused == "on")
     if args.spec:
         from .run_configs import parse_config
         from .spec_waste import spec_waste_finding
