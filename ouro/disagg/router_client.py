@@ -24,7 +24,7 @@ import time
 import zmq
 import zmq.asyncio
 
-from ..serve.generation import GenerationError
+from ..serve.protocol import ServeError
 from ..serve.engine_client import EngineUnavailable
 from ..engine.multimodal import bytes_hash
 from ..serve.messages import decode, encode, images_to_wire, params_to_wire
@@ -152,11 +152,11 @@ class DisaggClient:
         if not self.healthy:
             raise EngineUnavailable(self.dead_reason or "the workers are not ready")
         if params.prompt_logprobs is not None or params.max_tokens == 0:   # the prefill side would have to send them
-            raise GenerationError(400, "prompt logprobs (echo with logprobs, prompt_logprobs) and max_tokens 0 are "
+            raise ServeError(400, "prompt logprobs (echo with logprobs, prompt_logprobs) and max_tokens 0 are "
                                        "not available through the prefill/decode router; ask a single server")
         p, d = next(self._rr["prefill"]), next(self._rr["decode"])
         if images and p.info.get("embeds") is None:
-            raise GenerationError(400, "this model takes text only: the prefill workers have no image input")
+            raise ServeError(400, "this model takes text only: the prefill workers have no image input")
         q = queue if queue is not None else asyncio.Queue()
         self.queues[rid] = q
         wire = params_to_wire(params)

@@ -18,13 +18,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..measure import spans
 from . import formats, structured_request
-from .generation import Generation, GenerationError
+from .generation import Generation, ServeError
 from .methods import Methods
 from .metrics import Metrics
 from .openapi import STREAMED, openapi
 from .protocol import ChatCompletionRequest, CompletionRequest, error_body
 from .responses import ResponsesRequest, sse_events, to_chat, to_response
-from .protocol import ServeError as ApiError
+from .protocol import ServeError
 from .tokenize_routes import add_tokenize_routes, check_model
 from .trace_routes import add_trace_routes
 
@@ -144,8 +144,8 @@ def build_app(state: ServerState) -> FastAPI:
     app.add_middleware(Guard, state=state)
     app.openapi = lambda: openapi(app, state)
 
-    @app.exception_handler(ApiError)
-    async def api_error(_, e: ApiError):
+    @app.exception_handler(ServeError)
+    async def api_error(_, e: ServeError):
         m.reject(e.status)
         return error(e.status, e.message)
 
@@ -225,16 +225,16 @@ def build_app(state: ServerState) -> FastAPI:
             place.release()
             for g in gens:
                 await g.abort()
-            if isinstance(e, GenerationError):
-                raise ApiError(e.status, e.message) from None
+            if isinstance(e, ServeError):
+                raise ServeError(e.status, e.message) from None
             raise
         view = formats.ResponseView(state, body, jobs, gens, rid, chat)
         if body.stream:
             return StreamingResponse(_stream(view, place), media_type="text/event-stream")
         try:
             await _collect_or_disconnect(request, gens)
-        except GenerationError as e:
-            raise ApiError(e.status, e.message) from None
+        except ServeError as e:
+            raise ServeError(e.status, e.message) from None
         finally:
             place.release()
             for g in gens:
@@ -249,7 +249,7 @@ def build_app(state: ServerState) -> FastAPI:
             async for chunk in view.stream_chunks():
                 yield _sse(chunk)
             yield "data: [DONE]\n\n"
-        except GenerationError as e:
+        except ServeError as e:
             yield _sse({"object": "error", "message": e.message, "type": "ServiceUnavailableError"
                         if e.status == 503 else "BadRequestError", "code": e.status})
             yield "data: [DONE]\n\n"
@@ -280,7 +280,7 @@ async def _collect_or_disconnect(request: Request, gens) -> None:
             task.cancel()
             for g in gens:
                 await g.abort()
-            raise GenerationError(499, "client disconnected")
+            raise ServeError(499, "client disconnected")
     task.result()
 
 
@@ -289,20 +289,20 @@ def _check_length(state: ServerState, ids: list[int], body) -> None:
     want = max((w for w in (getattr(body, "max_completion_tokens", None), body.max_tokens) if w is not None),
                default=None)
     if not ids:
-        raise ApiError(400, "the prompt is empty")
+        raise ServeError(400, "the prompt is empty")
     bad = [t for t in ids if not 0 <= t < state.vocab_size]
     if bad:
-        raise ApiError(400, f"prompt token ids out of range [0, {state.vocab_size}): {bad[:5]}")
+        raise ServeError(400, f"prompt token ids out of range [0, {state.vocab_size}): {bad[:5]}")
     if want is not None and len(ids) + want > state.max_model_len:
-        raise ApiError(400, f"This model's maximum context length is {state.max_model_len} tokens. However, you "
+        raise ServeError(400, f"This model's maximum context length is {state.max_model_len} tokens. However, you "
                             f"requested {len(ids) + want} tokens ({len(ids)} in the messages, {want} in the "
                             "completion). Please reduce the length of the messages or completion.")
     if len(ids) >= min(state.max_model_len, state.capacity_tokens):
-        raise ApiError(400, f"This model's maximum context length is {state.max_model_len} tokens "
+        raise ServeError(400, f"This model's maximum context length is {state.max_model_len} tokens "
                             f"(cache capacity {state.capacity_tokens} tokens). However, your prompt has {len(ids)} "
                             "tokens. Please reduce the length of the messages.")
     if want is not None and len(ids) + want > state.capacity_tokens:
-        raise ApiError(400, f"prompt ({len(ids)} tokens) + max_tokens ({want}) exceeds the cache capacity "
+        raise ServeError(400, f"prompt ({len(ids)} tokens) + max_tokens ({want}) exceeds the cache capacity "
                             f"{state.capacity_tokens} tokens; lower max_tokens")
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pydantic import ValidationError
 
 from ..engine.sampling import SamplingParams
-from .protocol import ServeError as ApiError
+from .protocol import ServeError
 from .structured_request import spec_for
 
 
@@ -58,7 +58,7 @@ def sampling_for(body, max_tokens: int, logprobs: int | None, stop_token_ids=Non
                               stop_token_ids=list(stop_token_ids or []) or None, ignore_eos=body.ignore_eos,
                               logprobs=logprobs, structured=structured, prompt_logprobs=prompt_logprobs)
     except (ValueError, ValidationError) as e:
-        raise ApiError(400, str(e)) from None
+        raise ServeError(400, str(e)) from None
 
 
 def _children(body, params) -> list:
@@ -76,7 +76,7 @@ def completion_jobs(state, body) -> list[Job]:
     elif p and all(isinstance(x, list) for x in p):
         prompts = [list(x) for x in p]
     else:
-        raise ApiError(400, "prompt must be a string, a list of strings, a list of token ids or a list of lists of ids")
+        raise ServeError(400, "prompt must be a string, a list of strings, a list of token ids or a list of lists of ids")
     # the prompt's logprobs: top k for echo's logprobs, and vLLM's prompt_logprobs
     wanted = [k for k in (body.prompt_logprobs, body.logprobs if body.echo else None) if k is not None]
     jobs = []
@@ -92,29 +92,29 @@ def completion_jobs(state, body) -> list[Job]:
 
 def chat_jobs(state, body) -> list[Job]:
     if state.chat is None:
-        raise ApiError(400, "this checkpoint has no chat template; use /v1/completions")
+        raise ServeError(400, "this checkpoint has no chat template; use /v1/completions")
     from .media import collect_images, has_images
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
     if state.images is None and has_images(messages):
-        raise ApiError(400, "this model takes text only: it has no vision tower")
+        raise ServeError(400, "this model takes text only: it has no vision tower")
     messages, images = collect_images(messages, state.media) if state.media is not None else (messages, [])
     try:
         rendered = state.chat.render(body, messages)
     except ValueError as e:
-        raise ApiError(400, f"cannot apply the chat template: {e}") from None
+        raise ServeError(400, f"cannot apply the chat template: {e}") from None
     ids = state.tokenizer.encode(rendered.text, add_special_tokens=False).ids
     if images:
         ids = expand_images(state, ids, images)
     top = body.top_logprobs if body.logprobs else None
     if body.top_logprobs and not body.logprobs:
-        raise ApiError(400, "top_logprobs needs logprobs: true")
+        raise ServeError(400, "top_logprobs needs logprobs: true")
     spec = spec_for(state, body, rendered)
     params = sampling_for(body, _max_tokens(state, body, len(ids)), (top or 0) if body.logprobs else None,
                           body.stop_token_ids, spec, body.prompt_logprobs)
     if rendered.forced_prefix and not (spec and spec["type"] == "structural_tag"):   # a strict call's tag forces it
         forced = state.tokenizer.encode(rendered.forced_prefix, add_special_tokens=False).ids
         if len(forced) >= params.max_tokens:
-            raise ApiError(400, f"tool_choice needs max_tokens > {len(forced)} to open the tool call")
+            raise ServeError(400, f"tool_choice needs max_tokens > {len(forced)} to open the tool call")
         params = dataclasses.replace(params, forced_prefix_ids=forced)
     return [Job(ids, _children(body, params), _stops(body), False,
                 parser_factory=lambda: state.chat.parser(body, rendered), images=images or None)]
@@ -126,7 +126,7 @@ def expand_images(state, ids: list[int], images: list[bytes]) -> list[int]:
     try:
         return state.images.expand(ids, [load_image(raw) for raw in images])
     except ValueError as e:
-        raise ApiError(400, f"images: {e}") from None
+        raise ServeError(400, f"images: {e}") from None
 
 
 def _top(pairs, chosen: int) -> list:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from ..engine.detokenizer import IncrementalDetokenizer
 from ..measure.spans import span
 from .engine_client import EngineUnavailable
-from .protocol import ServeError as GenerationError
+from .protocol import ServeError
 
 
 @dataclass
@@ -65,7 +65,7 @@ class Generation:
                 await self.client.add(c.rid, self.prompt_ids, p, self.queue, images=self.images)
         except EngineUnavailable as e:
             await self.abort()
-            raise GenerationError(503, str(e)) from None
+            raise ServeError(503, str(e)) from None
         self.metrics.prompt_tokens.inc(len(self.prompt_ids))
 
     async def deltas(self):
@@ -77,7 +77,7 @@ class Generation:
                 continue
             if "error" in item:
                 await self.abort()
-                raise GenerationError(item["status"], item["error"])
+                raise ServeError(item["status"], item["error"])
             yield self._apply(c, item)
 
     @span("detokenize", cat="detokenize")

@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .protocol import ServeError as ApiError
+from .protocol import ServeError
 
 
 @dataclass(frozen=True)
@@ -32,46 +32,46 @@ def _url(part: dict, where: str) -> str:
     v = part.get("image_url")
     url = v.get("url") if isinstance(v, dict) else v
     if not isinstance(url, str) or not url:
-        raise ApiError(400, f"{where}: an image_url part needs image_url.url (a data: URI or an allowed local file)")
+        raise ServeError(400, f"{where}: an image_url part needs image_url.url (a data: URI or an allowed local file)")
     return url
 
 
 def _from_data_uri(url: str, limits: MediaLimits, where: str) -> bytes:
     head, sep, payload = url.partition(",")
     if not sep or not head.endswith(";base64"):
-        raise ApiError(400, f"{where}: a data URI must be base64 (data:image/png;base64,...)")
+        raise ServeError(400, f"{where}: a data URI must be base64 (data:image/png;base64,...)")
     if len(payload) * 3 // 4 > limits.max_bytes + 3:
-        raise ApiError(400, f"{where}: the image is over {limits.max_bytes} bytes")
+        raise ServeError(400, f"{where}: the image is over {limits.max_bytes} bytes")
     try:
         raw = base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
-        raise ApiError(400, f"{where}: the data URI's base64 is not valid") from None
+        raise ServeError(400, f"{where}: the data URI's base64 is not valid") from None
     if len(raw) > limits.max_bytes:
-        raise ApiError(400, f"{where}: the image is {len(raw)} bytes, over the limit of {limits.max_bytes}")
+        raise ServeError(400, f"{where}: the image is {len(raw)} bytes, over the limit of {limits.max_bytes}")
     return raw
 
 
 def _from_file(url: str, limits: MediaLimits, where: str) -> bytes:
     if limits.allowed_local_path is None:
-        raise ApiError(400, f"{where}: local image files are off; start the server with --allowed-local-media-path DIR")
+        raise ServeError(400, f"{where}: local image files are off; start the server with --allowed-local-media-path DIR")
     path = Path(url[len("file://"):] if url.startswith("file://") else url).resolve()
     root = Path(limits.allowed_local_path).resolve()
     if root != path and root not in path.parents:
-        raise ApiError(400, f"{where}: {url} is outside --allowed-local-media-path")
+        raise ServeError(400, f"{where}: {url} is outside --allowed-local-media-path")
     try:
         size = os.path.getsize(path)
         if size > limits.max_bytes:
-            raise ApiError(400, f"{where}: the image is {size} bytes, over the limit of {limits.max_bytes}")
+            raise ServeError(400, f"{where}: the image is {size} bytes, over the limit of {limits.max_bytes}")
         return path.read_bytes()
     except OSError as e:
-        raise ApiError(400, f"{where}: cannot read {url}: {e.strerror or e}") from None
+        raise ServeError(400, f"{where}: cannot read {url}: {e.strerror or e}") from None
 
 
 def read_image(url: str, limits: MediaLimits, where: str) -> bytes:
     if url.startswith("data:"):
         return _from_data_uri(url, limits, where)
     if url.split(":", 1)[0].lower() in ("http", "https", "ftp"):
-        raise ApiError(400, f"{where}: this server does not fetch images over the network; send a data: URI")
+        raise ServeError(400, f"{where}: this server does not fetch images over the network; send a data: URI")
     return _from_file(url, limits, where)
 
 
@@ -84,7 +84,7 @@ def image_size(raw: bytes, where: str) -> tuple[int, int]:
         with Image.open(io.BytesIO(raw)) as im:
             return im.size
     except (UnidentifiedImageError, OSError, ValueError) as e:
-        raise ApiError(400, f"{where}: not a readable image ({e})") from None
+        raise ServeError(400, f"{where}: not a readable image ({e})") from None
 
 
 IMAGE_PARTS = ("image_url", "input_image", "image")
@@ -107,16 +107,16 @@ def collect_images(messages: list[dict], limits: MediaLimits) -> tuple[list[dict
         for j, p in enumerate(content):
             kind = p.get("type") if isinstance(p, dict) else None
             if kind in ("video_url", "video", "input_video"):
-                raise ApiError(400, f"messages[{i}].content[{j}]: video input is not supported; send frames as images")
+                raise ServeError(400, f"messages[{i}].content[{j}]: video input is not supported; send frames as images")
             if kind in IMAGE_PARTS:
                 where = f"messages[{i}].content[{j}]"
                 if len(images) >= limits.max_images:
-                    raise ApiError(400, f"{where}: more than {limits.max_images} images in one request "
+                    raise ServeError(400, f"{where}: more than {limits.max_images} images in one request "
                                         "(--limit-mm-per-prompt)")
                 raw = read_image(_url(p, where) if kind != "image" else p.get("image", ""), limits, where)
                 w, h = image_size(raw, where)
                 if w * h > limits.max_pixels:
-                    raise ApiError(400, f"{where}: the image is {w}x{h} = {w * h} pixels, over the limit of "
+                    raise ServeError(400, f"{where}: the image is {w}x{h} = {w * h} pixels, over the limit of "
                                         f"{limits.max_pixels}")
                 images.append(raw)
                 parts.append({"type": "image"})

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from .protocol import ServeError as ApiError
+from .protocol import ServeError
 
 END_THINK = "</think>"
 
@@ -31,7 +31,7 @@ def _fields(body) -> list[tuple[str, dict]]:
         out.append(("response_format", {"type": "json_object"}))
     elif rf is not None and rf.type == "json_schema":
         if rf.json_schema is None:
-            raise ApiError(400, "response_format json_schema needs json_schema.schema")
+            raise ServeError(400, "response_format json_schema needs json_schema.schema")
         out.append(("response_format", {"type": "json_schema", "schema": rf.json_schema.schema_}))
     so = body.structured_outputs
     if so is not None:
@@ -67,12 +67,12 @@ def spec_for(state, body, rendered=None) -> dict | None:
         strict = any(t.function.strict for t in tools)
         found.append(("tool_choice (forced)", _tool_tag(body, tools, choice, rendered) if strict else None))
     if len(found) > 1:
-        raise ApiError(400, f"one structured-output constraint per request, got {', '.join(n for n, _ in found)}")
+        raise ServeError(400, f"one structured-output constraint per request, got {', '.join(n for n, _ in found)}")
     if not found or found[0][1] is None:
         return None
     spec = found[0][1]
     if spec["type"] == "choice" and not spec["choice"]:
-        raise ApiError(400, f"{found[0][0]} needs at least one choice")
+        raise ServeError(400, f"{found[0][0]} needs at least one choice")
     reasoning = rendered is not None and rendered.fmt.reasoning_first
     if reasoning and spec["type"] != "structural_tag":
         after = state.tokenizer.token_to_id(END_THINK)
@@ -106,4 +106,4 @@ async def check(state, spec: dict | None) -> None:
     try:
         await asyncio.to_thread(book(state).compile, spec)
     except ValueError as e:
-        raise ApiError(400, str(e)) from None
+        raise ServeError(400, str(e)) from None
