@@ -10,6 +10,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -18,24 +19,32 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..measure import spans
 from . import formats, structured_request
-from .generation import Generation, ServeError
+from .generation import Generation
 from .methods import Methods
 from .metrics import Metrics
 from .openapi import STREAMED, openapi
-from .protocol import ChatCompletionRequest, CompletionRequest, error_body
+from .protocol import ChatCompletionRequest, CompletionRequest, ServeError, error_body
 from .responses import ResponsesRequest, sse_events, to_chat, to_response
-from .protocol import ServeError
 from .tokenize_routes import add_tokenize_routes, check_model
 from .trace_routes import add_trace_routes
+
+if TYPE_CHECKING:     # the state's collaborators, named for readers and checkers (no import at run time)
+    from tokenizers import Tokenizer
+
+    from ..engine.multimodal import ImagePrompt
+    from ..engine.structured import GrammarBook
+    from .chat import ChatFormat
+    from .engine_client import EngineClient
+    from .media import MediaLimits
 
 GENERATE_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 
 
 @dataclass
 class ServerState:
-    client: object                   # EngineClient
-    tokenizer: object                # tokenizers.Tokenizer
-    chat: object | None              # formats.ChatFormat (None without a chat template)
+    client: EngineClient
+    tokenizer: Tokenizer
+    chat: ChatFormat | None          # None without a chat template
     model_name: str
     max_model_len: int
     capacity_tokens: int
@@ -47,10 +56,10 @@ class ServerState:
     draining: bool = False
     in_flight: int = 0
     tracing: dict | None = None      # an on-demand trace being recorded (trace_routes.py)
-    images: object | None = None     # engine.multimodal.ImagePrompt (None: the model takes text only)
-    media: object | None = None      # media.MediaLimits
+    images: ImagePrompt | None = None    # None: the model takes text only
+    media: MediaLimits | None = None
     eos_token_ids: tuple = ()
-    grammars: object | None = None   # engine.structured.GrammarBook: structured outputs checked here first
+    grammars: GrammarBook | None = None   # structured outputs checked here first
     tokenizer_info: dict = field(default_factory=dict)   # GET /tokenizer_info (tokenize_routes.tokenizer_info)
     metrics: Metrics = field(default=None)
     created: int = field(default_factory=lambda: int(time.time()))
