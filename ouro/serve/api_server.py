@@ -18,12 +18,13 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..measure import spans
-from . import formats, structured_request
+from . import request_jobs, structured_request
 from .generation import Generation
 from .methods import Methods
 from .metrics import Metrics
 from .openapi import STREAMED, openapi
 from .protocol import ChatCompletionRequest, CompletionRequest, ServeError, error_body
+from .response_view import ResponseView
 from .responses import ResponsesRequest, sse_events, to_chat, to_response
 from .tokenize_routes import add_tokenize_routes, check_model
 from .trace_routes import add_trace_routes
@@ -219,7 +220,7 @@ def build_app(state: ServerState) -> FastAPI:
         place.trace_t0 = spans.now_ns()
         check_model(state, body.model)
         with spans.span("prepare", cat="request"):   # template, tokenize, check
-            jobs = formats.chat_jobs(state, body) if chat else formats.completion_jobs(state, body)
+            jobs = request_jobs.chat_jobs(state, body) if chat else request_jobs.completion_jobs(state, body)
         for j in jobs:
             _check_length(state, j.prompt_ids, body)
         await structured_request.check(state, jobs[0].child_params[0].structured)     # a 400 if it does not compile
@@ -237,7 +238,7 @@ def build_app(state: ServerState) -> FastAPI:
             if isinstance(e, ServeError):
                 raise ServeError(e.status, e.message) from None
             raise
-        view = formats.ResponseView(state, body, jobs, gens, rid, chat)
+        view = ResponseView(state, body, jobs, gens, rid, chat)
         if body.stream:
             return StreamingResponse(_stream(view, place), media_type="text/event-stream")
         try:
