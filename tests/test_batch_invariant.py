@@ -15,6 +15,7 @@ from ouro.ops.kda.chunk import kda_chunk, unit_lower_inverse
 from ouro.ops.kda.naive import kda_naive
 from ouro.ops.mhc.sinkhorn import sinkhorn, sinkhorn_naive
 from ouro.ops.moe.experts import experts_grouped, experts_naive
+from ouro.engine.options import check_engine_options
 
 from numerics import assert_close
 
@@ -174,13 +175,12 @@ def test_index_selection_layout_does_not_depend_on_the_pools_padded_in():
 
 def test_the_option_is_checked():
     from ouro.config import EngineConfig, ModelConfig
-    from ouro.engine.llm_engine import LLMEngine
     from ouro.models.resolve import resolve_model
     with pytest.raises(ValueError, match="deterministic_inference must be True or False"):
         EngineConfig(deterministic_inference="yes")
     with pytest.raises(ValueError, match="drop --compile"):
-        LLMEngine.check_options(EngineConfig(deterministic_inference=True, compile=True),
-                                ModelConfig.from_hf(resolve_model("tiny-py")), False, 1)
+        check_engine_options(EngineConfig(deterministic_inference=True, compile=True),
+                             ModelConfig.from_hf(resolve_model("tiny-py")), False, 1)
 
 
 @pytest.mark.slow

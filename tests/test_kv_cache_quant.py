@@ -16,6 +16,7 @@ from ouro.layers.context import ModelCache, QuantisedRows
 from ouro.models.loader import load_model
 from ouro.models.presets import PRESETS
 from ouro.models.resolve import resolve_model
+from ouro.engine.options import check_engine_options
 
 
 def _stored_bytes(cache):
@@ -91,7 +92,7 @@ def test_layer_specs_are_checked():
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         EngineConfig(kv_cache_dtype="fp4")
     with pytest.raises(ValueError, match="does not combine with --compile"):
-        LLMEngine.check_options(EngineConfig(kv_cache_dtype="fp8_e4m3", compile=True), PRESETS["tiny"], False, 1)
+        check_engine_options(EngineConfig(kv_cache_dtype="fp8_e4m3", compile=True), PRESETS["tiny"], False, 1)
 
 
 @pytest.mark.parametrize("backend", ["tcp", "shm"])

@@ -13,6 +13,7 @@ import torch
 from ouro.engine.llm import LLM
 from ouro.engine.sampling import SamplingParams
 from ouro.engine.speculative import KDARecord, accept
+from ouro.engine.options import check_engine_options
 
 PROMPTS = ["def add(a, b):\n    return", "import os\nimport sys\n\n\ndef main():\n",
            "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, x):\n",
@@ -201,11 +202,10 @@ def test_bad_speculative_options_are_refused(tmp_path):
         LLM(str(tmp_path), max_memory=32 << 20, page_size=16, speculative_config={"method": "mtp"})
     with pytest.raises(ValueError, match="does not combine with context parallelism"):
         EngineConfig(speculative_algorithm="MTP", context_parallel_size=2)
-        from ouro.engine.llm_engine import LLMEngine
         from ouro.config import ModelConfig
         from ouro.models.resolve import resolve_model
-        LLMEngine.check_options(EngineConfig(speculative_algorithm="MTP", context_parallel_size=2),
-                                ModelConfig.from_hf(resolve_model("tiny-py")), False, 1)
+        check_engine_options(EngineConfig(speculative_algorithm="MTP", context_parallel_size=2),
+                             ModelConfig.from_hf(resolve_model("tiny-py")), False, 1)
     with pytest.raises(ValueError, match="unknown keys"):
         LLM("tiny-py", max_memory=32 << 20, page_size=16, speculative_config={"method": "mtp", "topk": 4})
 

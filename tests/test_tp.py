@@ -16,6 +16,7 @@ from ouro.parallel.groups import launch
 from ouro.parallel.tp_check import lm_head_check, run
 from ouro.engine.device_plan import device_plan
 from ouro.parallel.tp_shard import check_split, rank_config, rank_weight_bytes
+from ouro.engine.options import check_engine_options
 
 from hf_reference import make_hf_checkpoint
 from numerics import rel_rms
@@ -115,18 +116,17 @@ def test_candidate_logits_sample_as_the_full_logits_do():
 def test_command_line_refuses_mismatched_parallel_options():
     from argparse import Namespace
     from ouro.config import EngineConfig, tp_args
-    from ouro.engine.llm_engine import LLMEngine
     with pytest.raises(ValueError, match="--ep 2 must be 1 or equal --tp"):
         tp_args(Namespace(tp=4, ep=2))
     assert tp_args(Namespace(tp=2, ep=2)) == {"tensor_parallel_size": 2, "expert_parallel": True}
     c = ModelConfig.from_hf(resolve_model("tiny-py"))
     for kw, message in (({"speculative_algorithm": "NEXTN"}, "speculative decoding"),):
         with pytest.raises(ValueError, match=message):
-            LLMEngine.check_options(EngineConfig(tensor_parallel_size=2, **kw), c, False, 1)
+            check_engine_options(EngineConfig(tensor_parallel_size=2, **kw), c, False, 1)
     with pytest.raises(ValueError, match="needs --tp N"):
-        LLMEngine.check_options(EngineConfig(expert_parallel=True), c, False, 1)
+        check_engine_options(EngineConfig(expert_parallel=True), c, False, 1)
     with pytest.raises(ValueError, match="linear_num_heads\\) = 4"):
-        LLMEngine.check_options(EngineConfig(tensor_parallel_size=3), c, False, 1)
+        check_engine_options(EngineConfig(tensor_parallel_size=3), c, False, 1)
 
 
 @pytest.mark.slow

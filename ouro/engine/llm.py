@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from ..config import EngineConfig, ModelConfig
 from .llm_engine import LLMEngine
+from .options import check_engine_options
 from .sampling import SamplingParams
 
 
@@ -109,7 +110,7 @@ class LLM:
         cfg = EngineConfig(**fields)
         directory = resolve_model(model, progress=verbose)
         # options checked against the model's config before any weight is read
-        LLMEngine.check_options(cfg, ModelConfig.from_hf(directory), enable_prefix_caching, prefix_checkpoint_interval)
+        check_engine_options(cfg, ModelConfig.from_hf(directory), enable_prefix_caching, prefix_checkpoint_interval)
         weights = load_model(directory, dtype=cfg.torch_dtype(), device=device, kda_chunk_size=cfg.kda_chunk_size)
         self._calls = 0
         self.engine = LLMEngine(weights, load_tokenizer(directory), cfg, enable_prefix_caching,

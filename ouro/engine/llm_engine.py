@@ -37,7 +37,7 @@ class LLMEngine:
         speculative decoding its MTP layer (or pass `mtp_layer`, an `ouro.models.mtp.MTPLayer`), an
         image its vision tower.
         tp_follower_module: the tensor-parallel followers' entry, for a role with more operations."""
-        self.check_options(config, model.config, enable_prefix_caching, checkpoint_interval)
+        check_engine_options(config, model.config, enable_prefix_caching, checkpoint_interval)
         if config.device == "cpu":
             keep_activation_buffers()      # a step's multi-MB activations reused, not faulted in again
         self.tp = tp_workers.start(model, config, model_dir, tp_follower_module)     # the model now holds this rank's shard
@@ -125,8 +125,6 @@ class LLMEngine:
         for helper in (self.tp, self.cp):
             if helper is not None:
                 helper.close()
-
-    check_options = staticmethod(check_engine_options)    # `engine/options.py`
 
     # ---- requests ----
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,

@@ -1,5 +1,5 @@
 """Engine options checked against each other, the model's config and the machine, before any
-weights load (`LLMEngine.check_options`: the server and `LLM` call it first)."""
+weights load (`check_engine_options`: the server and `LLM` call it first, then the engine they build)."""
 
 from __future__ import annotations
 

@@ -65,7 +65,7 @@ def serve(args, make_client=None) -> int:
     import uvicorn
 
     from ..config import EngineConfig, ModelConfig
-    from ..engine.llm_engine import LLMEngine
+    from ..engine.options import check_engine_options
     from ..models.resolve import load_tokenizer, resolve_model
     from .api_server import ServerState, build_app
     from .chat import ChatFormat
@@ -83,7 +83,7 @@ def serve(args, make_client=None) -> int:
     if make_client is None:
         kw = engine_kwargs(args)
         cfg = EngineConfig(**{k: v for k, v in kw.items() if k not in ("enable_prefix_caching", "prefix_checkpoint_interval")})
-        LLMEngine.check_options(cfg, mc, kw["enable_prefix_caching"], kw["prefix_checkpoint_interval"])
+        check_engine_options(cfg, mc, kw["enable_prefix_caching"], kw["prefix_checkpoint_interval"])
         make_client = lambda d, on_stats: EngineClient(d, kw, args.logits_processors, on_stats=on_stats)
     tokenizer = load_tokenizer(directory)
     if tokenizer is None:
