@@ -318,6 +318,7 @@ def test_quantize_model_packs_every_native_weight_before_the_first_forward(monke
     """quantize_model makes the kernel-layout copies up front (`prepack`): a forward then packs
     nothing, and its output equals a model packed lazily at its first forward."""
     import ouro.quant.w8a8 as w8a8
+    from ouro.quant import packed
     from ouro.engine.simple_runner import SimpleRunner
     m, lazy = _model(), _model()
     quantize_model(m)
@@ -325,11 +326,11 @@ def test_quantize_model_packs_every_native_weight_before_the_first_forward(monke
         patch.setattr(w8a8, "prepack", lambda model: None)
         quantize_model(lazy)
     natives = [mod for mod in m.modules() if isinstance(mod, (W8A8Linear, W8A8Experts)) and "native" in mod.int8_forms]
-    assert natives and all(mod in w8a8._PACKED for mod in natives)
-    assert not any(mod in w8a8._PACKED for mod in lazy.modules())
-    packs = {mod: {k: v[1] for k, v in w8a8._PACKED[mod].items()} for mod in natives}
+    assert natives and all(mod in packed._PACKED for mod in natives)
+    assert not any(mod in packed._PACKED for mod in lazy.modules())
+    packs = {mod: {k: v[1] for k, v in packed._PACKED[mod].items()} for mod in natives}
     prompt = [list(range(5, 29))]
     got = SimpleRunner(m, 1, 64).step(prompt, logits="all")
-    assert all(w8a8._PACKED[mod][k][1] is v for mod, p in packs.items() for k, v in p.items()), "packed again"
+    assert all(packed._PACKED[mod][k][1] is v for mod, p in packs.items() for k, v in p.items()), "packed again"
     assert torch.equal(got, SimpleRunner(lazy, 1, 64).step(prompt, logits="all"))
-    assert any(mod in w8a8._PACKED for mod in lazy.modules())      # the lazy model packed at its forward
+    assert any(mod in packed._PACKED for mod in lazy.modules())      # the lazy model packed at its forward

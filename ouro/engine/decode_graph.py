@@ -132,7 +132,7 @@ class DecodeGraph:
     def _step(self, *inputs):
         if not self._bound:
             # the step once eagerly first: it makes the merged projections and the int8 kernel's packed
-            # weights that the trace then calls directly (`merged.graph_merged`, `w8a8.graph_pack`)
+            # weights that the trace then calls directly (`merged.graph_merged`, `quant.packed.graph_pack`)
             # (an all-padding batch of one: it touches only the scratch state; the model's own forward,
             # not its call: a hook on the model mirrors eager forwards to TP followers, which make
             # their own graph the same way)

@@ -19,7 +19,6 @@ block (layers past `num_hidden_layers`). The router gate, mHC, norms, the short 
 from __future__ import annotations
 
 import fnmatch
-import weakref
 
 import torch
 from torch import nn
@@ -35,6 +34,7 @@ from ..ops.opaque import call_opaque
 from ..ops.quant import E4M3, dequantize, quantize_rows, quantize_rows_fp8
 from . import fp8_forms, int8_forms
 from .int8_native import native, quantize_for_int8
+from .packed import graph_pack, packed_for
 
 METHODS = ("w8a8", "fp8")
 QUANTIZERS = {"w8a8": quantize_rows, "fp8": quantize_rows_fp8}
@@ -42,34 +42,6 @@ UNQUANTISED = ("lm_head", "*.indexer.weights_proj", "*.kv_b_proj")
 # kept whatever the patterns say: MLA absorbs kv_b_proj's matrix into the query and output
 # (`ops.dsa.sparse_mla.absorb_weights`), so it is read as a weight, never run as a product
 ALWAYS_KEPT = ("*.kv_b_proj",)
-
-
-# owner module -> {weight name: (key of the int8 weight packed, its packed copy)}: outside the
-# module (state dicts and deep copies never see it), remade when the weight changes in place
-_PACKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def _kernel_layout(qweight):
-    return native().pack_weight(qweight if qweight.dim() == 3 else qweight.unsqueeze(0))
-
-
-def packed_for(owner, qweight, name: str = "weight", make=_kernel_layout):
-    """`make(qweight)` (default: ouro's kernel layout of an int8 [N, K] or stacked [E, N, K]
-    weight), made once per owner and name."""
-    key = (qweight.data_ptr(), qweight._version, tuple(qweight.shape))
-    packs = _PACKED.setdefault(owner, {})
-    if name not in packs or packs[name][0] != key:
-        packs[name] = (key, make(qweight))
-        if make is _kernel_layout:      # what a compiled graph's direct call reads (`graph_pack`)
-            owner.__dict__.setdefault("_graph_packs", {})[name] = packs[name][1]
-    return packs[name][1]
-
-
-def graph_pack(owner, name: str):
-    """Inside a compiled graph's trace: the kernel-layout copy `packed_for` last made for `owner`'s
-    `name` (the decode graph runs the step eagerly once before tracing), or None. The trace keeps
-    it as a constant: a weight changed in place after that needs the graph made again."""
-    return getattr(owner, "_graph_packs", {}).get(name)
 
 
 # offsets of "one weight, every row" (a projection): the kernel reads an empty tensor so, and no
