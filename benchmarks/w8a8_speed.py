@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from ouro import gemm_pick  # noqa: E402
+from ouro.machine import gemm_pick  # noqa: E402
 from ouro.measure.ab import verdict_from_times  # noqa: E402
 from ouro.measure.roofline import Roofline  # noqa: E402
 from ouro.ops.quant import quantize_rows  # noqa: E402

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from ouro import dtype_pick
+from ouro.machine import dtype_pick
 from ouro.config import EngineConfig
 
 

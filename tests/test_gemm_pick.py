@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from ouro import gemm_pick
+from ouro.machine import gemm_pick
 from ouro.layers.linear import Linear
 
 # the forms this machine runs, asked the way the code asks (no test assumes a CPU feature)

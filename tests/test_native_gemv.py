@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ouro import gemm_pick
+from ouro.machine import gemm_pick
 from ouro.layers.linear import Linear
 from ouro.native import gemv as G
 from ouro.native import kernels

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from numerics import assert_close
-from ouro import gemm_pick
+from ouro.machine import gemm_pick
 from ouro.config import ModelConfig
 from ouro.layers.moe import Experts
 from ouro.ops.capture import capture_path, reads_host

@@ -240,7 +240,7 @@ def test_experts_layer_packed_per_expert_path_matches_naive(T, monkeypatch):
     """The routed experts with measured `forms`: 'packed' runs each expert's exact rows through
     its oneDNN-packed weights (and re-packs after an in-place weight change); 'linear' keeps
     experts_grouped. Both equal the naive loop."""
-    from ouro import gemm_pick
+    from ouro.machine import gemm_pick
     from ouro.config import ModelConfig
     from ouro.layers import moe as moe_layer
     from ouro.ops.moe.experts import experts_naive
@@ -275,7 +275,7 @@ def test_experts_layer_packed_per_expert_path_matches_naive(T, monkeypatch):
 def test_experts_choose_their_path_by_timing_their_own_forward(monkeypatch, tmp_path):
     """apply_to asks the experts layer to time its whole forward in each form (not one product),
     caches that apart from a plain weight of the same shape, and leaves the layer's forms as set."""
-    from ouro import gemm_pick
+    from ouro.machine import gemm_pick
     from ouro.config import ModelConfig
     from ouro.layers.moe import Experts
     if not gemm_pick.packable(torch.zeros(2, 2)):

@@ -163,7 +163,7 @@ def bench_offline(model_dir, num_prompts=64, input_len=256, output_len=64, concu
                                                          min(len(a), len(b))),
                            "ouro": a, "transformers": b} for i, (a, b) in enumerate(zip(outs, hf_outs)) if a != b]
     if dtype == "auto":                  # what the measurement behind `auto` saw
-        from ..dtype_pick import cached_entry
+        from ..machine.dtype_pick import cached_entry
         r["dtype_auto"] = cached_entry(device)
     r["load_average"] = [load_start, os.getloadavg()[0]]
     return r

@@ -58,7 +58,7 @@ def split_patterns(text: str | None) -> tuple | None:
 class EngineConfig:
     """How the engine runs a model: device, dtype, memory and batching budgets."""
     device: str = "cpu"
-    dtype: str = "auto"  # auto: the fastest native GEMM dtype, measured (ouro.dtype_pick)
+    dtype: str = "auto"  # auto: the fastest native GEMM dtype, measured (ouro.machine.dtype_pick)
     page_size: int = 64
     max_model_len: int | None = None
     max_num_seqs: int = 64
@@ -180,6 +180,6 @@ class EngineConfig:
     def torch_dtype(self):
         import torch
         if self.dtype == "auto":
-            from ..dtype_pick import pick_dtype    # measured once per machine, then cached
+            from ..machine.dtype_pick import pick_dtype    # measured once per machine, then cached
             return getattr(torch, pick_dtype(self.device))
         return getattr(torch, self.dtype)

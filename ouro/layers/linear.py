@@ -1,5 +1,5 @@
 """`Linear`: an `nn.Linear` whose product runs the way this machine runs it fastest for the row
-count at hand (`forms`, one per row count in `ouro.gemm_pick.ROWS`, set by the engine from a
+count at hand (`forms`, one per row count in `ouro.machine.gemm_pick.ROWS`, set by the engine from a
 measurement; None: always `F.linear`). Same parameters, same state dict, same hooks as
 `nn.Linear`. The packed form uses a oneDNN copy of the weight (`gemm_pick.packed_for`); the gemv
 form is ouro's native kernel, a fused path like the others: `F.linear` runs instead wherever
@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..gemm_pick import form_for, packed_for, pick_forms, product
+from ..machine.gemm_pick import form_for, packed_for, pick_forms, product
 from ..native import gemv
 from ..ops import batch_invariant
 from ..ops.opaque import call_opaque

@@ -3,7 +3,7 @@
 import torch
 from torch import nn
 
-from ..gemm_pick import ROWS, best_time, form_for, packed_for, product
+from ..machine.gemm_pick import ROWS, best_time, form_for, packed_for, product
 from ..native import experts as fused_experts
 from ..native import norms as fused_norms
 from ..native import router as fused_router

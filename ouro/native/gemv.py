@@ -1,6 +1,6 @@
 """The float32 product of a few rows with a weight, `x [M, K] @ w [N, K].T` (`gemv.cpp`): the weight
 streamed once for all rows, every output summed in one fixed order (the same at any thread count and
-whatever rows share the call). `ouro.gemm_pick` offers it as the `gemv` form for up to `MAX_ROWS`
+whatever rows share the call). `ouro.machine.gemm_pick` offers it as the `gemv` form for up to `MAX_ROWS`
 rows and keeps it where it measures fastest."""
 
 from __future__ import annotations

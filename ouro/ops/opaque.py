@@ -1,7 +1,7 @@
 """A module's eager forward as one opaque op inside a compiled graph.
 
 The projections and the routed experts run the product this machine picked by measurement
-(`ouro.gemm_pick`: oneDNN on pre-packed weights, per-expert loops sized by host-read counts on a
+(`ouro.machine.gemm_pick`: oneDNN on pre-packed weights, per-expert loops sized by host-read counts on a
 CPU). A compiler cannot trace those (opaque oneDNN tensors, data-dependent loops), and inductor's
 own GEMMs ran no faster here. So inside a compiled decode step such a module calls itself through
 `ouro::opaque_call`, a custom op: the graph holds one extern call, the op runs the module's eager

@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from ..gemm_pick import best_time
+from ..machine.gemm_pick import best_time
 from ..ops.quant import E4M3, fp8_linear_naive, quantize_rows_fp8
 
 FORMS = ("scaled_mm", "float")

@@ -16,7 +16,8 @@ import os
 import torch
 
 from .. import machine_cache
-from ..gemm_pick import best_time
+from ..machine.gemm_pick import best_time
+from ..machine.load import OtherLoad, keep, one_at_a_time
 from ..machine_cache import machine_key
 from ..ops.quant import int8_mm_chunked, int8_mm_naive
 from .int8_native import native
@@ -27,7 +28,7 @@ FORMS = ("native", "int_mm", "chunked")
 ROWS = (1, 16, 128)
 SHAPE = (1024, 1024)           # N, K of the product each form is timed on
 FILE = "int8_pick.json"
-FORMAT = 2
+FORMAT = 3          # 3: kept only when timed on a quiet machine (`machine.load.keep`)
 _RUNS: dict = {}
 
 
@@ -93,19 +94,19 @@ def pick_forms(device: str = "cpu", timer=None) -> list[str]:
             raise ValueError(f"OURO_INT8_FORM={pinned} does not run on this machine: {form_runs(pinned, device)}")
         return [pinned] * len(ROWS)
     key = f"{machine_key(device)}|{','.join(forms)}"
-    cache = machine_cache.read(FILE)
-    hit = cache.get(key, {})
-    if hit.get("format") == FORMAT and hit.get("rows") == list(ROWS) and set(hit.get("forms", ())) <= set(forms):
-        return hit["forms"]
-    n, k = SHAPE
-    if timer is None:
-        w = torch.randint(-127, 128, (n, k), dtype=torch.int8, device=device)
-        xs = {r: torch.randint(-127, 128, (r, k), dtype=torch.int8, device=device) for r in ROWS}
-        timer = lambda f, r: best_time(lambda: int8_mm(xs[r], w, f), budget_s=0.02, max_reps=10)   # noqa: E731
-    times = {f: [timer(f, r) for r in ROWS] for f in forms}
-    chosen = [min(forms, key=lambda f: times[f][i]) for i in range(len(ROWS))]
-    cache[key] = {"forms": chosen, "ms": {f: [round(1e3 * t, 4) for t in v] for f, v in times.items()},
-                  "rows": list(ROWS), "format": FORMAT}
-    machine_cache.write(FILE, cache)
-    return chosen
+    with one_at_a_time(FILE):
+        hit = machine_cache.read(FILE).get(key, {})
+        if hit.get("format") == FORMAT and hit.get("rows") == list(ROWS) and set(hit.get("forms", ())) <= set(forms):
+            return hit["forms"]
+        n, k = SHAPE
+        if timer is None:
+            w = torch.randint(-127, 128, (n, k), dtype=torch.int8, device=device)
+            xs = {r: torch.randint(-127, 128, (r, k), dtype=torch.int8, device=device) for r in ROWS}
+            timer = lambda f, r: best_time(lambda: int8_mm(xs[r], w, f), budget_s=0.02, max_reps=10)   # noqa: E731
+        with OtherLoad() as others:
+            times = {f: [timer(f, r) for r in ROWS] for f in forms}
+        chosen = [min(forms, key=lambda f: times[f][i]) for i in range(len(ROWS))]
+        entry = {"forms": chosen, "ms": {f: [round(1e3 * t, 4) for t in v] for f, v in times.items()},
+                 "rows": list(ROWS), "format": FORMAT}
+        return keep(FILE, key, entry, others)["forms"]
 

@@ -23,7 +23,7 @@ import fnmatch
 import torch
 from torch import nn
 
-from ..gemm_pick import best_time, form_for
+from ..machine.gemm_pick import best_time, form_for
 from ..layers.linear import Linear
 from ..layers.moe import Experts
 from ..native.kernels import fused_off

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 def motivations(model_dir, workload) -> dict:
     """{option: the measured finding that makes it worth trying on this machine}."""
-    from ..dtype_pick import cached_entry
+    from ..machine.dtype_pick import cached_entry
     from ..models.loader import load_model
     from ..measure.step_cost import decode_cost
     model = load_model(model_dir)

@@ -88,7 +88,7 @@ class Tuner:
         self.quality_dir, self.rounds, self.progress, self.log = quality_dir, rounds, progress, log
         self.check = {"prompts": None, "max_tokens": check_tokens, "n": check_prompts}
         self.quality_bytes = quality_bytes
-        from ..dtype_pick import cached_entry, pick_dtype
+        from ..machine.dtype_pick import cached_entry, pick_dtype
         pick_dtype("cpu")                  # measured once per machine, then cached
         rates = (cached_entry("cpu") or {}).get("gflop_s")
         if workload.objective not in OBJECTIVES:

@@ -6,15 +6,16 @@ the device and picks bfloat16 only where it beats float32 by `NATIVE_GAIN` (a 16
 half the bytes must win clearly to be worth its rounding). The result is cached per machine
 (device name, CPU model, thread count, torch version) in `$OURO_CACHE/dtype_auto.json`, so the
 timing runs once. `OURO_DTYPE_AUTO=float32` pins the answer (the test suite does: exactness
-checks run in float32 everywhere). Imports only torch and the standard library."""
+checks run in float32 everywhere). Kept only where the machine was quiet while timed (`load`)."""
 
 from __future__ import annotations
 
 import os
 import time
 
-from . import machine_cache
-from .machine_cache import machine_key
+from .. import machine_cache
+from ..machine_cache import machine_key
+from .load import OtherLoad, keep, one_at_a_time
 
 CANDIDATES = ("bfloat16", "float32")
 NATIVE_GAIN = 1.3
@@ -58,6 +59,7 @@ def choose(rates: dict[str, float]) -> str:
 
 
 FILE = "dtype_auto.json"
+FORMAT = 2          # 2: timed on a quiet machine (`load.keep`); older entries are timed again
 
 
 def pick_dtype(device: str = "cpu") -> str:
@@ -67,14 +69,16 @@ def pick_dtype(device: str = "cpu") -> str:
         if pinned not in CANDIDATES + ("float16",):
             raise ValueError(f"OURO_DTYPE_AUTO must be one of float32, bfloat16, float16, got {pinned!r}")
         return pinned
-    key, cache = machine_key(device), machine_cache.read(FILE)
-    if cache.get(key, {}).get("dtype") in CANDIDATES:
-        return cache[key]["dtype"]
-    rates = {name: gemm_rate(name, device) for name in CANDIDATES}
-    cache[key] = {"dtype": choose(rates), "gflop_s": {k: round(v / 1e9, 2) for k, v in rates.items()},
-                  "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    machine_cache.write(FILE, cache)
-    return cache[key]["dtype"]
+    key = machine_key(device)
+    with one_at_a_time(FILE):
+        hit = machine_cache.read(FILE).get(key, {})
+        if hit.get("dtype") in CANDIDATES and hit.get("format") == FORMAT:
+            return hit["dtype"]
+        with OtherLoad() as others:
+            rates = {name: gemm_rate(name, device) for name in CANDIDATES}
+        entry = {"dtype": choose(rates), "gflop_s": {k: round(v / 1e9, 2) for k, v in rates.items()},
+                 "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "format": FORMAT}
+        return keep(FILE, key, entry, others)["dtype"]
 
 
 def cached_entry(device: str = "cpu") -> dict | None:

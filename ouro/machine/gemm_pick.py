@@ -24,10 +24,11 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from . import machine_cache
-from .machine_cache import machine_key
-from .native import gemv as native_gemv
-from .native import kernels as native_kernels
+from .. import machine_cache
+from ..machine_cache import machine_key
+from ..native import gemv as native_gemv
+from ..native import kernels as native_kernels
+from .load import OtherLoad, keep, one_at_a_time
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,8 @@ GAIN = 1.15
 ROWS = (1, 4, 16, 64, 512)
 GEMV_ROWS = native_gemv.MAX_ROWS     # the gemv form is offered (and timed) only up to this many rows
 FILE = "gemm_pick.json"
-FORMAT = 6          # bumped when the forms, rows or timing change: older cache entries are measured again
+FORMAT = 7          # bumped when the forms, rows or timing change: older cache entries are measured again
+                    # (7: kept only when timed on a quiet machine, `load.keep`)
 ROUNDS = 2          # interleaved rounds of timing per choice
 
 
@@ -252,27 +254,27 @@ def pick_forms(weight, timer=None, label: str = "") -> list[str]:
             raise ValueError(f"OURO_GEMM_PICK must be one of {', '.join(FORMS)}, got {pinned!r}")
         return [pinned if pinned in forms and offers(pinned, r) else "linear" for r in ROWS]
     key = f"{machine_key(str(weight.device))}|{label}{tuple(weight.shape)}|{weight.dtype}"
-    cache = machine_cache.read(FILE)
-    hit = cache.get(key, {})
-    if hit.get("format") == FORMAT and hit.get("rows") == list(ROWS) and len(hit.get("forms", [])) == len(ROWS) \
-            and set(hit["forms"]) <= set(forms):
-        return hit["forms"]
-    timer = timer or (lambda f, r: time_form(f, weight, r))
-    # rounds of every form at every row count, interleaved, best kept: a burst of load on a shared
-    # machine then slows one round of all forms, not one form (measured all of one form first, the
-    # fp32 experts kept `linear` at 64 rows where the packed loop ran 1.3x faster); a form not
-    # offered at a row count (`offers`) is not timed there and cannot win it
-    times = {f: [float("inf")] * len(ROWS) for f in forms}
-    for _ in range(ROUNDS):
-        for i, r in enumerate(ROWS):
-            for f in forms:
-                if offers(f, r):
-                    times[f][i] = min(times[f][i], timer(f, r))
-    cache[key] = {"forms": choose(times),
-                  "ms": {f: [None if math.isinf(t) else round(1e3 * t, 3) for t in v] for f, v in times.items()},
-                  "rows": list(ROWS), "format": FORMAT}
-    machine_cache.write(FILE, cache)
-    return cache[key]["forms"]
+    with one_at_a_time(FILE):
+        hit = machine_cache.read(FILE).get(key, {})
+        if hit.get("format") == FORMAT and hit.get("rows") == list(ROWS) and len(hit.get("forms", [])) == len(ROWS) \
+                and set(hit["forms"]) <= set(forms):
+            return hit["forms"]
+        timer = timer or (lambda f, r: time_form(f, weight, r))
+        # rounds of every form at every row count, interleaved, best kept: a burst of load on a shared
+        # machine then slows one round of all forms, not one form (measured all of one form first, the
+        # fp32 experts kept `linear` at 64 rows where the packed loop ran 1.3x faster); a form not
+        # offered at a row count (`offers`) is not timed there and cannot win it
+        times = {f: [float("inf")] * len(ROWS) for f in forms}
+        with OtherLoad() as others:
+            for _ in range(ROUNDS):
+                for i, r in enumerate(ROWS):
+                    for f in forms:
+                        if offers(f, r):
+                            times[f][i] = min(times[f][i], timer(f, r))
+        entry = {"forms": choose(times),
+                 "ms": {f: [None if math.isinf(t) else round(1e3 * t, 3) for t in v] for f, v in times.items()},
+                 "rows": list(ROWS), "format": FORMAT}
+        return keep(FILE, key, entry, others)["forms"]
 
 
 def apply_to(model) -> None:
