@@ -14,6 +14,7 @@ from ouro.config import EngineConfig
 def unpinned(monkeypatch, tmp_path):
     monkeypatch.delenv("OURO_DTYPE_AUTO", raising=False)
     monkeypatch.setenv("OURO_CACHE", str(tmp_path))
+    monkeypatch.setenv("OURO_BUSY_LIMIT", "1")      # the caching itself; the limit: test_machine_load.py
     return tmp_path
 
 

@@ -148,6 +148,7 @@ def test_a_slow_round_does_not_decide(monkeypatch, tmp_path):
 def test_measured_once_per_shape_and_pinned(monkeypatch, tmp_path):
     monkeypatch.delenv("OURO_GEMM_PICK", raising=False)
     monkeypatch.setenv("OURO_CACHE", str(tmp_path))
+    monkeypatch.setenv("OURO_BUSY_LIMIT", "1")
     monkeypatch.setattr(gemm_pick, "packable", lambda w: True)
     monkeypatch.setattr(gemm_pick, "gemv_runs", lambda w: False)     # three forms, at every row count
     calls = []
@@ -187,6 +188,7 @@ def test_pinned_packed_falls_back_where_onednn_cannot_run(monkeypatch):
 def test_engine_takes_the_measured_forms_on_every_projection(monkeypatch, tmp_path):
     monkeypatch.delenv("OURO_GEMM_PICK", raising=False)
     monkeypatch.setenv("OURO_CACHE", str(tmp_path))
+    monkeypatch.setenv("OURO_BUSY_LIMIT", "1")      # kept though the suite runs beside it: read back below
     from ouro.engine.llm import LLM
     from ouro.models.resolve import resolve_model
     llm = LLM(str(resolve_model("tiny")), max_memory=8 << 20)

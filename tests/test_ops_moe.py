@@ -282,6 +282,7 @@ def test_experts_choose_their_path_by_timing_their_own_forward(monkeypatch, tmp_
         pytest.skip("this torch has no oneDNN")
     monkeypatch.delenv("OURO_GEMM_PICK", raising=False)
     monkeypatch.setenv("OURO_CACHE", str(tmp_path))
+    monkeypatch.setenv("OURO_BUSY_LIMIT", "1")
     layer = Experts(ModelConfig(hidden_size=16, moe_intermediate_size=12, n_routed_experts=8, num_experts_per_tok=2))
     with kernels.eager_only():     # the forms apply where the native op does not run
         assert 0 < layer.time_form("packed", 4) < 5 and 0 < layer.time_form("linear", 4) < 5 and layer.forms is None
