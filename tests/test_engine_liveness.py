@@ -29,7 +29,7 @@ def engine(model, pages, slots=4, page_size=16, tokens=512, caching=True, interv
 def pools_full_after_reset(e):
     """Every page, slot and checkpoint is back once the prefix cache lets go of what it keeps."""
     e.reset_prefix_cache()
-    ck = e.runner.checkpoints
+    ck = e.checkpointer.store
     return (e.pages.num_free == e.pages.num_total and e.slots.num_free == e.slots.num_total
             and (ck is None or len(ck.free_ids) == e.plan.n_checkpoints))
 

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-import ouro.engine.model_runner as model_runner
+import ouro.engine.checkpointer as checkpointer
 import ouro.layers.dsa as dsa_layer
 import ouro.layers.kda as kda_layer
 import ouro.layers.context as context_module
@@ -73,7 +73,7 @@ def test_prefix_hit_restoring_zero_state_found_after_the_hit(monkeypatch):
     def restore(self, i, slot):
         self.cache.conv[:, slot] = 0.0
         self.cache.recurrent[:, slot] = 0.0
-    monkeypatch.setattr(model_runner.CheckpointStore, "restore", restore)
+    monkeypatch.setattr(checkpointer.CheckpointStore, "restore", restore)
     f = top(probe_numerics("tiny", "prefix=cold", "prefix=hit", N))
     assert f.where["layer"] == 0 and f.where["module"] == "layers.0.self_attn"   # the first KDA layer
     assert f.where["positions"][0] == 32            # the hit covers pages 0-1

@@ -49,7 +49,7 @@ def test_hit_equals_cold_run(hf_pair, shape, interval, shared_len, expect_cached
     # nothing leaks: evicting the tree returns every page; all checkpoints come back
     warm.prefix_cache.evict_pages(10 ** 6)
     assert pools_full(warm)
-    assert len(warm.runner.checkpoints.free_ids) == warm.plan.n_checkpoints
+    assert len(warm.checkpointer.store.free_ids) == warm.plan.n_checkpoints
 
 
 def test_identical_prompt_leaves_one_token_to_compute(hf_pair):

@@ -13,11 +13,11 @@ from ..measure.spans import span
 from ..parallel import cp_prefill
 from ..quant.w8a8 import quantize_model
 from .admission import checked_request
+from .checkpointer import Checkpointer, CheckpointStore
 from .detokenizer import IncrementalDetokenizer
 from .memory import cache_budget, plan_memory
 from .model_runner import ModelRunner
 from .page_pool import PagePool, SlotPool
-from .prefix_checkpoints import checkpoint_batch, drop_checkpoints
 from .grammar_queue import GrammarQueue
 from .host_allocator import keep_activation_buffers
 from .options import check_engine_options
@@ -80,8 +80,11 @@ class LLMEngine:
                                   min(config.torch_compile_max_bs, config.max_num_seqs) if config.compile else 0,
                                   cp=self.cp, kv_kinds=self.kv_kinds, cache_config=cache_config,
                                   keep_hidden=bool(config.speculative_algorithm))
-        if self.tp is not None:
-            self.tp.attach(self.runner, self.plan.n_checkpoints, self.kv_kinds)
+        if self.tp is not None:          # the followers build the same caches; the runner tells them each step
+            self.tp.build_caches(self.runner, self.plan.n_checkpoints, self.kv_kinds)
+            self.runner.ranks = self.tp
+        self.checkpointer = Checkpointer(CheckpointStore(self.runner.cache, self.plan.n_checkpoints, self.runner.ranks)
+                                         if self.plan.n_checkpoints else None, config.page_size)
         self.speculator = None
         if config.speculative_algorithm:
             from .speculative import Speculator
@@ -93,13 +96,13 @@ class LLMEngine:
             self.speculator = self.runner.speculator = Speculator(self, mtp_layer, config.speculative_num_steps,
                                                                   config.speculative_kda_state)
         if config.compile:
-            done = self.runner.graph.warm_up(progress=verbose)
+            done = self.runner.warm_up(progress=verbose)
             if verbose:
                 print(f"ouro: compiled the decode step for batch sizes {done['buckets']} in {done['seconds']:.1f} s",
                       file=sys.stderr)
         self.prefix_cache = None
         self.prefix_caching_off_reason = None
-        if enable_prefix_caching and self.runner.checkpoints is None:
+        if enable_prefix_caching and self.checkpointer.store is None:
             self.prefix_caching_off_reason = (f"the memory budget ({budget / 2**20:.1f} MiB) leaves no room for one "
                                               "KDA-state checkpoint next to the pages; raise --max-memory")
             log.warning("prefix caching is OFF: %s", self.prefix_caching_off_reason)
@@ -107,7 +110,8 @@ class LLMEngine:
             from .prefix_cache import PrefixCache
             self.prefix_cache = PrefixCache(config.page_size, self.pages, self.plan.n_checkpoints,
                                             checkpoint_interval=checkpoint_interval,
-                                            on_evict_checkpoint=self.runner.checkpoints.release)
+                                            on_evict_checkpoint=self.checkpointer.store.release)
+            self.checkpointer.prefix_cache = self.prefix_cache
         self.scheduler = Scheduler(self.pages, self.slots, config.page_size, config.max_num_seqs,
                                    config.max_num_batched_tokens, self.prefix_cache,
                                    chunk_align=checkpoint_interval * config.page_size if self.prefix_cache else 0,
@@ -115,7 +119,6 @@ class LLMEngine:
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
-        self._pending_ckpt: dict[str, dict[int, int]] = {}
         self.grammars = GrammarQueue(tokenizer, model.config, model_dir)    # structured outputs compiling
         self.failed: list[tuple[str, str]] = []   # (request id, why): released, raised one per step()
         self.num_failed_steps = 0
@@ -175,7 +178,7 @@ class LLMEngine:
             return False
         if self.grammars.abort(request_id):     # never reached the scheduler
             return True
-        self._drop_checkpoints(req)
+        self.checkpointer.drop(req)
         self.scheduler.finish(req, "abort")
         return True
 
@@ -215,6 +218,7 @@ class LLMEngine:
         # best, unless something reads the logits themselves
         self.runner.candidates_allowed = self.tp is not None and not self.logits_processors and not self.record_logits
         try:
+            self.checkpointer.restore_batch(batch)       # prefix hits' KDA states back into their slots
             logits = self.runner.execute(batch)
         except RequestFailed as e:       # that request is released; the rest carry on next step
             self.num_failed_steps += 1
@@ -230,13 +234,13 @@ class LLMEngine:
             self.num_failed_steps += 1
             for r in batch.requests:
                 if r.request_id in self.requests:
-                    self._drop_checkpoints(r)
+                    self.checkpointer.drop(r)
                     self.scheduler.reset(r)
             if self.tp is not None:     # the ranks may be out of step: no later forward can be trusted
                 self.tp.fail(self.tp.broken or self.tp.diagnose(e), e)
             raise
         with span("checkpoint", cat="cache"):
-            self._checkpoint(batch)
+            self.checkpointer.after_step(batch)
         starts = [r.num_computed - n if r.spec_record is None else r.num_computed
                   for r, n in zip(batch.requests, batch.num_new_tokens)]
         outputs = self._sample(batch, logits)
@@ -320,7 +324,7 @@ class LLMEngine:
 
     def _finish(self, r: Request, reason: str) -> None:
         self.requests.pop(r.request_id, None)
-        self._drop_checkpoints(r)
+        self.checkpointer.drop(r)
         self.scheduler.finish(r, reason)
 
     def _output(self, r: Request, new_ids, new_text) -> RequestOutput:
@@ -330,10 +334,3 @@ class LLMEngine:
                              list(r.logprobs), list(r.top_logprobs),
                              None if r.first_scheduled is None else r.first_scheduled - r.arrival,
                              r.prompt_logprobs, r.prompt_ranks)
-
-    # ---- prefix caching: KDA checkpoints at page boundaries (`prefix_checkpoints`) ----
-    def _checkpoint(self, batch) -> None:
-        checkpoint_batch(self, batch)
-
-    def _drop_checkpoints(self, r: Request) -> None:
-        drop_checkpoints(self, r)

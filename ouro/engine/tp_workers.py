@@ -57,7 +57,7 @@ class TPWorkers:
         (`parallel.groups`); this process is TP rank 0 of the last CP index (a CP prefill's last
         slice ends here), `procs` are its TP followers, `helpers` the other CP indices' ranks,
         which take part in CP prefills only (`GridCPPrefill`)."""
-        self.size, self.broken, self.mirroring = size, None, True
+        self.size, self.broken = size, None
         world, mine = size * cp, (cp - 1) * size
         port = free_port()
         threads = max(1, (os.cpu_count() or 1) // world)
@@ -116,22 +116,30 @@ class TPWorkers:
         self.broken = why
         raise TPBroken(f"tensor parallelism is broken: {why}") from cause
 
-    def forward_hook(self, module, args):
-        """A forward pre-hook on rank 0's model: the followers run the same batch. (A compiled
-        decode step is mirrored whole, `mirror_graph`: inside its trace this hook does nothing.)"""
-        if torch.compiler.is_compiling():
-            return
-        if not self.mirroring:          # a CP prefill: every rank was sent the job itself
-            return
-        ids, ctx = args
+    # ---- the rank group (`engine.ranks`): the runner and the checkpointer call these by name ----
+    def forward(self, ids, ctx, candidates: int) -> None:
+        """The followers run the same eager forward of the flat batch."""
         logits = ctx.logits_index.tolist() if ctx.logits_index is not None else "all"
         self.send({"op": "forward", "ids": ids.tolist(), "query_lens": list(ctx.query_lens), "start_pos": list(ctx.start_pos),
                    "slots": list(ctx.state_slots_list), "table": ctx.page_table.tolist(), "logits": logits,
-                   "candidates": int(module.lm_head.candidates), "embeds": embeds_to_wire(ctx.embeds)})
+                   "candidates": int(candidates), "embeds": embeds_to_wire(ctx.embeds)})
 
-    def attach(self, runner, n_checkpoints: int, kv_kinds: dict) -> None:
-        """Rank 0's runner is built: the followers build the same cache, and from now on see every
-        forward of rank 0's model and every KDA checkpoint operation."""
+    def graph_step(self, ids, start_pos, slots, pages) -> None:
+        """`--compile`: the followers run the same compiled decode step."""
+        self.send({"op": "graph", "ids": list(ids), "start_pos": list(start_pos), "slots": list(slots),
+                   "pages": [list(p) for p in pages]})
+
+    def warm_up(self) -> None:
+        """The followers compile their decode step, bucket by bucket, as rank 0 does."""
+        self.send({"op": "warm_up"})
+
+    def checkpoint(self, op: str, a: int, b: int) -> None:
+        """A KDA checkpoint operation (`CheckpointStore`) on the followers' caches too."""
+        self.send({"op": op, "a": a, "b": b})
+
+    def build_caches(self, runner, n_checkpoints: int, kv_kinds: dict) -> None:
+        """Rank 0's runner is built: the followers build the same cache, checkpoint store and
+        compiled step. From then on the runner tells them each operation (the methods above)."""
         from . import decode_graph
         g = runner.graph
         graph = g and {"scratch_slot": g.scratch_slot, "scratch_page": g.scratch_page, "max_bs": g.max_bs,
@@ -139,30 +147,6 @@ class TPWorkers:
         self.send({"op": "cache", "n_slots": runner.cache.n_slots, "n_pages": runner.cache.n_pages,
                    "page_size": runner.cache.page_size, "n_checkpoints": n_checkpoints,
                    "kv_kinds": {str(k): v for k, v in kv_kinds.items()}, "graph": graph})
-        runner.model.register_forward_pre_hook(self.forward_hook)
-        if runner.checkpoints is not None:
-            runner.checkpoints.mirror = self.mirror
-        if g is not None:
-            self.mirror_graph(g)
-
-    def mirror_graph(self, g) -> None:
-        """`--compile`: every rank compiles the same decode step; each compiled step (and the
-        start-up compilation, bucket by bucket) reaches the followers as one operation."""
-        run, warm_up = g.run, g.warm_up
-
-        def mirrored_run(ids, start_pos, slots, pages):
-            self.send({"op": "graph", "ids": list(ids), "start_pos": list(start_pos), "slots": list(slots),
-                       "pages": [list(p) for p in pages]})
-            return run(ids, start_pos, slots, pages)
-
-        def mirrored_warm_up(progress: bool = True):
-            self.send({"op": "warm_up"})
-            return warm_up(progress)
-        g.run, g.warm_up = mirrored_run, mirrored_warm_up
-
-    def mirror(self, op: str, a: int, b: int) -> None:
-        """A KDA checkpoint operation (CheckpointStore) on the followers' caches too."""
-        self.send({"op": op, "a": a, "b": b})
 
     def close(self) -> None:
         for p in self.procs + self.helpers:
@@ -262,7 +246,7 @@ class Follower:
 
     def op_cache(self, op):
         from ..layers.context import ModelCache
-        from .model_runner import CheckpointStore
+        from .checkpointer import CheckpointStore
         kinds = {int(k): v for k, v in op["kv_kinds"].items()}
         self.cache = ModelCache(self.model.config, op["n_slots"], op["n_pages"], op["page_size"], dtype=self.dtype,
                                 device=self.device, kv_kinds=kinds)

@@ -21,7 +21,7 @@ PROBE = "leaks"
 RESOURCES = {   # resource -> the function that gives it back (file suffix, name)
     "slots": ("engine/page_pool.py", "free"),
     "pages": ("engine/page_pool.py", "decref"),
-    "checkpoints": ("engine/model_runner.py", "release"),
+    "checkpoints": ("engine/checkpointer.py", "release"),
 }
 
 
@@ -35,8 +35,8 @@ def _holdings(e) -> dict:
     s = e.scheduler
     out = {"pages": e.pages.num_free, "slots": e.slots.num_free,
            "requests": -(len(e.requests) + len(s.running) + len(s.waiting))}
-    if e.runner.checkpoints is not None:
-        out["checkpoints"] = len(e.runner.checkpoints.free_ids)
+    if e.checkpointer.store is not None:
+        out["checkpoints"] = e.checkpointer.free()
     return out
 
 

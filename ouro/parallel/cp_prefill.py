@@ -153,13 +153,6 @@ class GridCPPrefill(CPPrefill):
     def _send_job(self, ids, slot, pages) -> None:
         self.ranks.send({"op": "cp", "ids": ids, "slot": slot, "pages": list(pages), "precision": self.precision,
                          "kv_kinds": self.kv_kinds, "chunk": self.chunk, "layer_split": self.layer_split}, helpers=True)
-        self.ranks.mirroring = False        # rank 0's forward inside the CP prefill is not a TP step
-
-    def prefill(self, cache, ids: list[int], slot: int, pages: list[int]) -> torch.Tensor:
-        try:
-            return super().prefill(cache, ids, slot, pages)
-        finally:
-            self.ranks.mirroring = True
 
     def _collect_spans(self) -> None:
         pass
