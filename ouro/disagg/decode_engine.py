@@ -22,11 +22,9 @@ import time
 
 import torch
 
-from ..engine.detokenizer import IncrementalDetokenizer
 from ..engine.multimodal import ImageInputs, image_positions, image_spans
-from ..engine.page_pool import OutOfPages
-from ..engine.request import Request, Status
-from ..engine.sampling import make_generator
+from ..engine.page_pool import NoRoom   # the decode worker cannot take the request now: the router answers 503
+from ..engine.request import Request
 from ..measure.spans import span
 from . import shared_cache
 from .kv_receiver import KVReceiver
@@ -44,22 +42,18 @@ def awaited_images(ids: list[int], config, hashes: list[str]) -> ImageInputs:
     return ImageInputs(image_positions(ids, config), rows, list(hashes), counts)
 
 
-class NoRoom(RuntimeError):
-    """The decode worker cannot take the request now (no slot or pages): the router answers 503."""
-
-
 class DecodeEngine:
     def __init__(self, engine, backend: str = "tcp", address: str = "127.0.0.1:0", timeout_s: float = 30.0):
         self.engine, self.timeout_s = engine, timeout_s
         self.spec = None
         if backend == "shm":
-            self.spec = shared_cache.share(engine.runner.cache, f"{address.replace(':', '-')}-{time.monotonic_ns()}")
+            self.spec = shared_cache.share(engine.cache, f"{address.replace(':', '-')}-{time.monotonic_ns()}")
         elif backend == "mooncake":
             from .mooncake_backend import MooncakeTarget
-            self.target = MooncakeTarget(engine.runner.cache, address.rsplit(":", 1)[0])   # kept: its engine listens
+            self.target = MooncakeTarget(engine.cache, address.rsplit(":", 1)[0])   # kept: its engine listens
             self.spec = self.target.spec
         self.events = WakeQueue()          # the receiver threads' events; its fd wakes the worker's poll
-        self.kv = KVReceiver(engine.runner.cache, engine.runner.cache.config, lambda *e: self.events.put(e), address,
+        self.kv = KVReceiver(engine.cache, engine.cache.config, lambda *e: self.events.put(e), address,
                              backend, self.spec)
         self.tp, self.addresses = engine.tp, None
         if self.tp is not None:            # every rank receives its own shard (`tp_ranks`)
@@ -86,43 +80,18 @@ class DecodeEngine:
         if rid in self.reserved:
             raise ValueError(f"duplicate request id {rid!r}")
         mm = awaited_images(ids, e.model.config, image_hashes) if image_hashes else None
-        keys = mm.key_ids(ids) if mm is not None else ids
-        slot = e.slots.alloc()
-        if slot is None:
-            raise NoRoom("no free state slot on the decode worker")
-        held = None                      # a prefix this worker holds: its rows need not travel
-        if e.prefix_cache is not None:
-            held = e.prefix_cache.match(keys, rows_only=True)
-            if held.usable_tokens:
-                e.prefix_cache.lock(held)
-            else:
-                held = None
-        own = held.usable_pages if held else []
         try:
-            pages = list(own) + self._alloc(-(-len(ids) // e.config.page_size) - len(own))
-        except OutOfPages as err:
-            e.slots.free(slot)
-            if held:
-                e.prefix_cache.unlock(held)
-            raise NoRoom(f"no pages on the decode worker: {err}") from None
-        n = next(e._ids)
-        req = Request(rid, ids, params, generator=make_generator(params.seed, e.config.seed + n), pages=pages, slot=slot,
-                      prefix_match=held, mm=mm)
-        if e.tokenizer is not None:
-            req.detokenizer = IncrementalDetokenizer(e.tokenizer, ids, params.stop_list, params.skip_special_tokens)
+            req = e.reserve_prefilled(rid, ids, params, mm)
+        except NoRoom as err:
+            raise NoRoom(f"{err} on the decode worker") from None
+        held = req.prefix_match
         self.reserved[rid] = req
-        room = self.kv.rooms.reserve(rid, pages, slot, len(ids), held.usable_tokens if held else 0, self.timeout_s,
+        room = self.kv.rooms.reserve(rid, req.pages, req.slot, len(ids), held.usable_tokens if held else 0, self.timeout_s,
                                      image_rows=mm.embeds if mm is not None else None)
         info = self.kv.room_info(room)
         if self.addresses:
             info["addresses"] = self.addresses
         return info
-
-    def _alloc(self, n: int) -> list[int]:
-        e = self.engine
-        if n > e.pages.num_free and e.prefix_cache is not None:
-            e.prefix_cache.evict_pages(n - e.pages.num_free)
-        return e.pages.alloc(n)
 
     def abort(self, rid: str) -> None:
         if rid in self.reserved:
@@ -190,35 +159,20 @@ class DecodeEngine:
 
     def _fail(self, req: Request, why: str) -> None:
         self.transfers["failed"] += 1
-        self.engine.scheduler.free(req)
+        self.engine.release_reserved(req)
         if req.request_id not in self.client_aborted:
             self.failures.append((req.request_id, why))
         self.client_aborted.discard(req.request_id)
 
     def _activate(self, req: Request, result: dict):
         """The request joins the running batch: prompt computed, first token already sampled."""
-        e = self.engine
-        req.num_computed = len(req.prompt_ids)
-        req.cached_tokens = result.get("cached_tokens", 0)     # prompt tokens the prefill worker did not compute
-        if e.prefix_cache is not None:   # its full pages serve later requests' rows here
-            full = len(req.prompt_ids) // e.config.page_size
-            e.prefix_cache.insert(req.key_ids[: full * e.config.page_size], req.pages[:full], {})
-        req.status, req.first_scheduled = Status.RUNNING, time.monotonic()
         set_generator_state(req.generator, result.get("generator"))
-        e.requests[req.request_id] = req
-        e.scheduler.running.append(req)
-        tok = result["first_token"]
-        req.output_ids.append(tok)
-        req.logprobs.append(result.get("logprob"))
-        req.top_logprobs.append(result.get("top_logprobs"))
-        text = req.detokenizer.add(tok) if req.detokenizer else ""
-        e._check_stop(req, tok)
-        if req.is_finished and req.detokenizer is not None:
-            text += req.detokenizer.flush()
+        out = self.engine.activate_prefilled(req, result["first_token"], result.get("logprob"),
+                                             result.get("top_logprobs"), result.get("cached_tokens", 0))
         if req.request_id in self.client_aborted:
             self.client_aborted.discard(req.request_id)
-            e.abort(req.request_id)
-        return e._output(req, [tok], text)
+            self.engine.abort(req.request_id)
+        return out
 
     def close(self) -> None:
         self.kv.close()

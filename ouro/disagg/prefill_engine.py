@@ -47,7 +47,7 @@ class PrefillEngine:
         self.rooms: dict[str, dict] = {}       # rid -> its decode room, while this side has it
         self.released = WakeQueue()        # the transfer thread's endings; its fd wakes the worker's poll
         self.outcomes: dict[str, str] = {}      # rid -> how its transfer ended (for the caller)
-        self.kv = KVSender(engine.runner.cache, engine.runner.cache.config, self._on_released, timeout_s)
+        self.kv = KVSender(engine.cache, engine.cache.config, self._on_released, timeout_s)
         if engine.tp is not None:          # each rank sends its own shard (`tp_ranks`)
             from .tp_ranks import MirroredSender
             self.kv = MirroredSender(self.kv, engine.tp)
@@ -125,7 +125,7 @@ class PrefillEngine:
         if rid in self._opened:
             self.kv.abort(rid)           # the transfer thread answers the room, then releases
         elif req is not None:            # never opened: nothing was sent, nothing to wait for
-            self.engine.scheduler.release(rid)
+            self.engine.release_held(rid)
             self.rooms.pop(rid, None)
 
     def step(self) -> list:
@@ -144,7 +144,7 @@ class PrefillEngine:
                 self.kv.layer_ready(*job) if self.overlap else self._deferred.setdefault(rid, []).append(job)
         for o in outs:
             if o.finished and o.request_id in self.rooms:
-                req = self.engine.scheduler.held.get(o.request_id)
+                req = self.engine.held_request(o.request_id)
                 for job in self._deferred.pop(o.request_id, []):
                     self.kv.layer_ready(*job)
                 self.kv.finish(o.request_id, {"first_token": o.new_token_ids[0], "logprob": o.logprobs[-1],
@@ -169,14 +169,14 @@ class PrefillEngine:
                 self.engine.abort(rid)
             if self.engine.tp is not None:     # the followers' transfers read the same pages on their ranks
                 self.kv.release(rid)
-            self.engine.scheduler.release(rid)
+            self.engine.release_held(rid)
             self.rooms.pop(rid, None)
             self._opened.discard(rid)
             self._deferred.pop(rid, None)
             self.outcomes[rid] = outcome
 
     def has_work(self) -> bool:
-        return self.engine.has_unfinished() or bool(self.engine.scheduler.held) or bool(self.waits)
+        return self.engine.has_unfinished() or bool(self.engine.num_held()) or bool(self.waits)
 
     def wakeups(self) -> WakeQueue:
         """What the worker's loop sleeps on beside its messages: the transfer thread's endings."""
@@ -204,7 +204,7 @@ class PrefillEngine:
         self._rows = []
         if not self.rooms:
             return
-        by_slot = {r.slot: r for r in self.engine.scheduler.running if r.request_id in self.rooms}
+        by_slot = {r.slot: r for r in self.engine.running() if r.request_id in self.rooms}
         for b, slot in enumerate(ctx.state_slots_list):
             req: Request | None = by_slot.get(slot)
             if req is None:

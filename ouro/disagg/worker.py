@@ -137,7 +137,7 @@ def _stats(role, worker) -> dict:
                  transfer_latencies=worker.latencies[:])
         worker.latencies.clear()
     else:
-        s.update(held=len(worker.engine.scheduler.held), transfer_queue=worker.kv.jobs.qsize(),
+        s.update(held=worker.engine.num_held(), transfer_queue=worker.kv.jobs.qsize(),
                  kv_bytes_sent=worker.kv.bytes_sent, image_waits=len(worker.waits), **worker.waits.cache.stats())
     return s
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import sys
+import time
 
 import torch
 
@@ -16,14 +17,15 @@ from .admission import checked_request
 from .checkpointer import Checkpointer, CheckpointStore
 from .detokenizer import IncrementalDetokenizer
 from .memory import cache_budget, plan_memory
+from .outputs import OutputProcessor
 from .model_runner import ModelRunner
-from .page_pool import PagePool, SlotPool
+from .page_pool import NoRoom, OutOfPages, PagePool, SlotPool
 from .grammar_queue import GrammarQueue
 from .host_allocator import keep_activation_buffers
 from .options import check_engine_options
-from .request import Request, RequestFailed, RequestOutput
+from .request import Request, RequestFailed, RequestOutput, Status
 from .sampling import Sampler, SamplingParams, make_generator
-from . import tp_workers
+from . import speculative, tp_workers
 from .scheduler import Scheduler
 
 log = logging.getLogger("ouro.engine")
@@ -47,8 +49,9 @@ class LLMEngine:
         self.record_logits = record_logits    # keep each sampled step's logits (tests, probes)
         # callables (prompt_ids, output_ids, logits [V]) -> logits, applied before sampling
         self.logits_processors = list(logits_processors)
-        self.logits_history: dict[str, list[torch.Tensor]] = {}
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.outputs = OutputProcessor(mc.eos_token_ids, self.max_model_len, self._finish)
+        self.logits_history = self.outputs.logits_history     # request id -> each step's logits (record_logits)
         # one budget for the engine, measured once here: its tensor-parallel ranks share it (each
         # rank's cache is planned from its share; the followers build what this rank planned)
         self.budget = cache_budget(config)
@@ -83,18 +86,10 @@ class LLMEngine:
         if self.tp is not None:          # the followers build the same caches; the runner tells them each step
             self.tp.build_caches(self.runner, self.plan.n_checkpoints, self.kv_kinds)
             self.runner.ranks = self.tp
+        self.cache = self.runner.cache      # KV rows and KDA states: what a disaggregated transfer reads and writes
         self.checkpointer = Checkpointer(CheckpointStore(self.runner.cache, self.plan.n_checkpoints, self.runner.ranks)
                                          if self.plan.n_checkpoints else None, config.page_size)
-        self.speculator = None
-        if config.speculative_algorithm:
-            from .speculative import Speculator
-            if mtp_layer is None:
-                if model_dir is None:
-                    raise ValueError("speculative decoding needs the checkpoint's MTP layer: pass model_dir or mtp_layer")
-                from ..models.mtp import load_mtp
-                mtp_layer = load_mtp(model_dir, mc, dtype=dtype, device=config.device)
-            self.speculator = self.runner.speculator = Speculator(self, mtp_layer, config.speculative_num_steps,
-                                                                  config.speculative_kda_state)
+        self.speculator = speculative.start(self, mtp_layer)     # None without --speculative-algorithm
         if config.compile:
             done = self.runner.warm_up(progress=verbose)
             if verbose:
@@ -135,7 +130,7 @@ class LLMEngine:
         """Queue one sequence. Everything is checked before the engine changes, so a rejected
         request leaves no trace. Fan-out (n > 1) is the caller's: see `SamplingParams.child`.
         `mm`: the prompt's image rows encoded elsewhere (`ImageInputs`, an encode worker's)."""
-        ids, params, images = self._checked(prompt, params, request_id)
+        ids, params, images = checked_request(self, prompt, params, request_id)    # `admission.py`
         if mm is not None:
             mm.check(ids, self.model.config)
         elif images:
@@ -159,11 +154,7 @@ class LLMEngine:
 
     def check_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None):
         """Validate a request without queuing it; returns (prompt token ids, params)."""
-        return self._checked(prompt, params, request_id)[:2]
-
-    def _checked(self, prompt, params, request_id):
-        """`check_request`, also returning the prompt's images (decoded once): `admission.py`."""
-        return checked_request(self, prompt, params, request_id)
+        return checked_request(self, prompt, params, request_id)[:2]
 
     def image_encoder(self):
         """The checkpoint's image processor and vision tower, loaded at the first image."""
@@ -182,13 +173,76 @@ class LLMEngine:
         self.scheduler.finish(req, "abort")
         return True
 
+    # ---- requests prefilled by another engine (`ouro serve --role decode`: `disagg.decode_engine`) ----
+    def reserve_prefilled(self, request_id: str, ids: list[int], params: SamplingParams, mm=None) -> Request:
+        """A state slot and the prompt's pages for a checked request (`check_request`) whose rows
+        and KDA state another engine computes and sends; it is not scheduled until
+        `activate_prefilled`. The full pages of a prefix this engine's prefix cache holds come first,
+        locked: `req.prefix_match.usable_tokens` rows need not be sent. Raises NoRoom, having
+        changed nothing, when no slot or pages are free now."""
+        slot = self.slots.alloc()
+        if slot is None:
+            raise NoRoom("no free state slot")
+        held = self.prefix_cache.match(mm.key_ids(ids) if mm else ids, rows_only=True) if self.prefix_cache else None
+        if held is not None and held.usable_tokens:
+            self.prefix_cache.lock(held)
+        own, held = (held.usable_pages, held) if held is not None and held.usable_tokens else ([], None)
+        need = -(-len(ids) // self.config.page_size) - len(own)
+        try:
+            if need > self.pages.num_free and self.prefix_cache is not None:
+                self.prefix_cache.evict_pages(need - self.pages.num_free)
+            pages = list(own) + self.pages.alloc(need)
+        except OutOfPages as err:
+            self.slots.free(slot)
+            if held:
+                self.prefix_cache.unlock(held)
+            raise NoRoom(f"no pages: {err}") from None
+        n = next(self._ids)
+        req = Request(request_id, ids, params, generator=make_generator(params.seed, self.config.seed + n), pages=pages,
+                      slot=slot, prefix_match=held, mm=mm)
+        if self.tokenizer is not None:
+            req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.stop_list, params.skip_special_tokens)
+        return req
+
+    def activate_prefilled(self, req: Request, first_token: int, logprob=None, top_logprobs=None,
+                           cached_tokens: int = 0) -> RequestOutput:
+        """A reserved request whose prompt state has arrived joins the running batch, its prompt
+        computed, with `first_token` (sampled by the prefill engine) as its first output."""
+        req.num_computed, req.cached_tokens = len(req.prompt_ids), cached_tokens
+        if self.prefix_cache is not None:   # its full pages serve later requests' rows here
+            full = len(req.prompt_ids) // self.config.page_size
+            self.prefix_cache.insert(req.key_ids[: full * self.config.page_size], req.pages[:full], {})
+        req.status, req.first_scheduled = Status.RUNNING, time.monotonic()
+        self.requests[req.request_id] = req
+        self.scheduler.running.append(req)
+        return self.outputs.output(req, [first_token], self.outputs.emit(req, first_token, logprob, top_logprobs))
+
+    def release_reserved(self, req: Request) -> None:
+        """A reserved request that will not be activated: its slot, pages and prefix lock go back."""
+        self.scheduler.free(req)
+
+    def held_request(self, request_id: str) -> Request | None:
+        """A finished request whose pages and slot are kept (`hold_on_finish`: its state is being sent)."""
+        return self.scheduler.held.get(request_id)
+
+    def release_held(self, request_id: str) -> bool:
+        """A held request's pages and slot go back (its state was sent, or never will be)."""
+        return self.scheduler.release(request_id)
+
+    def num_held(self) -> int:
+        return len(self.scheduler.held)
+
+    def running(self) -> list[Request]:
+        """The requests the next step computes, besides those waiting (read only)."""
+        return list(self.scheduler.running)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or bool(self.grammars) or bool(self.failed)
 
     def stats(self) -> dict:
         """Counters for logs and /metrics: queue sizes, pool use, preemptions, what limits admission."""
         s = self.scheduler
-        out = {"running": len(s.running), "waiting": len(s.waiting),
+        out = {"running": len(s.running), "waiting": len(s.waiting), "held": len(s.held),
                "pages_free": self.pages.num_free, "pages_total": self.pages.num_total,
                "slots_free": self.slots.num_free, "slots_total": self.slots.num_total,
                "preemptions": s.num_preemptions, "slot_limited_steps": s.slot_limited_steps,
@@ -253,7 +307,7 @@ class LLMEngine:
         outputs = []
         for r in [batch.requests[i] for i in rows if batch.requests[i].params.max_tokens == 0]:
             self._finish(r, "length")             # max_tokens 0: the prompt prefilled (and scored), no token
-            outputs.append(self._output(r, [], ""))
+            outputs.append(self.outputs.output(r, [], ""))
         rows = [i for i in rows if batch.requests[i].params.max_tokens > 0]
         if not rows:
             return outputs
@@ -279,26 +333,10 @@ class LLMEngine:
         with span("outputs", cat="outputs"):   # detokenize, stop checks, output objects
             for k, r in enumerate(reqs):
                 tok = sampled.token_ids[k]
-                new_text = self._emit(r, tok, sampled.logprobs[k], sampled.top_logprobs[k],
+                new_text = self.outputs.emit(r, tok, sampled.logprobs[k], sampled.top_logprobs[k],
                                       logits[k] if self.record_logits else None)
-                outputs.append(self._output(r, [tok], new_text))
+                outputs.append(self.outputs.output(r, [tok], new_text))
         return outputs
-
-    def _emit(self, r: Request, tok: int, logprob, top, logits_row=None) -> str:
-        """One output token: appended, detokenized, checked for a stop; returns the new text."""
-        if logits_row is not None:
-            self.logits_history.setdefault(r.request_id, []).append(logits_row.clone())
-        r.output_ids.append(tok)
-        r.logprobs.append(logprob)
-        r.top_logprobs.append(top)
-        new_text = r.detokenizer.add(tok) if r.detokenizer else ""
-        if r.constraint is not None:
-            r.constraint.accept(tok)
-        self._check_stop(r, tok)
-        if r.is_finished and r.detokenizer is not None:
-            # text held back as a possible stop-string start is released unless a stop string matched
-            new_text += r.detokenizer.flush()
-        return new_text
 
     def reset_prefix_cache(self) -> int:
         """Drop every unreferenced cached prefix page and checkpoint; returns the pages freed."""
@@ -306,31 +344,7 @@ class LLMEngine:
             return 0
         return self.prefix_cache.evict_pages(self.pages.num_total)
 
-    def _check_stop(self, r: Request, tok: int) -> None:
-        p = r.params
-        reason = None
-        if not p.ignore_eos and tok in self.model.config.eos_token_ids:
-            reason, r.stop_reason = "stop", tok
-        elif p.stop_token_ids and tok in p.stop_token_ids:
-            reason, r.stop_reason = "stop", tok
-        elif r.detokenizer is not None and r.detokenizer.stopped:
-            reason, r.stop_reason = "stop", r.detokenizer.stop_reason
-        elif r.constraint is not None and r.constraint.done:    # the grammar is complete: nothing more may follow
-            reason = "stop"
-        elif len(r.output_ids) >= p.max_tokens or r.num_tokens >= self.max_model_len:
-            reason = "length"
-        if reason:
-            self._finish(r, reason)
-
     def _finish(self, r: Request, reason: str) -> None:
         self.requests.pop(r.request_id, None)
         self.checkpointer.drop(r)
         self.scheduler.finish(r, reason)
-
-    def _output(self, r: Request, new_ids, new_text) -> RequestOutput:
-        text = r.detokenizer.text if r.detokenizer else ""
-        return RequestOutput(r.request_id, new_ids, new_text, list(r.output_ids), text, r.is_finished,
-                             r.finish_reason, r.stop_reason, r.prompt_ids, r.cached_tokens,
-                             list(r.logprobs), list(r.top_logprobs),
-                             None if r.first_scheduled is None else r.first_scheduled - r.arrival,
-                             r.prompt_logprobs, r.prompt_ranks)

@@ -13,6 +13,11 @@ class OutOfPages(RuntimeError):
     """Raised by `PagePool.alloc` when fewer pages are free than asked for."""
 
 
+class NoRoom(RuntimeError):
+    """No state slot or pages free now for a request that must have them at once (one prefilled
+    by another engine, `LLMEngine.reserve_prefilled`): a server answers 503."""
+
+
 class PagePool:
     """Page ids 0..n_pages-1 with reference counts. A page is free exactly when its count is 0."""
 

@@ -190,11 +190,11 @@ class Speculator:
                 new_ids, new_text = [], ""
                 for k, tok in enumerate(emitted):
                     new_ids.append(tok)
-                    new_text += e._emit(r, tok, sampled.logprobs[k], sampled.top_logprobs[k],
+                    new_text += e.outputs.emit(r, tok, sampled.logprobs[k], sampled.top_logprobs[k],
                                            spec_logits[b][k] if e.record_logits else None)
                     if r.is_finished:
                         break
-                outputs.append(e._output(r, new_ids, new_text))
+                outputs.append(e.outputs.output(r, new_ids, new_text))
                 if r.is_finished:
                     r.spec_record = None
                 else:
@@ -329,3 +329,19 @@ class Speculator:
         width = max(len(r.pages) for r in reqs)
         table = [r.pages + [0] * (width - len(r.pages)) for r in reqs]
         return ForwardContext.build(cache, lens, starts, [r.slot for r in reqs], table, logits="all")
+
+
+def start(engine, mtp_layer=None):
+    """The engine's drafter (also the runner's), or None without --speculative-algorithm; the MTP
+    layer is loaded from the engine's checkpoint where not given."""
+    c = engine.config
+    if not c.speculative_algorithm:
+        return None
+    if mtp_layer is None:
+        if engine.model_dir is None:
+            raise ValueError("speculative decoding needs the checkpoint's MTP layer: pass model_dir or mtp_layer")
+        from ..models.mtp import load_mtp
+        mtp_layer = load_mtp(engine.model_dir, engine.model.config, dtype=engine.model.embed_tokens.weight.dtype,
+                             device=c.device)
+    engine.runner.speculator = drafter = Speculator(engine, mtp_layer, c.speculative_num_steps, c.speculative_kda_state)
+    return drafter
