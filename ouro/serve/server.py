@@ -67,7 +67,8 @@ def serve(args, make_client=None) -> int:
     from ..config import EngineConfig, ModelConfig
     from ..engine.options import check_engine_options
     from ..models.resolve import load_tokenizer, resolve_model
-    from .api_server import ServerState, build_app
+    from .api_server import build_app
+    from .state import ServerState
     from .chat import ChatFormat
     from .engine_client import EngineClient, EngineUnavailable
     from .metrics import Metrics
