@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from ouro.engine.simple_runner import SimpleRunner  # noqa: E402
-from ouro.lab.op_record import OpRecorder  # noqa: E402
+from ouro.lab.redundancy.op_record import OpRecorder  # noqa: E402
 from ouro.models.loader import load_model  # noqa: E402
 from ouro.models.resolve import resolve_model  # noqa: E402
 from ouro.native.kernels import eager_only  # noqa: E402

@@ -19,7 +19,7 @@ from ouro.agent.journal import FIELDS, read
 from ouro.agent.llm import LLMClient
 from ouro.agent.loop import AgentRun
 from ouro.lab.call_trace import REPO_DIR
-from ouro.lab.fault_patch import apply_fault, copy_tree
+from ouro.lab.faults.patch import apply_fault, copy_tree
 from ouro.lab.faults import all_faults
 
 FAULTS = {f.name: f for f in all_faults()}
@@ -151,7 +151,7 @@ def test_edits_of_frozen_files_are_refused(endpoint, tmp_path):
     repo = make_repo(tmp_path)
     endpoint.script += [
         call("edit", path="tests/test_ops_kda.py", old="import torch", new="import torch  # looser"),
-        call("edit", path="ouro/lab/tolerances.py", old="\n", new="\n\n"),
+        call("edit", path="ouro/lab/numerics/tolerances.py", old="\n", new="\n\n"),
         call("edit", path="ouro/ops/../../budgets/default.toml", old="<=", new=">="),
         call("edit", path="ouro/ops/../../../escape.py", old="a", new="b"),
         call("submit", summary="nothing"),

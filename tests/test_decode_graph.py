@@ -267,7 +267,7 @@ def test_probe_reports_one_graph_and_names_a_planted_host_read(monkeypatch):
     """`ouro probe redundancy --graph`: clean, one graph (info); with a host read planted in the
     decode path, an error naming the planted line."""
     from ouro.layers.context import GraphContext
-    from ouro.lab.graph_check import graph_finding
+    from ouro.lab.redundancy.graph_check import graph_finding
     model = load_model(resolve_model("tiny"))
     clean = graph_finding(model)
     assert clean.severity == "info" and clean.measured["graphs"] == 1, clean

@@ -119,10 +119,10 @@ def test_a_prefill_decode_pair_with_fp8_rows_equals_one_engine(tmp_path, backend
 def test_numerics_compares_kv_policies_and_finds_a_scale_left_behind():
     import os
 
-    from ouro.lab.fault_patch import applied_in_process
-    from ouro.lab.fault_scoring import localises
+    from ouro.lab.faults.patch import applied_in_process
+    from ouro.lab.faults.scoring import localises
     from ouro.lab.faults import all_faults
-    from ouro.lab.numerics import probe_numerics
+    from ouro.lab.numerics.probe import probe_numerics
     clean = probe_numerics("tiny", "impl=ouro", "kv=fp8_e4m3", prompt_len=48)
     assert all(f.severity == "info" for f in clean), [f.summary for f in clean]
     fault = next(f for f in all_faults() if f.name == "kv_row_scale_not_rewritten")

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from ouro.lab.fault_patch import Fault, FaultDoesNotApply, patch_source
-from ouro.lab.fault_scoring import localises, score
+from ouro.lab.faults.patch import Fault, FaultDoesNotApply, patch_source
+from ouro.lab.faults.scoring import localises, score
 from ouro.lab.faults import all_faults
 from ouro.lab.findings import Finding
 

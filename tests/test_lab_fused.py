@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from ouro.lab import sampler_taps
-from ouro.lab.fault_patch import Fault, FaultDoesNotApply, applied_in_process, find_cpp_function, patch_source
-from ouro.lab.fault_suite import run_fault
+from ouro.lab.numerics import sampler_taps
+from ouro.lab.faults.patch import Fault, FaultDoesNotApply, applied_in_process, find_cpp_function, patch_source
+from ouro.lab.faults.suite import run_fault
 from ouro.lab.faults import all_faults
-from ouro.lab.fused_taps import FUSED_OPS
-from ouro.lab.numerics import compare, make_prompt
-from ouro.lab.run_configs import parse_config, run_config
+from ouro.lab.numerics.fused_taps import FUSED_OPS
+from ouro.lab.numerics.probe import compare, make_prompt
+from ouro.lab.numerics.run_configs import parse_config, run_config
 from ouro.models.resolve import resolve_model
 
 CPP = """// a comment naming route(x) is not it

@@ -1,11 +1,11 @@
-"""The op recorder reads the fused native ops (`ouro.lab.native_cost`): each counts the rows and
+"""The op recorder reads the fused native ops (`ouro.lab.redundancy.native_cost`): each counts the rows and
 slots it really reads (not the whole cache tensor it indexes into) and the products it does, so the
 redundancy probe's work-against-floor finding is right on the fused decode step."""
 
 import pytest
 import torch
 
-from ouro.lab.op_record import OpRecorder
+from ouro.lab.redundancy.op_record import OpRecorder
 from ouro.native import kda, mhc, mla, router
 
 F = 4.0   # bytes of a float32

@@ -3,7 +3,7 @@ fp32 and tf32x3 stay at float32's level; a chain that ignores its configured pre
 naming the product it runs through."""
 
 import ouro.ops.kda.cp as cp
-from ouro.lab.kcp_precision import sweep, sweep_findings
+from ouro.lab.numerics.kcp_precision import sweep, sweep_findings
 from ouro.models.presets import PRESETS
 
 

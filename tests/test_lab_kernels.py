@@ -12,9 +12,9 @@ import torch
 import ouro.layers.context
 import ouro.layers.kda
 import ouro.layers.moe
-from ouro.lab import kernels
-from ouro.lab.kernel_cases import CASES, DEFAULT_OPS
-from ouro.lab.kernel_steps import amdahl
+from ouro.lab.kernels import probe as kernels
+from ouro.lab.kernels.cases import CASES, DEFAULT_OPS
+from ouro.lab.kernels.steps import amdahl
 
 
 @pytest.fixture(scope="module")

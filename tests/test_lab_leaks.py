@@ -5,9 +5,9 @@ import os
 
 import pytest
 
-from ouro.lab.fault_patch import Fault, applied_in_process
+from ouro.lab.faults.patch import Fault, applied_in_process
 from ouro.lab.faults import all_faults
-from ouro.lab.leaks import PATHS, probe_leaks
+from ouro.lab.leaks.probe import PATHS, probe_leaks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

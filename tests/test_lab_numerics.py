@@ -10,8 +10,8 @@ import ouro.layers.dsa as dsa_layer
 import ouro.layers.kda as kda_layer
 import ouro.layers.context as context_module
 import ouro.layers.moe as moe_layer
-from ouro.lab.numerics import probe_numerics
-from ouro.lab.run_configs import parse_config, pieces
+from ouro.lab.numerics.probe import probe_numerics
+from ouro.lab.numerics.run_configs import parse_config, pieces
 from ouro.ops.conv1d import causal_conv1d
 from ouro.ops.dsa import index_select
 from ouro.ops.kda import kda_chunk
@@ -134,7 +134,7 @@ def test_context_parallel_runs_compare_position_by_position():
 
 
 def test_cp_boundary_note_names_what_crosses_the_cut():
-    from ouro.lab.numerics import _boundary_note
+    from ouro.lab.numerics.probe import _boundary_note
     ctx = dict(n=96, a=parse_config("cp=1"), b=parse_config("cp=3"))
     assert "rank 1 of 3" in _boundary_note(ctx, 32, "causal_conv1d") and "conv_halo" in _boundary_note(ctx, 32, "causal_conv1d")
     assert "state chain" in _boundary_note(ctx, 64, "kda_chunk")

@@ -9,12 +9,12 @@ import os
 
 import pytest
 
-from ouro.lab.fault_patch import applied_in_process
-from ouro.lab.fault_scoring import localises
+from ouro.lab.faults.patch import applied_in_process
+from ouro.lab.faults.scoring import localises
 from ouro.lab.faults import all_faults
-from ouro.lab.numerics import probe_numerics
-from ouro.lab.run_configs import parse_config
-from ouro.lab.tolerances import column
+from ouro.lab.numerics.probe import probe_numerics
+from ouro.lab.numerics.run_configs import parse_config
+from ouro.lab.numerics.tolerances import column
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAULTS = {f.name: f for f in all_faults()}

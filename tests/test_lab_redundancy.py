@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ouro.lab import redundancy
+from ouro.lab.redundancy import probe as redundancy
 from ouro.lab.findings import sort_findings, top_finding
 from ouro.layers import dsa as dsa_layer
 from ouro.layers import kda as kda_layer
@@ -117,8 +117,8 @@ def test_decode_work_growing_with_context_is_the_top_finding(model, monkeypatch,
 def test_far_above_floor_is_a_warning_whatever_its_share(monkeypatch):
     """A block at 5x its floor's work warns though its excess is 0.3% of the step; at 3.9x it does not."""
     from types import SimpleNamespace as NS
-    from ouro.lab import redundancy_report as report
-    from ouro.lab.module_floor import BlockCost
+    from ouro.lab.redundancy import report
+    from ouro.lab.redundancy.module_floor import BlockCost
     for ratio, severity in ((5.0, "warning"), (3.9, None)):
         rec = {"layers.0.mlp": BlockCost(bytes=1.5e6, core_bytes=1.5e6, ops=9),
                "layers.0.attn_hc": BlockCost(bytes=ratio * 1e3, core_bytes=ratio * 1e3, ops=9)}
@@ -136,8 +136,8 @@ def test_far_above_floor_is_a_warning_whatever_its_share(monkeypatch):
 def test_weight_copied_per_call_in_a_small_block_is_the_top_finding(model, batch, eager_reference):
     """The planted fault: each hyper-connection copies its projection weight to float64 per call,
     ~6.7x its floor's work (all bytes ~7x: under the 8x that the share-gated rule asks)."""
-    from ouro.lab.fault_patch import applied_in_process
-    from ouro.lab.fault_scoring import score
+    from ouro.lab.faults.patch import applied_in_process
+    from ouro.lab.faults.scoring import score
     from ouro.lab.faults import all_faults
     fault = {f.name: f for f in all_faults()}["hc_weight_through_float64"]
     with applied_in_process(fault, str(Path(__file__).resolve().parent.parent)):
@@ -154,7 +154,7 @@ def test_clean_ouro_has_no_floor_warning_at_batch_4(model):
 
 
 def _planted(model, name, batch=1):
-    from ouro.lab.fault_patch import applied_in_process
+    from ouro.lab.faults.patch import applied_in_process
     from ouro.lab.faults import all_faults
     fault = {f.name: f for f in all_faults()}[name]
     with applied_in_process(fault, str(Path(__file__).resolve().parent.parent)):
@@ -167,7 +167,7 @@ def test_every_expert_read_at_batch_1_is_the_top_finding(model, monkeypatch, gem
     weights' floor, but 3.1x the MoE block's work (the shared expert and router are read once): a
     block total would miss it, the weight's own reads do not, whichever product forms this machine
     picked (`packed`: the projections read oneDNN copies, counted as their weights)."""
-    from ouro.lab.fault_scoring import score
+    from ouro.lab.faults.scoring import score
     if gemm:
         monkeypatch.setenv("OURO_GEMM_PICK", gemm)
     fault, found = _planted(model, "moe_decode_reads_all_experts")
@@ -181,7 +181,7 @@ def test_every_expert_read_at_batch_1_is_the_top_finding(model, monkeypatch, gem
 def test_weight_reads_count_each_matrix_once_on_clean_decode(model, monkeypatch):
     """Clean batch-1 decode reads every weight matrix exactly its floor (the routed experts: the two
     chosen), through the parameter or its packed copy alike."""
-    from ouro.lab.module_floor import weight_reads
+    from ouro.lab.redundancy.module_floor import weight_reads
     monkeypatch.setenv("OURO_GEMM_PICK", "packed")
     steps = redundancy.record_steps(model, 24, (48,), 1)
     reads = weight_reads(model, steps[1].ops, 1)
@@ -204,8 +204,8 @@ def test_the_fused_off_option_weighs_the_eager_reference():
     """`ouro probe redundancy --fused off` runs the steps on the eager code the fused ops keep as
     their reference: the planted all-experts read there is found with it and not without it (the
     fused experts op reads the chosen experts whatever that code does)."""
-    from ouro.lab.fault_patch import applied_in_process
-    from ouro.lab.fault_scoring import score
+    from ouro.lab.faults.patch import applied_in_process
+    from ouro.lab.faults.scoring import score
     from ouro.lab.faults import all_faults
     from ouro.native import kernels
     if not kernels.load("experts"):

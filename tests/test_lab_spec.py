@@ -11,11 +11,11 @@ import os
 import pytest
 
 from ouro.engine.sampling import SamplingParams
-from ouro.lab.fault_patch import applied_in_process
-from ouro.lab.fault_scoring import localises
+from ouro.lab.faults.patch import applied_in_process
+from ouro.lab.faults.scoring import localises
 from ouro.lab.faults import all_faults
-from ouro.lab.numerics import probe_numerics
-from ouro.lab.run_configs import parse_config
+from ouro.lab.numerics.probe import probe_numerics
+from ouro.lab.numerics.run_configs import parse_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAULTS = {f.name: f for f in all_faults()}
@@ -44,7 +44,7 @@ def test_thrown_away_draft_work_is_a_redundancy_finding():
     """Clean speculation throws many drafts away (the trained tiny-py's MTP head is often wrong):
     that is what it costs, an info finding, since the draft layer driven from scratch on the same
     tokens gets exactly as many accepted on the same verifications."""
-    from ouro.lab.spec_waste import spec_waste_finding
+    from ouro.lab.redundancy.spec_waste import spec_waste_finding
     f = spec_waste_finding("tiny-py", k=4, n_prompts=2, prompt_len=48, output_len=16)
     assert f.where["function"] == "Speculator.draft" and f.where["file"] == "ouro/engine/speculative.py"
     rates = f.evidence["accept_rate_per_position"]
@@ -60,7 +60,7 @@ def test_thrown_away_draft_work_is_a_redundancy_finding():
 def test_drafts_departing_from_the_draft_layer_are_a_warning_at_the_drafting():
     """The planted fault feeds the draft layer token p beside the trunk's state at p: outputs stay
     right (verification rejects the drafts), acceptance collapses against the reference's."""
-    from ouro.lab.spec_waste import spec_waste_finding
+    from ouro.lab.redundancy.spec_waste import spec_waste_finding
     fault = FAULTS["spec_draft_rows_one_token_behind"]
     with applied_in_process(fault, REPO):
         f = spec_waste_finding("tiny-py", k=3, n_prompts=2, prompt_len=48, output_len=16)
@@ -73,7 +73,7 @@ def test_drafts_departing_from_the_draft_layer_are_a_warning_at_the_drafting():
 def test_reference_drafts_follow_the_draft_layer_chain():
     """The reference stops at the first draft that misses the tokens, never past the drafts asked for."""
     from ouro.engine.llm import LLM
-    from ouro.lab.spec_waste import _accepted, reference_drafts
+    from ouro.lab.redundancy.spec_waste import _accepted, reference_drafts
     llm = LLM("tiny-py", max_memory=128 << 20, page_size=16, speculative_config={"num_speculative_tokens": 3})
     ids = llm.generate({"prompt_token_ids": list(range(5, 40))},
                        SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]

@@ -1,16 +1,16 @@
 """numerics against transformers compares the sub-computations ouro computes in a method or an op
-(`ouro/lab/sub_taps.py`): clean ouro agrees on every one of them, and the planted faults there are
+(`ouro/lab/numerics/sub_taps.py`): clean ouro agrees on every one of them, and the planted faults there are
 found at the sub-computation itself, not at the next module both models share."""
 
 import os
 
 import pytest
 
-from ouro.lab.fault_patch import applied_in_process
-from ouro.lab.fault_scoring import score
+from ouro.lab.faults.patch import applied_in_process
+from ouro.lab.faults.scoring import score
 from ouro.lab.faults import all_faults
-from ouro.lab.numerics import compare, findings_from, make_prompt, ouro_names
-from ouro.lab.run_configs import parse_config, run_config
+from ouro.lab.numerics.probe import compare, findings_from, make_prompt, ouro_names
+from ouro.lab.numerics.run_configs import parse_config, run_config
 from ouro.models.resolve import resolve_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -10,8 +10,8 @@ import zmq
 from ouro.measure import heartbeat, spans
 from ouro.measure.chrome_trace import heartbeats_of, merge, spans_of
 from ouro.lab.findings import sort_findings
-from ouro.lab.timeline import timeline
-from ouro.lab.timeline_analysis import analyse, overlap
+from ouro.lab.timeline.probe import timeline
+from ouro.lab.timeline.analysis import analyse, overlap
 from ouro.models.resolve import resolve_model
 from ouro.serve import engine_process
 from ouro.serve.messages import encode, output_to_wire

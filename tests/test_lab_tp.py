@@ -12,13 +12,13 @@ import os
 import pytest
 import torch
 
-from ouro.lab import tp_run
-from ouro.lab.fault_scoring import score
+from ouro.lab.numerics import tp_run
+from ouro.lab.faults.scoring import score
 from ouro.lab.faults import all_faults
-from ouro.lab.numerics import compare, probe_numerics
-from ouro.lab.run_configs import parse_config, run_config
-from ouro.lab.taps import Recording
-from ouro.lab.tp_run import first_mismatch, joined, layout
+from ouro.lab.numerics.probe import compare, probe_numerics
+from ouro.lab.numerics.run_configs import parse_config, run_config
+from ouro.lab.numerics.taps import Recording
+from ouro.lab.numerics.tp_run import first_mismatch, joined, layout
 from ouro.models.resolve import resolve_model
 from tp_fault_rank import faulted_rank
 

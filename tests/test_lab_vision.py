@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from image_helpers import rows_one_position_late
-from ouro.lab.fault_patch import applied_in_process
-from ouro.lab.fault_scoring import score
+from ouro.lab.faults.patch import applied_in_process
+from ouro.lab.faults.scoring import score
 from ouro.lab.faults import all_faults
-from ouro.lab.vision_numerics import REFERENCE_INPUT_LAYOUT, load_reference, pictures, probe_vision, record, rel
+from ouro.lab.numerics.vision import REFERENCE_INPUT_LAYOUT, load_reference, pictures, probe_vision, record, rel
 from ouro.models.resolve import resolve_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -177,7 +177,7 @@ def test_its_flops_and_bytes_are_counted():
     the matmul it is: 2 M N K FLOPs, the whole weight read once."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from ouro.lab.op_record import OpRecorder
+    from ouro.lab.redundancy.op_record import OpRecorder
     x, w = torch.randn(3, 40), torch.randn(24, 40)
     with FlopCounterMode(display=False) as counter:
         G.gemv(x, w)

@@ -185,7 +185,7 @@ def test_bad_specs_are_named(spec, says):
 
 
 def test_the_timeline_shows_mask_time_in_its_own_category(llm):
-    from ouro.lab.timeline_analysis import exclusive_times
+    from ouro.lab.timeline.analysis import exclusive_times
     from ouro.measure import spans
     spans.clear()
     spans.enable()

@@ -18,8 +18,8 @@ import tomllib
 from pathlib import Path
 
 from ..lab.call_trace import REPO_DIR
-from ..lab.fault_patch import apply_fault, copy_tree
-from ..lab.fault_suite import clean_baseline, run_probe, run_tests
+from ..lab.faults.patch import apply_fault, copy_tree
+from ..lab.faults.suite import clean_baseline, run_probe, run_tests
 from ..lab.faults import all_faults
 from .contract import DEFAULT, Contract
 from .loop import AgentRun

@@ -124,7 +124,7 @@ def draw_heldout(count: int, rng: random.Random) -> list[dict]:
 def heldout_sweep(root, model: str, cases: list[dict], timeout_s: float = 600.0) -> dict:
     """Each case as `ouro probe numerics --a impl=transformers --b CONFIG` in the tree at root;
     it passes when no case reports a warning or an error (or fails to run)."""
-    from ..lab.fault_suite import run_probe
+    from ..lab.faults.suite import run_probe
     runs, ok = [], True
     for c in cases:
         args = ["numerics", "--model", model, "--a", "impl=transformers", "--b", c["config"],

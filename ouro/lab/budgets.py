@@ -244,7 +244,7 @@ def interval_verdict(text: str, values: dict, intervals: dict) -> str:
 
 def _failure(b: dict, model: str, r: dict, measured: dict, path: str, url: str | None = None,
              extra: dict | None = None) -> Finding:
-    from .timeline import analyse_doc
+    from .timeline.probe import analyse_doc
     findings = analyse_doc(r["trace"]) if r.get("trace") else []
     top = [{"severity": f.severity, "summary": f.summary, "where": f.where} for f in findings[:3]]
     longest = _longest_spans(r.get("trace"))

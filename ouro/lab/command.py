@@ -10,14 +10,14 @@ import time
 
 # probe name -> (module, one-line help)
 PROBES = {
-    "numerics": ("ouro.lab.numerics", "two configurations on the same inputs, every layer and op tapped"),
-    "redundancy": ("ouro.lab.redundancy", "repeated ops on identical inputs, ops per module, host syncs"),
-    "timeline": ("ouro.lab.timeline", "spans per thread, overlap, idle gaps, GIL starvation, Chrome trace"),
+    "numerics": ("ouro.lab.numerics.probe", "two configurations on the same inputs, every layer and op tapped"),
+    "redundancy": ("ouro.lab.redundancy.probe", "repeated ops on identical inputs, ops per module, host syncs"),
+    "timeline": ("ouro.lab.timeline.probe", "spans per thread, overlap, idle gaps, GIL starvation, Chrome trace"),
     "budgets": ("ouro.lab.budgets", "declared constraints over measured scenarios (a TOML file)"),
-    "kernels": ("ouro.lab.kernels", "per-op microbenchmarks: correct first, then time, roofline share, Amdahl"),
-    "leaks": ("ouro.lab.leaks", "pages and state slots each request path returns, with the path that kept them"),
+    "kernels": ("ouro.lab.kernels.probe", "per-op microbenchmarks: correct first, then time, roofline share, Amdahl"),
+    "leaks": ("ouro.lab.leaks.probe", "pages and state slots each request path returns, with the path that kept them"),
     "disagg": ("ouro.lab.disagg_check", "prefill/decode handoff under timeouts and aborts: late writes, wrong outputs, leaks"),
-    "vision": ("ouro.lab.vision_numerics", "images against transformers: the tower module by module, then the image rows"),
+    "vision": ("ouro.lab.numerics.vision", "images against transformers: the tower module by module, then the image rows"),
 }
 
 
@@ -58,7 +58,7 @@ def add_probe_parser(sub, with_options: str | None = None) -> None:
 
 
 def _run_faults(args) -> int:
-    from .fault_suite import run_suite
+    from .faults.suite import run_suite
     return run_suite(args)
 
 

@@ -128,7 +128,7 @@ def prefill(model_dir, length: int = PROMPT_LEN, repeats: int = 3) -> dict:
 
 def leaks(model_dir) -> dict:
     """Pages and slots lost over every request path of the leaks probe (one definition of a leak)."""
-    from .leaks import check_paths
+    from .leaks.probe import check_paths
     results = check_paths(str(model_dir))
     return {"measurements": {f"leaked_{k}": sum(r["lost"].get(k, 0) for r in results) for k in ("pages", "slots")}}
 

@@ -1,4 +1,4 @@
-from ..fault_patch import Fault
+from .patch import Fault
 
 FAULT = Fault(
     name="image_rows_one_position_off",

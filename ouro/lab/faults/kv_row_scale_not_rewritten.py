@@ -1,4 +1,4 @@
-from ..fault_patch import Fault
+from .patch import Fault
 
 FAULT = Fault(
     name="kv_row_scale_not_rewritten",

@@ -1,4 +1,4 @@
-from ..fault_patch import Fault
+from .patch import Fault
 
 FAULT = Fault(
     name="scheduler_leaks_slot_on_abort",

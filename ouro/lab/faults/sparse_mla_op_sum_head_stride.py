@@ -1,4 +1,4 @@
-from ..fault_patch import Fault
+from .patch import Fault
 
 FAULT = Fault(
     name="sparse_mla_op_sum_head_stride",

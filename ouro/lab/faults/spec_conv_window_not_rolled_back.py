@@ -1,4 +1,4 @@
-from ..fault_patch import Fault
+from .patch import Fault
 
 FAULT = Fault(
     name="spec_conv_window_not_rolled_back",

@@ -1,4 +1,4 @@
-from ..fault_patch import Fault
+from .patch import Fault
 
 # Planted where every product form passes (before the form decides how the product runs): a fault
 # planted in one form's branch exists only on the machines that pick that form for a layer's row

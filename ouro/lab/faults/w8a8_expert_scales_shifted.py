@@ -1,4 +1,4 @@
-from ..fault_patch import Fault
+from .patch import Fault
 
 # Planted before the path is chosen: the routed experts run as one native call (`w8a8_experts`,
 # host float32 rows where ouro's kernel is the form), through `w8a8_grouped` (ouro's kernel or

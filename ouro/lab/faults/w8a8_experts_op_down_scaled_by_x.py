@@ -1,4 +1,4 @@
-from ..fault_patch import Fault
+from .patch import Fault
 
 # Planted in the native W8A8 routed-experts call (`int8_mm.cpp`), which W8A8Experts runs for host
 # float32 rows when ouro's int8 kernel is the form: a copy-paste of gate_up's epilogue into down's.

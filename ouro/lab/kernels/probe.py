@@ -13,13 +13,13 @@ import time
 
 import torch
 
-from ..measure.roofline import Roofline
-from ..native.kernels import eager_only
-from .findings import Finding
-from .kernel_cases import CASES, DEFAULT_OPS, KernelCase
-from .kernel_refs import Phase
-from .kernel_report import PROBE, format_report, op_tests, params_text, speed_finding, sweep_finding, where_of
-from .kernel_steps import amdahl, step_shares
+from ...measure.roofline import Roofline
+from ...native.kernels import eager_only
+from ..findings import Finding
+from .cases import CASES, DEFAULT_OPS, KernelCase
+from .refs import Phase
+from .report import PROBE, format_report, op_tests, params_text, speed_finding, sweep_finding, where_of
+from .steps import amdahl, step_shares
 
 ROUND_BUDGET_S = 0.5     # auto repeats: about this much timing per (op, phase)
 
@@ -128,7 +128,7 @@ def probe_kernels(model="small", ops=None, sweeps=None, repeats=None, prefill_le
     if threads:
         torch.set_num_threads(threads)
     try:
-        # the cases are the eager kernels (`kernel_cases`): the steps they are timed inside run eagerly
+        # the cases are the eager kernels (`cases.py`): the steps they are timed inside run eagerly
         # too; the fused native ops are each one call, timed by `benchmarks/decode_breakdown.py`
         with eager_only():
             return _probe(model, ops, sweeps, repeats, prefill_len, decode_batch, step, seed, report)
@@ -137,8 +137,8 @@ def probe_kernels(model="small", ops=None, sweeps=None, repeats=None, prefill_le
 
 
 def _probe(model, ops, sweeps, repeats, prefill_len, decode_batch, step, seed, report) -> list[Finding]:
-    from ..config import ModelConfig
-    from ..models.resolve import resolve_model
+    from ...config import ModelConfig
+    from ...models.resolve import resolve_model
     directory = resolve_model(str(model), progress=False)
     cfg = ModelConfig.from_hf(directory)
     cases = [CASES[o] for o in (ops or DEFAULT_OPS)]
@@ -203,7 +203,7 @@ def _measure(case, cfg, ph, variants, roof, repeats, seed):
 
 
 def _load(directory):
-    from ..models.loader import load_model
+    from ...models.loader import load_model
     return load_model(directory)
 
 

@@ -17,7 +17,7 @@ core itself, not the next module the two models share (a layer's `o_norm`, `o_pr
     self_attn.kv_b_proj (DSA)  the latent through the absorbed weights   module self_attn.kv_b_proj (this
                                (absorb_weights' W_uk | W_uv, per head)   forward's rows of its cached latents)
 
-The vision tower (`vision_numerics`; both towers use transformers' module names) names its steps
+The vision tower (`vision.py`; both towers use transformers' module names) names its steps
 the same way (`VISION_POINTS`), read on both sides as the input of the module that consumes them:
 `attn.attention_core` (attention within each frame, rope applied: the input of `attn.proj`) and
 `clamped_swiglu` of each block's MLP and of the merger (the input of its `down_proj`). What

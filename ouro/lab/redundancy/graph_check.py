@@ -14,12 +14,12 @@ import time
 
 import torch
 
-from .findings import Finding
+from ..findings import Finding
 
 
 def graph_finding(model, batch_sizes=(3, 5), context: int = 24) -> Finding:
-    from ..engine.decode_graph import DecodeGraph, counting_backend
-    from ..engine.simple_runner import SimpleRunner
+    from ...engine.decode_graph import DecodeGraph, counting_backend
+    from ...engine.simple_runner import SimpleRunner
     n = max(batch_sizes)
     runner = SimpleRunner(model, n + 1, context + 4)          # the last slot and its pages: scratch
     backend = counting_backend("aot_eager")

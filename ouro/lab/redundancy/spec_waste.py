@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from .findings import Finding
+from ..findings import Finding
 
 FILE, FUNCTION = "ouro/engine/speculative.py", "Speculator.draft"
 # the engine's drafts run batched and the reference's alone: an argmax between two near-equal
@@ -37,7 +37,7 @@ def reference_drafts(model, layer, ids: list[int], checks: list[tuple[int, int]]
     """{n: the reference drafts} for each verification (n, d) of one request: with the first n
     of `ids` known (the pending token is ids[n - 1]) the draft layer's chain of up to d drafts,
     stopped after the first that misses ids (the drafts after it cannot be accepted)."""
-    from ..layers.context import ForwardContext, ModelCache
+    from ...layers.context import ForwardContext, ModelCache
     pages = -(-(len(ids) + max((d for _, d in checks), default=0) + 1) // page_size)
     cache = ModelCache(model.config.with_mtp_layer(), 1, pages, page_size)
     table = [list(range(pages))]
@@ -78,10 +78,10 @@ def spec_waste_finding(model: str = "tiny-py", k: int = 3, n_prompts: int = 3, p
     bfloat16 on a CPU with fast bf16 GEMMs (Zen 4), and what the probe compares is acceptance, not
     speed (the previous workload, 4 prompts of 64 tokens and 32 out, took 24.8 s in bfloat16 on an
     AVX2 machine against 2-4 s in float32)."""
-    from ..engine.llm import LLM
-    from ..engine.sampling import SamplingParams
-    from ..eval.corpus import held_out_prefixes
-    from ..measure import spans
+    from ...engine.llm import LLM
+    from ...engine.sampling import SamplingParams
+    from ...eval.corpus import held_out_prefixes
+    from ...measure import spans
     llm = LLM(model, dtype=dtype, max_memory=128 << 20, page_size=16, speculative_config={"num_speculative_tokens": k})
     spec = llm.engine.speculator
     prompts = held_out_prefixes(llm.engine.tokenizer, n_prompts, prompt_len)

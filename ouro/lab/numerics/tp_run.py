@@ -41,8 +41,8 @@ TIMEOUT_S = 20.0
 def _tp_rank(groups, model_dir, cfg, prompt, device, n_experts, width, load_ouro, pieces, page_size):
     """One rank: load (`load_ouro`, sharded), tap, run the prompt in the configuration's `pieces`;
     returns (its recording, its collective log, the error it stopped on or None)."""
-    from ..layers.context import ForwardContext, ModelCache
-    from ..parallel import tp_layers
+    from ...layers.context import ForwardContext, ModelCache
+    from ...parallel import tp_layers
     model = load_ouro(model_dir, cfg, device, tp_group=groups.cp, ep=cfg.ep == "on")
     log, stack = [], []
     tp_layers.COLLECTIVE_LOG = log
@@ -155,7 +155,7 @@ def first_mismatch(logs: list[list], order: dict) -> dict | None:
 def run_tp(model_dir, cfg, prompt, device, n_experts, width, load_ouro, pieces, page_size) -> Recording:
     """`cfg.tp` ranks; `load_ouro`, `pieces`, `page_size`: run_configs' (passed in, as the ranks
     need them and run_configs calls this)."""
-    from ..parallel.groups import launch
+    from ...parallel.groups import launch
     got = launch(_tp_rank, cfg.tp, str(model_dir), cfg, prompt, device, n_experts, width, load_ouro, pieces, page_size,
                  timeout_s=TIMEOUT_S)
     rec = joined([g[0] for g in got])

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .findings import Finding
+from ..findings import Finding
 from .host_sync import SyncWatch
 from .op_record import OpRecorder
-from .redundancy_report import floor_findings, op_count_finding, repeat_findings, sync_findings
+from .report import floor_findings, op_count_finding, repeat_findings, sync_findings
 
 PROBE = "redundancy"
 
@@ -33,7 +33,7 @@ class CostModel:
 
     @classmethod
     def measure(cls) -> "CostModel":
-        from ..measure.roofline import Roofline, median_time
+        from ...measure.roofline import Roofline, median_time
         r = Roofline.measure()
         a, b = torch.ones(8), torch.ones(8)
         overhead = median_time(lambda: [torch.add(a, b) for _ in range(200)], repeats=5) / 200
@@ -66,8 +66,8 @@ def record_steps(model, prompt_len: int, contexts: tuple[int, ...], batch: int, 
     The decode steps are recorded on their capturable path (`ops.capture.capture_path`): what a
     compiled or CUDA-graph step runs, where a host sync is a fault; on a CPU, eager ops may also
     read counts on the host, which waits for nothing."""
-    from ..engine.simple_runner import SimpleRunner
-    from ..ops.capture import capture_path
+    from ...engine.simple_runner import SimpleRunner
+    from ...ops.capture import capture_path
     gen = torch.Generator().manual_seed(seed)
     V = model.config.vocab_size
     draw = lambda n: [torch.randint(1, V, (n,), generator=gen).tolist() for _ in range(batch)]
@@ -114,9 +114,9 @@ def probe_redundancy(model: str = "tiny", prompt_len: int = 32, context: int = 6
     without a compiler runs), so the work of that code is what is weighed."""
     from contextlib import nullcontext
 
-    from ..models.loader import load_model
-    from ..models.resolve import resolve_model
-    from ..native.kernels import eager_only
+    from ...models.loader import load_model
+    from ...models.resolve import resolve_model
+    from ...native.kernels import eager_only
     m = load_model(resolve_model(model, progress=False), dtype=getattr(torch, dtype))
     with nullcontext() if fused else eager_only():
         findings = probe_model(m, prompt_len, context, batch, CostModel.measure() if measure else CostModel())
@@ -154,7 +154,7 @@ def run(args) -> list[Finding]:
     findings = probe_redundancy(args.model, args.prompt_len, args.context, args.batch, args.dtype,
                                 measure=args.measure, graph=args.graph, fused=args.fused == "on")
     if args.spec:
-        from .run_configs import parse_config
+        from ..numerics.run_configs import parse_config
         from .spec_waste import spec_waste_finding
         f = spec_waste_finding(args.model, parse_config(f"spec={args.spec}").spec_steps, dtype=args.dtype)
         findings.insert(0 if f.severity != "info" else len(findings), f)

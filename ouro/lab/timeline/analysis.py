@@ -8,7 +8,7 @@ import bisect
 import statistics
 from collections import Counter, defaultdict
 
-from .findings import Finding
+from ..findings import Finding
 
 PROBE = "timeline"
 GIL_FLOOR_MS = 2.0          # heartbeat delay below this is ordinary scheduling, whatever the baseline

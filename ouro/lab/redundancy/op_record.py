@@ -16,9 +16,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-from ..layers.merged import merged_sources
-from ..layers.watch import passive
-from .call_trace import repo_path
+from ...layers.merged import merged_sources
+from ...layers.watch import passive
+from ..call_trace import repo_path
 from .native_cost import NATIVE_BYTES, NATIVE_FLOPS, NATIVE_WEIGHT_READS
 
 STACK_DEPTH = 8
@@ -230,7 +230,7 @@ class OpRecorder(TorchDispatchMode):
 
     def _packed_source(self, t):
         if id(t) not in self._packs:     # packed since the last look (packs are made on first use)
-            from ..machine.gemm_pick import _PACKS
+            from ...machine.gemm_pick import _PACKS
             for key, packs in list(_PACKS.values()):
                 i = 0
                 for ptr, _version, dtype, shape in key:

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import json
 
-from ..measure.chrome_trace import heartbeats_of, load, spans_of
-from .findings import Finding
-from .timeline_analysis import analyse
+from ...measure.chrome_trace import heartbeats_of, load, spans_of
+from ..findings import Finding
+from .analysis import analyse
 
 
 def add_arguments(p) -> None:
@@ -43,7 +43,7 @@ def timeline(model="tiny", scenario: str = "offline", requests: int = 4, trace_o
     if from_trace:
         doc, path = load(from_trace), from_trace
     elif url:
-        from .serve_scenarios import serve_url
+        from ..serve_scenarios import serve_url
         r = serve_url(url, requests, max_tokens, trace_out=trace_out, api_key=api_key)
         doc, path = r["trace"], r["trace_path"]
     else:
@@ -57,8 +57,8 @@ def timeline(model="tiny", scenario: str = "offline", requests: int = 4, trace_o
 
 def trace_of(model, scenario: str, requests: int, trace_out: str | None, max_tokens: int = 8, prompt_len: int = 256):
     """Run the scenario traced; returns (Chrome trace doc, path where it was written or None)."""
-    from ..models.resolve import resolve_model
-    from . import scenarios
+    from ...models.resolve import resolve_model
+    from .. import scenarios
     directory = str(resolve_model(model))
     if scenario == "serve":
         r = scenarios.serve(directory, requests, max_tokens, trace_out=trace_out)

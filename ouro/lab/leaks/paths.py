@@ -7,16 +7,16 @@ import torch
 
 
 def make_engine(model_dir: str, prefix: bool):
-    from ..config import EngineConfig
-    from ..engine.llm_engine import LLMEngine
-    from ..models.loader import load_model
+    from ...config import EngineConfig
+    from ...engine.llm_engine import LLMEngine
+    from ...models.loader import load_model
     model = load_model(model_dir, dtype=torch.float32)
     cfg = EngineConfig(page_size=16, max_num_seqs=4, max_num_batched_tokens=24, max_memory=8 << 20)
     return LLMEngine(model, None, cfg, enable_prefix_caching=prefix, verbose=False)
 
 
 def _params(max_tokens=6, **kw):
-    from ..engine.sampling import SamplingParams
+    from ...engine.sampling import SamplingParams
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
 
 

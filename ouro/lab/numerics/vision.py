@@ -23,8 +23,8 @@ import inspect
 
 import torch
 
-from .findings import Finding
-from .kernel_refs import rel_rms
+from ..findings import Finding
+from ..kernels.refs import rel_rms
 from .sub_taps import vision_points
 
 PROBE = "vision"
@@ -152,11 +152,11 @@ def tower_findings(tower, hf_visual, pixels, grid) -> list[Finding]:
 
 @torch.no_grad()
 def row_findings(model_dir, hf, images, config) -> list[Finding]:
-    from ..config import EngineConfig
-    from ..engine.llm_engine import LLMEngine
-    from ..engine.multimodal import image_positions
-    from ..engine.sampling import SamplingParams
-    from ..models.loader import load_model
+    from ...config import EngineConfig
+    from ...engine.llm_engine import LLMEngine
+    from ...engine.multimodal import image_positions
+    from ...engine.sampling import SamplingParams
+    from ...models.loader import load_model
     model = load_model(model_dir)
     placeholder = [config.image_start_token_id, config.image_token_id, config.image_end_token_id]
     ids = [5, 6, 7] + placeholder * len(images) + [8, 9]
@@ -207,10 +207,10 @@ def row_findings(model_dir, hf, images, config) -> list[Finding]:
 
 
 def probe_vision(model: str, sizes, seed: int = 0) -> list[Finding]:
-    from ..config import ModelConfig
-    from ..models.image_processor import ImageProcessor
-    from ..models.loader import load_vision
-    from ..models.resolve import resolve_model
+    from ...config import ModelConfig
+    from ...models.image_processor import ImageProcessor
+    from ...models.loader import load_vision
+    from ...models.resolve import resolve_model
     d = resolve_model(model, progress=False)
     tower = load_vision(d)
     if tower is None:

@@ -15,12 +15,12 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ..ops.conv1d import causal_conv1d_naive
-from ..ops.dsa import absorb_weights, index_select_naive, sparse_mla_naive
-from ..ops.kda import kda_naive
-from ..ops.mhc import sinkhorn_naive
-from ..ops.moe import experts_naive
-from .kernel_refs import F32, pool_keys_naive, rel_rms, route_naive, rows_to_check
+from ...ops.conv1d import causal_conv1d_naive
+from ...ops.dsa import absorb_weights, index_select_naive, sparse_mla_naive
+from ...ops.kda import kda_naive
+from ...ops.mhc import sinkhorn_naive
+from ...ops.moe import experts_naive
+from .refs import F32, pool_keys_naive, rel_rms, route_naive, rows_to_check
 
 
 @dataclass

@@ -22,8 +22,8 @@ OP = "pick_logprobs"
 def wrap_sampler(rec, slots, source_of) -> list[tuple]:
     """Install the wrappers; returns (module or class, name, original) for the caller to restore.
     `slots()`: the probed requests' KDA state slots; `source_of(fn)`: (file, function, line)."""
-    from ..engine import sampling
-    from ..native import sample as native_sample
+    from ...engine import sampling
+    from ...native import sample as native_sample
     ran_native = []
     pick = native_sample.pick_logprobs
     sample = sampling.Sampler.sample

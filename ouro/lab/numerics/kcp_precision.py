@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .findings import Finding
-from .kernel_refs import rel_rms
+from ..findings import Finding
+from ..kernels.refs import rel_rms
 
 GROWTH = 1.5      # error at the longest context over the shortest: above this the error grows
 FAR = 10.0        # a mode's error over fp32's: above this it is flagged
@@ -40,8 +40,8 @@ def _inputs(config, T: int, seed: int):
 def sweep(config, contexts, slice_len: int = 1024, chunk_size: int = 16, bins: int = 8, seed: int = 0) -> dict:
     """{precision: {context: error of the final state}, 'positions': {precision: [error per position bin at the
     longest context]}}."""
-    from ..ops.kda import kda_chunk
-    from ..ops.kda.cp import PRECISIONS, kda_sliced
+    from ...ops.kda import kda_chunk
+    from ...ops.kda.cp import PRECISIONS, kda_sliced
     out = {p: {} for p in PRECISIONS}
     out["positions"] = {}
     for T in sorted(contexts):

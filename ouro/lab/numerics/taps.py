@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from ..layers.context import ForwardContext
-from ..layers.watch import passive
+from ...layers.context import ForwardContext
+from ...layers.watch import passive
 from . import sub_taps
 from .fused_taps import FUSED_OPS
 from .sampler_taps import wrap_sampler
@@ -187,7 +187,7 @@ def probed_rows(t: torch.Tensor, ctx: ForwardContext, slots: set, channels_first
 def op_names() -> set[str]:
     """Names of the functions `ouro.ops` defines: a layer global of that name is an op call site
     (whatever it is bound to now, e.g. a patched replacement)."""
-    from .. import ops
+    from ... import ops
     names = set()
     for info in pkgutil.walk_packages(ops.__path__, "ouro.ops."):
         module = importlib.import_module(info.name)
@@ -259,7 +259,7 @@ class OuroTaps:
         return hook
 
     def _wrap_ops(self):
-        from .. import layers
+        from ... import layers
         ops = op_names()
         sites = [f"ouro.layers.{info.name}" for info in pkgutil.iter_modules(layers.__path__)] + list(OP_CALL_SITES)
         for module in map(importlib.import_module, sites):

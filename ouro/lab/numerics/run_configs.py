@@ -13,8 +13,8 @@ from dataclasses import dataclass, replace
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ..native.kernels import eager_only
-from ..ops.kda.cp import PRECISIONS
+from ...native.kernels import eager_only
+from ...ops.kda.cp import PRECISIONS
 from .hf_taps import TransformersTaps
 from .taps import OuroTaps, Recording
 
@@ -30,7 +30,7 @@ KEYS = {
     # MTP speculation over the decode tokens: drafts are the forced tokens with every step's last
     # one made wrong, so each verification accepts some and rolls one back (engine.speculative)
     "spec": ("off", "nextn:K"),
-    # tensor parallelism over real ranks (processes, gloo): the ranks' outputs joined (ouro.lab.tp_run)
+    # tensor parallelism over real ranks (processes, gloo): the ranks' outputs joined (ouro.lab.numerics.tp_run)
     "tp": int, "ep": ("off", "on"),
     # the fused native ops (`ouro.native`): "watched" (the taps see every module run, so fused ops that
     # span modules fall back to eager; a module's own fused op runs), "on" (taps passive: every fused
@@ -141,7 +141,7 @@ def run_config(model_dir, cfg: Config, prompt: list[int], seed: int = 0, device:
                names: dict | None = None) -> Recording:
     """Run `prompt` under `cfg` with every module and op tapped; `names` (ouro name -> (kind,
     source)) is needed for transformers, to know which of its modules to record."""
-    from ..config import ModelConfig
+    from ...config import ModelConfig
     mc = ModelConfig.from_hf(model_dir)
     rec = Recording(n_experts=mc.n_routed_experts, width=len(prompt))
     if cfg.impl == "transformers":
@@ -152,7 +152,7 @@ def run_config(model_dir, cfg: Config, prompt: list[int], seed: int = 0, device:
     elif cfg.cp > 1:
         if len(prompt) < cfg.cp:
             raise ValueError(f"cp={cfg.cp} needs a prompt of at least {cfg.cp} tokens")
-        from ..parallel.groups import launch
+        from ...parallel.groups import launch
         rec.merge(launch(_cp_rank, cfg.cp, str(model_dir), cfg, prompt, device, rec.n_experts, rec.width))
     else:
         _run_ouro(model_dir, cfg, prompt, rec, seed, device)
@@ -162,22 +162,22 @@ def run_config(model_dir, cfg: Config, prompt: list[int], seed: int = 0, device:
 def load_ouro(model_dir, cfg: Config, device: str = "cpu", tp_group=None, ep: bool = False):
     """The configuration's model; with `tp_group`, this rank's shard (before any quantisation, as
     the engine does)."""
-    from ..models.loader import load_model
+    from ...models.loader import load_model
     model = load_model(model_dir, dtype=getattr(torch, cfg.dtype), device=device, kda_chunk_size=cfg.kda_chunk)
     if tp_group is not None:
-        from ..parallel.tp_shard import shard_model
+        from ...parallel.tp_shard import shard_model
         shard_model(model, tp_group, ep=ep)
     if cfg.quant != "none":
-        from ..quant.w8a8 import quantize_model
+        from ...quant.w8a8 import quantize_model
         quantize_model(model, cfg.quant.removesuffix("_ref"), reference=cfg.quant.endswith("_ref"))
     return model
 
 
 def _run_ouro(model_dir, cfg, prompt, rec, seed, device):
-    from ..config import EngineConfig
-    from ..engine.llm_engine import LLMEngine
-    from ..engine.sampling import SamplingParams
-    from ..layers.context import ModelCache
+    from ...config import EngineConfig
+    from ...engine.llm_engine import LLMEngine
+    from ...engine.sampling import SamplingParams
+    from ...layers.context import ModelCache
     model = load_ouro(model_dir, cfg, device)
     mc, n = model.config, len(prompt)
     parts = pieces(cfg, n)
@@ -236,9 +236,9 @@ def _run_ouro(model_dir, cfg, prompt, rec, seed, device):
 def _cp_rank(groups, model_dir, cfg, prompt, device, n_experts, width) -> Recording:
     """One rank of a cp=N run: its slices of the prompt (chunk= tokens per CP forward), tapped at
     global positions; with split=on the helper ranks keep only their own DSA layers (LayerSplit)."""
-    from ..layers.context import ModelCache
-    from ..parallel.cp_prefill import run_prefill
-    from ..parallel.layer_split import owned
+    from ...layers.context import ModelCache
+    from ...parallel.cp_prefill import run_prefill
+    from ...parallel.layer_split import owned
     model = load_ouro(model_dir, cfg, device)
     pages = -(-len(prompt) // PAGE_SIZE)
     split, last = cfg.split == "on", groups.cp.rank() == groups.cp.size() - 1

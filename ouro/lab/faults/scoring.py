@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from .findings import Finding, sort_findings
+from ..findings import Finding, sort_findings
 
 
 def _match_one(where: dict, spec: dict, dsa_layers: set[int]) -> bool:

@@ -13,9 +13,9 @@ from contextlib import contextmanager
 
 import torch
 
-from .call_trace import CallRecorder, ouro_stack
-from .findings import Finding
-from .leak_paths import PATHS, make_engine
+from ..call_trace import CallRecorder, ouro_stack
+from ..findings import Finding
+from .paths import PATHS, make_engine
 
 PROBE = "leaks"
 RESOURCES = {   # resource -> the function that gives it back (file suffix, name)
@@ -50,7 +50,7 @@ class HandleDrops:
 
     @contextmanager
     def recording(self):
-        from ..engine.request import Request
+        from ...engine.request import Request
         original = Request.__setattr__
 
         def setattr_(obj, name, value):
@@ -165,7 +165,7 @@ def findings_from(results: list[dict]) -> list[Finding]:
 
 
 def probe_leaks(model: str = "tiny", seed: int = 0) -> list[Finding]:
-    from ..models.resolve import resolve_model
+    from ...models.resolve import resolve_model
     return findings_from(check_paths(str(resolve_model(model, progress=False)), seed))
 
 

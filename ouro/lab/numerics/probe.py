@@ -14,9 +14,9 @@ import math
 
 import torch
 
-from .findings import Finding
-from .numerics_report import PROBE, divergence_finding, logits_finding, tp_findings
-from .numerics_report import boundary_note as _boundary_note  # noqa: F401 - the tests' name for it
+from ..findings import Finding
+from .report import PROBE, divergence_finding, logits_finding, tp_findings
+from .report import boundary_note as _boundary_note  # noqa: F401 - the tests' name for it
 from .run_configs import PAGE_SIZE, Config, parse_config, run_config
 from .taps import Recording
 from .tolerances import ALLOWED_FRACTION, column, tolerance
@@ -40,8 +40,8 @@ def add_arguments(p) -> None:
 
 def run(args) -> list[Finding]:
     if getattr(args, "kcp_sweep", None):
-        from ..config import ModelConfig
-        from ..models.presets import PRESETS
+        from ...config import ModelConfig
+        from ...models.presets import PRESETS
         from .kcp_precision import sweep, sweep_findings
         config = PRESETS[args.model] if args.model in PRESETS else ModelConfig.from_hf(args.model)
         try:
@@ -60,12 +60,12 @@ def run(args) -> list[Finding]:
 def make_prompt(model_dir, n: int, seed: int) -> list[int]:
     """n tokens of real text when the checkpoint has a tokenizer (a trained model then sees its
     kind of input), else seeded random ids."""
-    from ..config import ModelConfig
-    from ..models.resolve import load_tokenizer
+    from ...config import ModelConfig
+    from ...models.resolve import load_tokenizer
     vocab = ModelConfig.from_hf(model_dir).vocab_size
     tok = load_tokenizer(model_dir)
     if tok is not None:
-        from ..models.tokenizer_corpus import CORPUS
+        from ...models.tokenizer_corpus import CORPUS
         ids = [i for i in tok.encode(CORPUS).ids if i < vocab]
         if len(ids) >= n:
             start = (seed * 7919) % (len(ids) - n + 1)
@@ -75,7 +75,7 @@ def make_prompt(model_dir, n: int, seed: int) -> list[int]:
 
 def probe_numerics(model: str, a: str | Config = "dtype=float64", b: str | Config = "dtype=float32",
                    prompt_len: int = DEFAULT_PROMPT_LEN, seed: int = 0, device: str = "cpu") -> list[Finding]:
-    from ..models.resolve import resolve_model
+    from ...models.resolve import resolve_model
     ca = a if isinstance(a, Config) else parse_config(a)
     cb = b if isinstance(b, Config) else parse_config(b)
     if prompt_len < 8:

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 
 import torch
 
-from ..layers.context import ForwardContext, ModelCache
+from ...layers.context import ForwardContext, ModelCache
 
 
 def amdahl(share: float, k: float) -> float:

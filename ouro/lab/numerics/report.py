@@ -1,4 +1,4 @@
-"""The numerics probe's findings (`numerics.py` compares, this says what the comparison found):
+"""The numerics probe's findings (`probe.py` compares, this says what the comparison found):
 the first divergence (where, which op, on which seam of the configuration, what to run next), how
 far the logits agree, and a tensor-parallel run whose ranks fell out of step."""
 
@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from .findings import Finding
+from ..findings import Finding
 from .run_configs import PAGE_SIZE, Config, hit_tokens, pieces
 from .taps import Recording
 from .tolerances import ERROR_FACTOR
@@ -85,7 +85,7 @@ CP_EXCHANGE = {"causal_conv1d": "the short conv's halo (ouro/parallel/cp_kda.py 
 
 def boundary_note(ctx, first: int, op: str | None = None) -> str | None:
     """Name the configuration seam the first offending position sits on, if it does."""
-    from ..parallel.cp_context import slice_bounds
+    from ...parallel.cp_context import slice_bounds
     n = ctx["n"]
     for cfg in (ctx["a"], ctx["b"]):
         if cfg.cp > 1 and first in slice_bounds(n, cfg.cp)[1:-1]:

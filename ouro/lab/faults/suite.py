@@ -14,11 +14,11 @@ import sys
 import tempfile
 import time
 
-from .call_trace import REPO_DIR
-from .fault_patch import Fault, apply_fault, copy_tree
-from .fault_scoring import score
-from .findings import Finding
-from .faults import all_faults
+from ..call_trace import REPO_DIR
+from .patch import Fault, apply_fault, copy_tree
+from .scoring import score
+from ..findings import Finding
+from . import all_faults
 
 BENCH = ["bench", "offline", "--model", "tiny", "--num-prompts", "8", "--input-len", "64", "--output-len", "16",
          "--max-concurrency", "8"]
@@ -95,7 +95,7 @@ def output_tok_s(root: str, timeout: float = 600.0) -> float | None:
 
 
 def _dsa_layers() -> set[int]:
-    from ..models.presets import PRESETS
+    from ...models.presets import PRESETS
     return {i for i, t in enumerate(PRESETS["tiny"].layer_types) if t != "linear_attention"}
 
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..measure.step_cost import ROUTED, attended_rows, expected_distinct
-from ..layers.context import ModelCache
+from ...measure.step_cost import ROUTED, attended_rows, expected_distinct
+from ...layers.context import ModelCache
 from .op_record import GATHER_LIKE, SCATTER_LIKE
 
 SELECT_PASSES = 16   # int64/fp32 passes over a query's pools that selection and addressing make

@@ -1,4 +1,4 @@
-"""Turn recorded steps (see `redundancy.py`) into findings: repeated computations, host syncs,
+"""Turn recorded steps (see `probe.py`) into findings: repeated computations, host syncs,
 work against the floor per block, ops per module."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import re
 from collections import Counter, defaultdict
 
-from ..measure.step_cost import ROUTED
-from .findings import Finding
+from ...measure.step_cost import ROUTED
+from ..findings import Finding
 from .module_floor import block_floors, block_of, recorded_by_block, weight_reads
 
 # a repeat wasting more than this share of the step's est. time is a warning (any repeated matmul

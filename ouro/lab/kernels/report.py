@@ -8,9 +8,9 @@ import inspect
 import os
 import statistics
 
-from ..measure.ab import verdict_from_times
-from .findings import Finding
-from .kernel_cases import KernelCase
+from ...measure.ab import verdict_from_times
+from ..findings import Finding
+from .cases import KernelCase
 
 PROBE = "kernels"
 WARN_ROOF_SHARE = 0.10   # an op reaching less than this share of its floor speed ...
