@@ -180,7 +180,7 @@ def test_the_option_is_checked():
         EngineConfig(deterministic_inference="yes")
     with pytest.raises(ValueError, match="drop --compile"):
         check_engine_options(EngineConfig(deterministic_inference=True, compile=True),
-                             ModelConfig.from_hf(resolve_model("tiny-py")), False, 1)
+                             ModelConfig.from_hf(resolve_model("tiny-py")))
 
 
 @pytest.mark.slow

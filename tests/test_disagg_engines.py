@@ -145,7 +145,7 @@ def test_a_prefix_the_decode_side_holds_is_not_sent_again(ckpt):
             for o in ref.step():
                 want.setdefault(o.request_id, []).extend(o.new_token_ids)
     p_eng = PrefillEngine(LLMEngine(load_model(ckpt), None, EngineConfig(**KW), verbose=False))
-    d = DecodeEngine(LLMEngine(load_model(ckpt), None, EngineConfig(**KW), enable_prefix_caching=True, verbose=False))
+    d = DecodeEngine(LLMEngine(load_model(ckpt), None, EngineConfig(**KW, enable_prefix_caching=True), verbose=False))
     try:
         got, sent = {}, []
         for i, p in enumerate(ps):

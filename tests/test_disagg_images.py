@@ -63,8 +63,8 @@ def trio(vl, prefix_decode=False, timeout_s=30.0):
     enc = EncodeWorker(str(d))
     p = PrefillEngine(LLMEngine(load_model(d), None, EngineConfig(**KW), verbose=False, model_dir=d), timeout_s,
                       images=True)
-    dec = DecodeEngine(LLMEngine(load_model(d), None, EngineConfig(**KW), verbose=False, model_dir=d,
-                                 enable_prefix_caching=prefix_decode), timeout_s=timeout_s)
+    dec = DecodeEngine(LLMEngine(load_model(d), None, EngineConfig(**KW, enable_prefix_caching=prefix_decode),
+                                 verbose=False, model_dir=d), timeout_s=timeout_s)
     return enc, p, dec
 
 

@@ -22,8 +22,9 @@ def tiny():
 
 def engine(model, pages, slots=4, page_size=16, tokens=512, caching=True, interval=1):
     cfg = EngineConfig(page_size=page_size, max_memory=budget_for(model.config, pages, slots, page_size),
-                       max_num_seqs=slots, max_num_batched_tokens=tokens)
-    return LLMEngine(model, None, cfg, enable_prefix_caching=caching, checkpoint_interval=interval, verbose=False)
+                       max_num_seqs=slots, max_num_batched_tokens=tokens, enable_prefix_caching=caching,
+                       prefix_checkpoint_interval=interval)
+    return LLMEngine(model, None, cfg, verbose=False)
 
 
 def pools_full_after_reset(e):

@@ -164,11 +164,11 @@ def test_option_conflicts_name_the_option(tiny_dir):
     with pytest.raises(ValueError, match="index_kpool"):
         LLMEngine(model, None, EngineConfig(page_size=6, max_memory=1 << 24), verbose=False)
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
-        LLMEngine(model, None, EngineConfig(page_size=64, max_num_batched_tokens=32, max_memory=1 << 24),
-                  enable_prefix_caching=True, verbose=False)
+        LLMEngine(model, None, EngineConfig(page_size=64, max_num_batched_tokens=32, max_memory=1 << 24,
+                                            enable_prefix_caching=True), verbose=False)
     with pytest.raises(ValueError, match="checkpoint_interval"):
-        LLMEngine(model, None, EngineConfig(max_memory=1 << 24), enable_prefix_caching=True,
-                  checkpoint_interval=0, verbose=False)
+        LLMEngine(model, None, EngineConfig(max_memory=1 << 24, enable_prefix_caching=True,
+                                            prefix_checkpoint_interval=0), verbose=False)
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="no CUDA"):
             LLM(str(tiny_dir), device="cuda")
@@ -238,7 +238,7 @@ def test_small_budget_still_caches_or_says_why(tiny_dir, caplog):
     model = load_model(tiny_dir)
     small = budget_for(model.config, 12, 2) + 2 * 9600
     e = LLMEngine(model, None, EngineConfig(page_size=16, max_memory=small, max_num_seqs=2,
-                                            max_num_batched_tokens=64), enable_prefix_caching=True, verbose=False)
+                                            max_num_batched_tokens=64, enable_prefix_caching=True), verbose=False)
     assert e.plan.n_checkpoints >= 1 and e.prefix_cache is not None and e.stats()["prefix_caching"]
     prompt = list(range(10, 60))
     first = e.add_request(prompt, GREEDY)
@@ -250,7 +250,7 @@ def test_small_budget_still_caches_or_says_why(tiny_dir, caplog):
     tiny_budget = budget_for(model.config, 1, 1)
     with caplog.at_level("WARNING", logger="ouro.engine"):
         off = LLMEngine(model, None, EngineConfig(page_size=16, max_memory=tiny_budget, max_num_seqs=1,
-                                                  max_num_batched_tokens=64), enable_prefix_caching=True,
+                                                  max_num_batched_tokens=64, enable_prefix_caching=True),
                         verbose=False)
     assert off.prefix_cache is None and not off.stats()["prefix_caching"]
     assert "prefix caching is OFF" in caplog.text and off.prefix_caching_off_reason

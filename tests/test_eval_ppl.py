@@ -64,8 +64,8 @@ def prompts(n_list, seed=0, vocab=512):
 
 def engine_for(model, batched=16, caching=False, pages=120, slots=8):
     cfg = EngineConfig(page_size=16, max_memory=budget_for(model.config, pages=pages, slots=slots),
-                       max_num_seqs=4, max_num_batched_tokens=batched)
-    engine = LLMEngine(model, None, cfg, enable_prefix_caching=caching, verbose=False)
+                       max_num_seqs=4, max_num_batched_tokens=batched, enable_prefix_caching=caching)
+    engine = LLMEngine(model, None, cfg, verbose=False)
     engine.runner.cache.poison()      # NaN cache: a read of never-written state shows up in the logprobs
     return engine
 

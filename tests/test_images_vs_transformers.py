@@ -36,9 +36,9 @@ def vl():
 
 
 def engine(d, prefix=False, **kw):
-    cfg = EngineConfig(**{"max_memory": 64 << 20, "page_size": 16, "max_num_batched_tokens": 16, **kw})
-    return LLMEngine(load_model(d), load_tokenizer(d), cfg, verbose=False, record_logits=True, model_dir=d,
-                     enable_prefix_caching=prefix)
+    cfg = EngineConfig(**{"max_memory": 64 << 20, "page_size": 16, "max_num_batched_tokens": 16,
+                          "enable_prefix_caching": prefix, **kw})
+    return LLMEngine(load_model(d), load_tokenizer(d), cfg, verbose=False, record_logits=True, model_dir=d)
 
 
 def placeholder(c):

@@ -6,6 +6,8 @@ joined by a real transfer equals one engine; bad specs are refused naming the la
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -70,7 +72,7 @@ def test_a_prefix_hit_equals_a_cold_run_under_fp8(tiny_py):
             out += [o for o in engine.step() if o.request_id == rid]
         return out[-1]
     cold = run(LLMEngine(tiny_py, None, cfg, verbose=False))
-    warm_engine = LLMEngine(tiny_py, None, cfg, enable_prefix_caching=True, verbose=False)
+    warm_engine = LLMEngine(tiny_py, None, dataclasses.replace(cfg, enable_prefix_caching=True), verbose=False)
     first, again = run(warm_engine), run(warm_engine)
     assert again.cached_tokens >= 64 and first.cached_tokens == 0          # the second one hit whole pages
     assert cold.token_ids == first.token_ids == again.token_ids
@@ -92,7 +94,7 @@ def test_layer_specs_are_checked():
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         EngineConfig(kv_cache_dtype="fp4")
     with pytest.raises(ValueError, match="does not combine with --compile"):
-        check_engine_options(EngineConfig(kv_cache_dtype="fp8_e4m3", compile=True), PRESETS["tiny"], False, 1)
+        check_engine_options(EngineConfig(kv_cache_dtype="fp8_e4m3", compile=True), PRESETS["tiny"])
 
 
 @pytest.mark.parametrize("backend", ["tcp", "shm"])

@@ -14,9 +14,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 def engine_for(model, caching, interval=1):
     cfg = EngineConfig(page_size=16, max_memory=budget_for(model.config, pages=60, slots=4) * 2, max_num_seqs=4,
-                       max_num_batched_tokens=48)
-    return LLMEngine(model, None, cfg, enable_prefix_caching=caching, checkpoint_interval=interval,
-                     verbose=False, record_logits=True)
+                       max_num_batched_tokens=48, enable_prefix_caching=caching, prefix_checkpoint_interval=interval)
+    return LLMEngine(model, None, cfg, verbose=False, record_logits=True)
 
 
 def run_one(engine, prompt):

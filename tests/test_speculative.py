@@ -205,7 +205,7 @@ def test_bad_speculative_options_are_refused(tmp_path):
         from ouro.config import ModelConfig
         from ouro.models.resolve import resolve_model
         check_engine_options(EngineConfig(speculative_algorithm="MTP", context_parallel_size=2),
-                             ModelConfig.from_hf(resolve_model("tiny-py")), False, 1)
+                             ModelConfig.from_hf(resolve_model("tiny-py")))
     with pytest.raises(ValueError, match="unknown keys"):
         LLM("tiny-py", max_memory=32 << 20, page_size=16, speculative_config={"method": "mtp", "topk": 4})
 

@@ -122,11 +122,11 @@ def test_command_line_refuses_mismatched_parallel_options():
     c = ModelConfig.from_hf(resolve_model("tiny-py"))
     for kw, message in (({"speculative_algorithm": "NEXTN"}, "speculative decoding"),):
         with pytest.raises(ValueError, match=message):
-            check_engine_options(EngineConfig(tensor_parallel_size=2, **kw), c, False, 1)
+            check_engine_options(EngineConfig(tensor_parallel_size=2, **kw), c)
     with pytest.raises(ValueError, match="needs --tp N"):
-        check_engine_options(EngineConfig(expert_parallel=True), c, False, 1)
+        check_engine_options(EngineConfig(expert_parallel=True), c)
     with pytest.raises(ValueError, match="linear_num_heads\\) = 4"):
-        check_engine_options(EngineConfig(tensor_parallel_size=3), c, False, 1)
+        check_engine_options(EngineConfig(tensor_parallel_size=3), c)
 
 
 @pytest.mark.slow

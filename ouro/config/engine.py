@@ -92,6 +92,10 @@ class EngineConfig:
     # batch-invariant kernels (ouro.ops.batch_invariant): a row's logits do not depend on its batch,
     # so speculative and plain runs, batch 1 and batch 16, agree bit for bit; slower, eager only
     deterministic_inference: bool = False
+    # prefix caching (ouro.engine.prefix_cache): full prompt pages shared between requests, with a
+    # KDA-state checkpoint every `prefix_checkpoint_interval` pages (the states cannot be rebuilt from rows)
+    enable_prefix_caching: bool = False
+    prefix_checkpoint_interval: int = 1
 
     DTYPES = ("auto", "float32", "bfloat16", "float16")
     QUANTIZATIONS = ("w8a8", "fp8")
@@ -123,7 +127,14 @@ class EngineConfig:
         count("max_model_len", optional=True)
         count("max_memory", optional=True)
         count("cp_chunk_size", minimum=0)
-        for name in ("compile", "deterministic_inference", "expert_parallel", "cp_layer_split"):
+        if not _is_int(self.prefix_checkpoint_interval) or self.prefix_checkpoint_interval < 1:
+            raise ValueError("prefix checkpoint_interval must be an integer >= 1 (pages), got "
+                             f"{self.prefix_checkpoint_interval!r}")
+        if self.enable_prefix_caching and self.prefix_checkpoint_interval * self.page_size > self.max_num_batched_tokens:
+            raise ValueError(f"the prefix-cache checkpoint interval ({self.prefix_checkpoint_interval} pages x page_size "
+                             f"{self.page_size}) must fit in max_num_batched_tokens ({self.max_num_batched_tokens}), "
+                             "or prefill could never reach a checkpoint")
+        for name in ("compile", "deterministic_inference", "expert_parallel", "cp_layer_split", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.speculative_algorithm is not None and str(self.speculative_algorithm).upper() not in self.SPECULATIVE:

@@ -20,7 +20,8 @@ FLAGS = {"dtype": "dtype", "page_size": "page_size", "max_num_seqs": "max_num_se
          "torch_compile_max_bs": "torch_compile_max_bs", "quantization": "quantization",
          "kv_cache_dtype": "kv_cache_dtype", "kv_cache_layer_dtype": "kv_cache_layer_dtype",
          "speculative_algorithm": "speculative_algorithm", "speculative_num_steps": "speculative_num_steps",
-         "tensor_parallel_size": "tp", "expert_parallel": "ep", "quantization_ignore": "quantization_ignore"}
+         "tensor_parallel_size": "tp", "expert_parallel": "ep", "quantization_ignore": "quantization_ignore",
+         "enable_prefix_caching": "enable_prefix_caching", "prefix_checkpoint_interval": "prefix_checkpoint_interval"}
 
 
 def load_config_file(path) -> dict:

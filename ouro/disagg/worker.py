@@ -58,12 +58,9 @@ def run_worker(role: str, model_dir: str, engine_kwargs: dict, host: str, port: 
     trace_path = spans.start_from_env(f".{role}.json", process_name=f"ouro {role}")
     torch.set_num_threads(int(os.environ.get("OURO_NUM_THREADS", torch.get_num_threads())))
     inbox, outbox = bind_sockets(host, port)
-    prefix = engine_kwargs.pop("enable_prefix_caching", False)
-    interval = engine_kwargs.pop("prefix_checkpoint_interval", 1)
     cfg = EngineConfig(**engine_kwargs)
     model = load_model(model_dir, dtype=cfg.torch_dtype(), device=cfg.device, kda_chunk_size=cfg.kda_chunk_size)
-    engine = LLMEngine(model, None, cfg, enable_prefix_caching=prefix, checkpoint_interval=interval,
-                       model_dir=model_dir, verbose=True, tp_follower_module="ouro.disagg.tp_ranks")
+    engine = LLMEngine(model, None, cfg, model_dir=model_dir, verbose=True, tp_follower_module="ouro.disagg.tp_ranks")
     if role == "prefill":
         worker = PrefillEngine(engine, timeout_s, images=has_vision(model_dir), encoder_cache_bytes=encoder_cache_bytes,
                                host=host)

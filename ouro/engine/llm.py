@@ -96,6 +96,7 @@ class LLM:
         fields = dict(device=device, dtype=dtype, max_memory=max_memory, memory_fraction=memory_fraction,
                       max_num_seqs=max_num_seqs,
                       max_num_batched_tokens=max_num_batched_tokens, page_size=page_size, seed=seed,
+                      enable_prefix_caching=enable_prefix_caching, prefix_checkpoint_interval=prefix_checkpoint_interval,
                       compile=compile, torch_compile_max_bs=torch_compile_max_bs, quantization=quantization,
                       quantization_ignore=quantization_ignore, kv_cache_dtype=kv_cache_dtype,
                       kv_cache_layer_dtype=kv_cache_layer_dtype, deterministic_inference=enable_deterministic_inference,
@@ -110,11 +111,11 @@ class LLM:
         cfg = EngineConfig(**fields)
         directory = resolve_model(model, progress=verbose)
         # options checked against the model's config before any weight is read
-        check_engine_options(cfg, ModelConfig.from_hf(directory), enable_prefix_caching, prefix_checkpoint_interval)
+        check_engine_options(cfg, ModelConfig.from_hf(directory))
         weights = load_model(directory, dtype=cfg.torch_dtype(), device=device, kda_chunk_size=cfg.kda_chunk_size)
         self._calls = 0
-        self.engine = LLMEngine(weights, load_tokenizer(directory), cfg, enable_prefix_caching,
-                                checkpoint_interval=prefix_checkpoint_interval, verbose=verbose, model_dir=directory)
+        self.engine = LLMEngine(weights, load_tokenizer(directory), cfg, verbose=verbose, model_dir=directory,
+                                options_checked=True)
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[GenerationResult]:

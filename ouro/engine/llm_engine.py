@@ -32,14 +32,17 @@ log = logging.getLogger("ouro.engine")
 
 
 class LLMEngine:
-    def __init__(self, model, tokenizer=None, config: EngineConfig = EngineConfig(), enable_prefix_caching=False,
-                 checkpoint_interval: int = 1, verbose: bool = True, record_logits: bool = False,
-                 logits_processors=(), model_dir=None, mtp_layer=None, tp_follower_module=None):
+    def __init__(self, model, tokenizer=None, config: EngineConfig = EngineConfig(), verbose: bool = True,
+                 record_logits: bool = False, logits_processors=(), model_dir=None, mtp_layer=None,
+                 tp_follower_module=None, options_checked: bool = False):
         """model_dir: the checkpoint `model` came from; context parallelism loads it on its helper ranks,
         speculative decoding its MTP layer (or pass `mtp_layer`, an `ouro.models.mtp.MTPLayer`), an
         image its vision tower.
-        tp_follower_module: the tensor-parallel followers' entry, for a role with more operations."""
-        check_engine_options(config, model.config, enable_prefix_caching, checkpoint_interval)
+        tp_follower_module: the tensor-parallel followers' entry, for a role with more operations.
+        options_checked: the caller ran `check_engine_options(config, model.config)` before loading weights."""
+        if not options_checked:
+            check_engine_options(config, model.config)
+        enable_prefix_caching, checkpoint_interval = config.enable_prefix_caching, config.prefix_checkpoint_interval
         if config.device == "cpu":
             keep_activation_buffers()      # a step's multi-MB activations reused, not faulted in again
         self.tp = tp_workers.start(model, config, model_dir, tp_follower_module)     # the model now holds this rank's shard

@@ -1,5 +1,7 @@
 """Engine options checked against each other, the model's config and the machine, before any
-weights load (`check_engine_options`: the server and `LLM` call it first, then the engine they build)."""
+weights load. `check_engine_options` runs once per engine, first thing: the server and `LLM` call it
+before they load weights; the engine they then build takes the config as checked. An `LLMEngine`
+built directly (`LLMEngine(model, ...)`) checks it itself."""
 
 from __future__ import annotations
 
@@ -7,12 +9,10 @@ from ..config import EngineConfig
 from . import tp_workers
 
 
-def check_engine_options(config: EngineConfig, mc, enable_prefix_caching: bool, checkpoint_interval: int) -> None:
+def check_engine_options(config: EngineConfig, mc) -> None:
     """Engine options against each other, the model's config and the machine (no weights needed)."""
     config.validate()
     config.check_device()
-    if isinstance(checkpoint_interval, bool) or not isinstance(checkpoint_interval, int) or checkpoint_interval < 1:
-        raise ValueError(f"prefix checkpoint_interval must be an integer >= 1 (pages), got {checkpoint_interval!r}")
     tp_workers.check_options(config, mc)
     if config.speculative_algorithm and config.context_parallel_size > 1:
         raise ValueError("speculative decoding does not combine with context parallelism yet; drop one of them")
@@ -28,7 +28,3 @@ def check_engine_options(config: EngineConfig, mc, enable_prefix_caching: bool, 
     if config.page_size % mc.index_kpool:
         raise ValueError(f"page_size must be a multiple of the model's index_kpool ({mc.index_kpool}), "
                          f"got {config.page_size}")
-    if enable_prefix_caching and checkpoint_interval * config.page_size > config.max_num_batched_tokens:
-        raise ValueError(f"the prefix-cache checkpoint interval ({checkpoint_interval} pages x page_size "
-                         f"{config.page_size}) must fit in max_num_batched_tokens ({config.max_num_batched_tokens}), "
-                         "or prefill could never reach a checkpoint")

@@ -92,12 +92,10 @@ def run_engine(model_dir: str, engine_kwargs: dict, in_addr: str, out_addr: str,
     inbox.connect(in_addr)
     outbox.connect(out_addr)
     try:
-        prefix = engine_kwargs.pop("enable_prefix_caching", False)
-        interval = engine_kwargs.pop("prefix_checkpoint_interval", 1)
-        cfg = EngineConfig(**engine_kwargs)
+        cfg = EngineConfig(**engine_kwargs)          # checked by the frontend before it started this process
         model = load_model(model_dir, dtype=cfg.torch_dtype(), device=cfg.device, kda_chunk_size=cfg.kda_chunk_size)
-        engine = LLMEngine(model, None, cfg, enable_prefix_caching=prefix, checkpoint_interval=interval, model_dir=model_dir,
-                           verbose=True, logits_processors=load_logits_processors(logits_processors, model_dir))
+        engine = LLMEngine(model, None, cfg, model_dir=model_dir, verbose=True, options_checked=True,
+                           logits_processors=load_logits_processors(logits_processors, model_dir))
     except Exception as e:  # tell the frontend why, then exit
         outbox.send(encode({"type": "fatal", "message": f"{type(e).__name__}: {e}"}))
         time.sleep(0.2)

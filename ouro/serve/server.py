@@ -83,8 +83,7 @@ def serve(args, make_client=None) -> int:
     mc = ModelConfig.from_hf(directory)
     if make_client is None:
         kw = engine_kwargs(args)
-        cfg = EngineConfig(**{k: v for k, v in kw.items() if k not in ("enable_prefix_caching", "prefix_checkpoint_interval")})
-        check_engine_options(cfg, mc, kw["enable_prefix_caching"], kw["prefix_checkpoint_interval"])
+        check_engine_options(EngineConfig(**kw), mc)
         make_client = lambda d, on_stats: EngineClient(d, kw, args.logits_processors, on_stats=on_stats)
     tokenizer = load_tokenizer(directory)
     if tokenizer is None:

@@ -11,8 +11,9 @@ def make_engine(model_dir: str, prefix: bool):
     from ...engine.llm_engine import LLMEngine
     from ...models.loader import load_model
     model = load_model(model_dir, dtype=torch.float32)
-    cfg = EngineConfig(page_size=16, max_num_seqs=4, max_num_batched_tokens=24, max_memory=8 << 20)
-    return LLMEngine(model, None, cfg, enable_prefix_caching=prefix, verbose=False)
+    cfg = EngineConfig(page_size=16, max_num_seqs=4, max_num_batched_tokens=24, max_memory=8 << 20,
+                       enable_prefix_caching=prefix)
+    return LLMEngine(model, None, cfg, verbose=False)
 
 
 def _params(max_tokens=6, **kw):

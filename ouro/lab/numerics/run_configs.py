@@ -189,8 +189,9 @@ def _run_ouro(model_dir, cfg, prompt, rec, seed, device):
     spec = dict(speculative_algorithm="NEXTN", speculative_num_steps=cfg.spec_steps) if cfg.spec_steps else {}
     ec = EngineConfig(device=device, page_size=PAGE_SIZE, max_num_seqs=cfg.batch + 1, max_memory=budget,
                       max_num_batched_tokens=cfg.chunk or max(4096, (cfg.batch + 1) * n), kda_chunk_size=cfg.kda_chunk,
-                      kv_cache_dtype="auto" if cfg.kv == "none" else cfg.kv, **spec)
-    engine = LLMEngine(model, None, ec, enable_prefix_caching=cfg.prefix == "hit", verbose=False, model_dir=model_dir)
+                      kv_cache_dtype="auto" if cfg.kv == "none" else cfg.kv, enable_prefix_caching=cfg.prefix == "hit",
+                      **spec)
+    engine = LLMEngine(model, None, ec, verbose=False, model_dir=model_dir)
     if engine.speculator is not None:
         engine.speculator.probe_reject_last = True
     # NaN-filled: a read of never-written memory (a row, a scale, a state) shows, whatever the
