@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import logging
 import sys
-import time
 
 import torch
 
@@ -15,15 +14,16 @@ from ..parallel import cp_prefill
 from ..quant.w8a8 import quantize_model
 from .admission import checked_request
 from .checkpointer import Checkpointer, CheckpointStore
+from .disagg_requests import DisaggRequests
 from .detokenizer import IncrementalDetokenizer
 from .memory import cache_budget, plan_memory
 from .outputs import OutputProcessor
 from .model_runner import ModelRunner
-from .page_pool import NoRoom, OutOfPages, PagePool, SlotPool
+from .page_pool import PagePool, SlotPool
 from .grammar_queue import GrammarQueue
 from .host_allocator import keep_activation_buffers
 from .options import check_engine_options
-from .request import Request, RequestFailed, RequestOutput, Status
+from .request import Request, RequestFailed, RequestOutput
 from .sampling import Sampler, SamplingParams, make_generator
 from . import speculative, tp_workers
 from .scheduler import Scheduler
@@ -31,7 +31,7 @@ from .scheduler import Scheduler
 log = logging.getLogger("ouro.engine")
 
 
-class LLMEngine:
+class LLMEngine(DisaggRequests):
     def __init__(self, model, tokenizer=None, config: EngineConfig = EngineConfig(), verbose: bool = True,
                  record_logits: bool = False, logits_processors=(), model_dir=None, mtp_layer=None,
                  tp_follower_module=None, options_checked: bool = False):
@@ -53,7 +53,7 @@ class LLMEngine:
         # callables (prompt_ids, output_ids, logits [V]) -> logits, applied before sampling
         self.logits_processors = list(logits_processors)
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-        self.outputs = OutputProcessor(mc.eos_token_ids, self.max_model_len, self._finish)
+        self.outputs = OutputProcessor(mc.eos_token_ids, self.max_model_len)
         self.logits_history = self.outputs.logits_history     # request id -> each step's logits (record_logits)
         # one budget for the engine, measured once here: its tensor-parallel ranks share it (each
         # rank's cache is planned from its share; the followers build what this rank planned)
@@ -176,69 +176,6 @@ class LLMEngine:
         self.scheduler.finish(req, "abort")
         return True
 
-    # ---- requests prefilled by another engine (`ouro serve --role decode`: `disagg.decode_engine`) ----
-    def reserve_prefilled(self, request_id: str, ids: list[int], params: SamplingParams, mm=None) -> Request:
-        """A state slot and the prompt's pages for a checked request (`check_request`) whose rows
-        and KDA state another engine computes and sends; it is not scheduled until
-        `activate_prefilled`. The full pages of a prefix this engine's prefix cache holds come first,
-        locked: `req.prefix_match.usable_tokens` rows need not be sent. Raises NoRoom, having
-        changed nothing, when no slot or pages are free now."""
-        slot = self.slots.alloc()
-        if slot is None:
-            raise NoRoom("no free state slot")
-        held = self.prefix_cache.match(mm.key_ids(ids) if mm else ids, rows_only=True) if self.prefix_cache else None
-        if held is not None and held.usable_tokens:
-            self.prefix_cache.lock(held)
-        own, held = (held.usable_pages, held) if held is not None and held.usable_tokens else ([], None)
-        need = -(-len(ids) // self.config.page_size) - len(own)
-        try:
-            if need > self.pages.num_free and self.prefix_cache is not None:
-                self.prefix_cache.evict_pages(need - self.pages.num_free)
-            pages = list(own) + self.pages.alloc(need)
-        except OutOfPages as err:
-            self.slots.free(slot)
-            if held:
-                self.prefix_cache.unlock(held)
-            raise NoRoom(f"no pages: {err}") from None
-        n = next(self._ids)
-        req = Request(request_id, ids, params, generator=make_generator(params.seed, self.config.seed + n), pages=pages,
-                      slot=slot, prefix_match=held, mm=mm)
-        if self.tokenizer is not None:
-            req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.stop_list, params.skip_special_tokens)
-        return req
-
-    def activate_prefilled(self, req: Request, first_token: int, logprob=None, top_logprobs=None,
-                           cached_tokens: int = 0) -> RequestOutput:
-        """A reserved request whose prompt state has arrived joins the running batch, its prompt
-        computed, with `first_token` (sampled by the prefill engine) as its first output."""
-        req.num_computed, req.cached_tokens = len(req.prompt_ids), cached_tokens
-        if self.prefix_cache is not None:   # its full pages serve later requests' rows here
-            full = len(req.prompt_ids) // self.config.page_size
-            self.prefix_cache.insert(req.key_ids[: full * self.config.page_size], req.pages[:full], {})
-        req.status, req.first_scheduled = Status.RUNNING, time.monotonic()
-        self.requests[req.request_id] = req
-        self.scheduler.running.append(req)
-        return self.outputs.output(req, [first_token], self.outputs.emit(req, first_token, logprob, top_logprobs))
-
-    def release_reserved(self, req: Request) -> None:
-        """A reserved request that will not be activated: its slot, pages and prefix lock go back."""
-        self.scheduler.free(req)
-
-    def held_request(self, request_id: str) -> Request | None:
-        """A finished request whose pages and slot are kept (`hold_on_finish`: its state is being sent)."""
-        return self.scheduler.held.get(request_id)
-
-    def release_held(self, request_id: str) -> bool:
-        """A held request's pages and slot go back (its state was sent, or never will be)."""
-        return self.scheduler.release(request_id)
-
-    def num_held(self) -> int:
-        return len(self.scheduler.held)
-
-    def running(self) -> list[Request]:
-        """The requests the next step computes, besides those waiting (read only)."""
-        return list(self.scheduler.running)
-
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or bool(self.grammars) or bool(self.failed)
 
@@ -336,10 +273,17 @@ class LLMEngine:
         with span("outputs", cat="outputs"):   # detokenize, stop checks, output objects
             for k, r in enumerate(reqs):
                 tok = sampled.token_ids[k]
-                new_text = self.outputs.emit(r, tok, sampled.logprobs[k], sampled.top_logprobs[k],
+                new_text = self.emit(r, tok, sampled.logprobs[k], sampled.top_logprobs[k],
                                       logits[k] if self.record_logits else None)
                 outputs.append(self.outputs.output(r, [tok], new_text))
         return outputs
+
+    def emit(self, r: Request, tok: int, logprob, top, logits_row=None) -> str:
+        """One output token through the output processor; a request it stops is let go here. The new text."""
+        text, reason = self.outputs.emit(r, tok, logprob, top, logits_row)
+        if reason:
+            self._finish(r, reason)
+        return text
 
     def reset_prefix_cache(self) -> int:
         """Drop every unreferenced cached prefix page and checkpoint; returns the pages freed."""

@@ -190,8 +190,8 @@ class Speculator:
                 new_ids, new_text = [], ""
                 for k, tok in enumerate(emitted):
                     new_ids.append(tok)
-                    new_text += e.outputs.emit(r, tok, sampled.logprobs[k], sampled.top_logprobs[k],
-                                           spec_logits[b][k] if e.record_logits else None)
+                    new_text += e.emit(r, tok, sampled.logprobs[k], sampled.top_logprobs[k],
+                                       spec_logits[b][k] if e.record_logits else None)
                     if r.is_finished:
                         break
                 outputs.append(e.outputs.output(r, new_ids, new_text))
