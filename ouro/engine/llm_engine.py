@@ -42,7 +42,6 @@ class LLMEngine(DisaggRequests):
         options_checked: the caller ran `check_engine_options(config, model.config)` before loading weights."""
         if not options_checked:
             check_engine_options(config, model.config)
-        enable_prefix_caching, checkpoint_interval = config.enable_prefix_caching, config.prefix_checkpoint_interval
         if config.device == "cpu":
             keep_activation_buffers()      # a step's multi-MB activations reused, not faulted in again
         self.tp = tp_workers.start(model, config, model_dir, tp_follower_module)     # the model now holds this rank's shard
@@ -55,34 +54,57 @@ class LLMEngine(DisaggRequests):
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         self.outputs = OutputProcessor(mc.eos_token_ids, self.max_model_len)
         self.logits_history = self.outputs.logits_history     # request id -> each step's logits (record_logits)
-        # one budget for the engine, measured once here: its tensor-parallel ranks share it (each
-        # rank's cache is planned from its share; the followers build what this rank planned)
-        self.budget = cache_budget(config)
-        budget = self.budget.per_rank
-        dtype = model.embed_tokens.weight.dtype
-        self.kv_kinds = config.kv_kinds(mc)      # DSA layers whose cache rows are quantised
         # with speculation the cache also holds the MTP draft layer's rows (one more DSA layer)
         cache_config = mc.with_mtp_layer() if config.speculative_algorithm else mc
-        self.plan = plan_memory(cache_config, budget, config.page_size, config.max_num_seqs, dtype, kv_kinds=self.kv_kinds,
-                                checkpoint_fraction=0.1 if enable_prefix_caching else 0.0,
-                                max_model_len=self.max_model_len, checkpoint_interval=checkpoint_interval,
+        self._plan_cache(cache_config, verbose)
+        self.pages, self.slots = PagePool(self.plan.n_pages), SlotPool(self.plan.n_slots)
+        self.cp = cp_prefill.start(model, config, model_dir, self.tp, self.kv_kinds)     # None without --cp
+        if config.deterministic_inference:
+            _deterministic(verbose)
+        # in place, before the runner measures its products: the engine runs what it was built with
+        self.quantized = (quantize_model(model, config.quantization, config.quantization_ignore)
+                          if config.quantization else None)
+        self._build_runner(cache_config)
+        self.speculator = speculative.start(self, mtp_layer)     # None without --speculative-algorithm
+        if config.compile:
+            done = self.runner.warm_up(progress=verbose)
+            if verbose:
+                print(f"ouro: compiled the decode step for batch sizes {done['buckets']} in {done['seconds']:.1f} s",
+                      file=sys.stderr)
+        self._start_prefix_cache()
+        self.scheduler = Scheduler(self.pages, self.slots, config.page_size, config.max_num_seqs,
+                                   config.max_num_batched_tokens, self.prefix_cache,
+                                   chunk_align=config.prefix_checkpoint_interval * config.page_size
+                                   if self.prefix_cache else 0,
+                                   cp_threshold=config.cp_threshold if self.cp else 0)
+        self.sampler = Sampler()
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self.grammars = GrammarQueue(tokenizer, model.config, model_dir)    # structured outputs compiling
+        self.failed: list[tuple[str, str]] = []   # (request id, why): released, raised one per step()
+        self.num_failed_steps = 0
+
+    def _plan_cache(self, cache_config, verbose: bool) -> None:
+        """The memory budget, measured once here (the tensor-parallel ranks share it: each rank's
+        cache is planned from its share, the followers build what this rank planned), and the pools'
+        sizes from it, said in one line."""
+        config = self.config
+        self.budget = cache_budget(config)
+        self.kv_kinds = config.kv_kinds(self.model.config)      # DSA layers whose cache rows are quantised
+        self.plan = plan_memory(cache_config, self.budget.per_rank, config.page_size, config.max_num_seqs,
+                                self.model.embed_tokens.weight.dtype, kv_kinds=self.kv_kinds,
+                                checkpoint_fraction=0.1 if config.enable_prefix_caching else 0.0,
+                                max_model_len=self.max_model_len, checkpoint_interval=config.prefix_checkpoint_interval,
                                 budget=self.budget)
         if verbose:
             print(f"ouro: {self.plan.describe(min(self.max_model_len, 4096))}", file=sys.stderr, flush=True)
         else:
             log.info("%s", self.plan.describe(min(self.max_model_len, 4096)))
-        self.pages, self.slots = PagePool(self.plan.n_pages), SlotPool(self.plan.n_slots)
-        self.cp = cp_prefill.start(model, config, model_dir, self.tp, self.kv_kinds)     # None without --cp
-        if config.deterministic_inference:
-            from ..ops import batch_invariant
-            block = batch_invariant.enable()        # process-wide, before any product is measured or run
-            if verbose:
-                print(f"ouro: deterministic inference: products padded to {block}-row blocks; batch-invariant "
-                      f"kernels for {', '.join(batch_invariant.replaced())}", file=sys.stderr)
-        # in place, before the runner measures its products: the engine runs what it was built with
-        self.quantized = (quantize_model(model, config.quantization, config.quantization_ignore)
-                          if config.quantization else None)
-        self.runner = ModelRunner(model, self.plan, config.device,
+
+    def _build_runner(self, cache_config) -> None:
+        """The runner (the cache, the compiled step), the rank group it tells, and the KDA checkpoints."""
+        config = self.config
+        self.runner = ModelRunner(self.model, self.plan, config.device,
                                   min(config.torch_compile_max_bs, config.max_num_seqs) if config.compile else 0,
                                   cp=self.cp, kv_kinds=self.kv_kinds, cache_config=cache_config,
                                   keep_hidden=bool(config.speculative_algorithm))
@@ -92,34 +114,22 @@ class LLMEngine(DisaggRequests):
         self.cache = self.runner.cache      # KV rows and KDA states: what a disaggregated transfer reads and writes
         self.checkpointer = Checkpointer(CheckpointStore(self.runner.cache, self.plan.n_checkpoints, self.runner.ranks)
                                          if self.plan.n_checkpoints else None, config.page_size)
-        self.speculator = speculative.start(self, mtp_layer)     # None without --speculative-algorithm
-        if config.compile:
-            done = self.runner.warm_up(progress=verbose)
-            if verbose:
-                print(f"ouro: compiled the decode step for batch sizes {done['buckets']} in {done['seconds']:.1f} s",
-                      file=sys.stderr)
-        self.prefix_cache = None
-        self.prefix_caching_off_reason = None
-        if enable_prefix_caching and self.checkpointer.store is None:
-            self.prefix_caching_off_reason = (f"the memory budget ({budget / 2**20:.1f} MiB) leaves no room for one "
-                                              "KDA-state checkpoint next to the pages; raise --max-memory")
+
+    def _start_prefix_cache(self) -> None:
+        """The prefix tree where prefix caching is on and the plan left room for a checkpoint; else
+        None, and where it was asked for, why not (logged)."""
+        config = self.config
+        self.prefix_cache, self.prefix_caching_off_reason = None, None
+        if config.enable_prefix_caching and self.checkpointer.store is None:
+            self.prefix_caching_off_reason = (f"the memory budget ({self.budget.per_rank / 2**20:.1f} MiB) leaves no "
+                                              "room for one KDA-state checkpoint next to the pages; raise --max-memory")
             log.warning("prefix caching is OFF: %s", self.prefix_caching_off_reason)
-        elif enable_prefix_caching:
+        elif config.enable_prefix_caching:
             from .prefix_cache import PrefixCache
             self.prefix_cache = PrefixCache(config.page_size, self.pages, self.plan.n_checkpoints,
-                                            checkpoint_interval=checkpoint_interval,
+                                            checkpoint_interval=config.prefix_checkpoint_interval,
                                             on_evict_checkpoint=self.checkpointer.store.release)
             self.checkpointer.prefix_cache = self.prefix_cache
-        self.scheduler = Scheduler(self.pages, self.slots, config.page_size, config.max_num_seqs,
-                                   config.max_num_batched_tokens, self.prefix_cache,
-                                   chunk_align=checkpoint_interval * config.page_size if self.prefix_cache else 0,
-                                   cp_threshold=config.cp_threshold if self.cp else 0)
-        self.sampler = Sampler()
-        self.requests: dict[str, Request] = {}
-        self._ids = itertools.count()
-        self.grammars = GrammarQueue(tokenizer, model.config, model_dir)    # structured outputs compiling
-        self.failed: list[tuple[str, str]] = []   # (request id, why): released, raised one per step()
-        self.num_failed_steps = 0
 
     def close(self) -> None:
         """Stop the helper ranks (tensor and context parallelism); the engine computes no more after."""
@@ -295,3 +305,12 @@ class LLMEngine(DisaggRequests):
         self.requests.pop(r.request_id, None)
         self.checkpointer.drop(r)
         self.scheduler.finish(r, reason)
+
+
+def _deterministic(verbose: bool) -> None:
+    """Batch-invariant kernels, process-wide, before any product is measured or run."""
+    from ..ops import batch_invariant
+    block = batch_invariant.enable()
+    if verbose:
+        print(f"ouro: deterministic inference: products padded to {block}-row blocks; batch-invariant "
+              f"kernels for {', '.join(batch_invariant.replaced())}", file=sys.stderr)
