@@ -62,19 +62,13 @@ def serve(args, make_client=None) -> int:
     """`make_client(directory, on_stats)`: the frontend's handle on what computes (default: an
     `EngineClient` that spawns the engine process from this command's engine flags; `ouro router`
     passes workers)."""
-    import uvicorn
-
     from ..config import EngineConfig, ModelConfig
     from ..engine.options import check_engine_options
-    from ..models.resolve import load_tokenizer, resolve_model
-    from .api_server import build_app
-    from .state import ServerState
-    from .chat import ChatFormat
-    from .engine_client import EngineClient, EngineUnavailable
-    from .metrics import Metrics
-    from .tokenize_routes import tokenizer_info
-
     from ..measure import spans
+    from ..models.resolve import resolve_model
+    from .api_server import build_app
+    from .engine_client import EngineClient
+
     trace = getattr(args, "trace", None) or spans.trace_path_from_env()
     if trace:   # the engine process reads the same switch and writes FILE.engine.json
         spans.set_env(trace)
@@ -85,6 +79,19 @@ def serve(args, make_client=None) -> int:
         kw = engine_kwargs(args)
         check_engine_options(EngineConfig(**kw), mc)
         make_client = lambda d, on_stats: EngineClient(d, kw, args.logits_processors, on_stats=on_stats)
+    state = _server_state(args, directory, mc, make_client)
+    return _run(build_app(state), state, args, trace)
+
+
+def _server_state(args, directory, mc, make_client):
+    """What the routes share: the tokenizer and chat format, the limits, the metrics and the
+    client of what computes (made here, started by `_run`)."""
+    from ..models.resolve import load_tokenizer
+    from .chat import ChatFormat
+    from .metrics import Metrics
+    from .state import ServerState
+    from .tokenize_routes import tokenizer_info
+
     tokenizer = load_tokenizer(directory)
     if tokenizer is None:
         raise ValueError(f"{directory} has no tokenizer.json; the server needs one to turn text into tokens")
@@ -93,14 +100,23 @@ def serve(args, make_client=None) -> int:
         print(note, file=sys.stderr, flush=True)
     name = args.served_model_name or (args.model if not Path(args.model).is_dir() else Path(directory).name)
     metrics = Metrics(name)
-    client = make_client(directory, metrics.update_engine)
-    state = ServerState(client=client, tokenizer=tokenizer, chat=ChatFormat.from_checkpoint(directory, tokenizer),
-                        model_name=name, max_model_len=0, capacity_tokens=0,
-                        vocab_size=mc.vocab_size, eos_token_ids=tuple(mc.eos_token_ids), api_key=args.api_key, max_queued_requests=args.max_queued_requests,
+    state = ServerState(client=make_client(directory, metrics.update_engine), tokenizer=tokenizer,
+                        chat=ChatFormat.from_checkpoint(directory, tokenizer), model_name=name, max_model_len=0,
+                        capacity_tokens=0, vocab_size=mc.vocab_size, eos_token_ids=tuple(mc.eos_token_ids),
+                        api_key=args.api_key, max_queued_requests=args.max_queued_requests,
                         max_num_seqs=args.max_num_seqs, max_body_bytes=args.max_request_body_bytes, metrics=metrics)
     state.images, state.media = media_for(args, directory, mc)
     state.tokenizer_info = tokenizer_info(directory, tokenizer, state.chat, mc.eos_token_ids)
-    app = build_app(state)
+    return state
+
+
+def _run(app, state, args, trace) -> int:
+    """HTTP up at once (/health answers 503 while the engine loads), the engine started beside it;
+    the first signal drains, a second SIGINT forces; the engine stopped on the way out."""
+    import uvicorn
+
+    from .engine_client import EngineUnavailable
+    client, name = state.client, state.model_name
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
@@ -115,6 +131,7 @@ def serve(args, make_client=None) -> int:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout, access_log=False)
     server = Server(config)
+    status = [0]
 
     async def start_engine():
         try:
@@ -129,10 +146,7 @@ def serve(args, make_client=None) -> int:
         print(f"ouro: serving {name!r} on http://{args.host}:{args.port} (OpenAI API under /v1)",
               file=sys.stderr, flush=True)
 
-    status = [0]
-
     async def main():
-        # HTTP comes up at once (/health answers 503 while the engine loads), the engine beside it
         starting = asyncio.create_task(start_engine())
         try:
             await server.serve()
