@@ -1,5 +1,5 @@
 """bfloat16 error table: ouro in bf16 (SimpleRunner) and transformers in bf16, each against
-transformers in float32, and against each other, on the reference checkpoints (tests/hf_reference).
+transformers in float32, and against each other, on the reference checkpoints (ouro/lab/reference).
 Prefill of `--prompt` tokens, then `--decode` greedy steps (float32 transformers' tokens fed to all).
 
     python benchmarks/bf16_error.py [--prompts 16] [--prompt 300] [--decode 16]
@@ -12,10 +12,11 @@ import tempfile
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from hf_bf16 import PAIRS, bf16_errors, load_three  # noqa: E402
-from hf_reference import make_hf_checkpoint  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from transformers.utils import logging  # noqa: E402
+
+from ouro.lab.reference.bf16 import PAIRS, bf16_errors, load_three  # noqa: E402
+from ouro.lab.reference.checkpoint import make_hf_checkpoint  # noqa: E402
 
 logging.set_verbosity_error()
 

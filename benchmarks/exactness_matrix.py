@@ -1,7 +1,8 @@
 """Print the worst relative RMS error of ouro's logits against transformers for the test matrix
-(the cases of tests/test_model_vs_transformers.py, then the config options and KDA chunk sizes of
-tests/test_options_vs_transformers.py), on checkpoints transformers saves (tests/hf_reference.py:
-every constant-initialised tensor randomised, indexer ties broken towards the earlier pool).
+(the cases of tests/models/test_model_vs_transformers.py, then the config options and KDA chunk sizes
+of tests/models/test_options_vs_transformers.py), on checkpoints transformers saves
+(ouro/lab/reference/checkpoint.py: every constant-initialised tensor randomised, indexer ties broken
+towards the earlier pool).
 
     python benchmarks/exactness_matrix.py
 """
@@ -12,14 +13,14 @@ import tempfile
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from hf_compare import compare, reference_run, selection_diff  # noqa: E402
-from hf_reference import make_hf_checkpoint, rel_rms  # noqa: E402
-from test_options_vs_transformers import OPTIONS  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from transformers import Glm5NextForConditionalGeneration  # noqa: E402
 from transformers.utils import logging  # noqa: E402
 
 from ouro.engine.simple_runner import SimpleRunner  # noqa: E402
+from ouro.lab.reference.checkpoint import make_hf_checkpoint  # noqa: E402
+from ouro.lab.reference.compare import compare, reference_run, rel_rms, selection_diff  # noqa: E402
+from ouro.lab.reference.options import OPTIONS  # noqa: E402
 from ouro.models.loader import load_model  # noqa: E402
 
 logging.set_verbosity_error()

@@ -1,5 +1,4 @@
 import os
-import sys
 
 # idle OpenMP threads sleep instead of spinning: tests run servers and engine processes beside
 # the test process on 2 cores, and spinning threads starve them (a 0.06 s prefill took 8 s)
@@ -7,7 +6,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # exactness checks run in float32 on every machine: `--dtype auto` would pick bf16 where it is fast
 os.environ["OURO_DTYPE_AUTO"] = "float32"
 # and every engine computes its projections the same way (the fast oneDNN-packed form where torch
-# has oneDNN, else F.linear), so engines in a test round alike; tests/test_gemm_pick.py tests every form
+# has oneDNN, else F.linear), so engines in a test round alike; tests/machine/test_gemm_pick.py tests every form
 os.environ["OURO_GEMM_PICK"] = "packed"
 # choices timed inside the suite (the W8A8 int8 forms of a test's engine, say) are timed beside the
 # other workers, so they are not kept in the cache a user shares (`ouro.machine.load`); tests of a
@@ -16,10 +15,9 @@ os.environ["OURO_GEMM_PICK"] = "packed"
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(__file__))
-import hf_tie_rule  # noqa: E402
+from ouro.lab.reference import tie_rule  # noqa: E402
 
-hf_tie_rule.install()  # transformers' DSA indexer breaks score ties towards the earlier pool, as ouro does
+tie_rule.install()  # transformers' DSA indexer breaks score ties towards the earlier pool, as ouro does
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
@@ -35,9 +33,9 @@ def pytest_sessionstart(session):
 @pytest.fixture(scope="session")
 def hf_pair(tmp_path_factory):
     """shape -> (checkpoint dir, transformers model, ouro model); built once per session."""
-    from hf_reference import make_hf_checkpoint
     from transformers import Glm5NextForConditionalGeneration
 
+    from ouro.lab.reference.checkpoint import make_hf_checkpoint
     from ouro.models.loader import load_model
     made = {}
 

@@ -3,18 +3,15 @@
 import pytest
 import torch
 
-from numerics import rel_rms
+from tests.helpers.numerics import rel_rms
 from ouro.engine.simple_runner import SimpleRunner
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    from ouro.models.presets import make_model
-    d = tmp_path_factory.mktemp("tiny_cuda")
-    make_model("tiny", d, progress=False)
-    return d
+def tiny_dir(tiny_checkpoint):
+    return tiny_checkpoint
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 5e-2)])

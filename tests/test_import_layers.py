@@ -1,6 +1,8 @@
-"""Import layering: every import in `ouro/` against the allowed-imports table of docs/structure.md,
-and no import circles. The mutations (an upward import, one inside a function, a circle, a unit the
-table does not name) are planted in a copy of the tree and must each be reported with file and line."""
+"""Import layering: every import in `ouro/` and `benchmarks/` against the allowed-imports table of
+docs/structure.md, no import circles, no test module imported outside tests/. The mutations (an
+upward import, one inside a function, a circle, a unit the table does not name, a benchmark or a
+package module importing a test helper) are planted in a copy of the tree and must each be reported
+with file and line."""
 
 from __future__ import annotations
 
@@ -9,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from import_layers import check, read_table, table_circles
+from tests.helpers.import_layers import check, read_outside, read_table, table_circles
 
 REPO = Path(__file__).resolve().parent.parent
 TABLE = read_table(REPO / "docs" / "structure.md")
+OUTSIDE = read_outside(REPO / "docs" / "structure.md")
 
 
 def test_table_names_every_unit_and_runs_bottom_up():
@@ -30,6 +33,12 @@ def test_table_names_every_unit_and_runs_bottom_up():
 
 def test_ouro_follows_the_table():
     problems = check(REPO, TABLE)
+    assert not problems, "\n".join(map(str, problems))
+
+
+def test_benchmarks_follow_the_table():
+    assert OUTSIDE == {"benchmarks": set(TABLE) - {"cli"}}, "benchmarks/ may import every unit but the command line"
+    problems = check(REPO, TABLE, OUTSIDE)
     assert not problems, "\n".join(map(str, problems))
 
 
@@ -70,3 +79,29 @@ def test_checker_reports_a_circle(tree):
     found = [p for p in problems if "import circle of 2 modules" in p.message]
     assert found and {"ouro.serve.circle_a", "ouro.serve.circle_b"} <= set(found[0].message.replace(",", " ").split()), problems
     assert found[0].path.startswith("ouro/serve/circle_")
+
+
+@pytest.mark.parametrize("rel, text, line, words", [
+    # a benchmark reaching into the tests after a sys.path insert (what benchmarks/ did before
+    # ouro/lab/reference held the transformers reference harness)
+    ("benchmarks/planted.py", 'import sys\nsys.path.insert(0, "tests/helpers")\nfrom numerics import rel_rms\n', 3,
+     "`benchmarks` imports the test module `numerics`"),
+    # or through the tests package, inside a function
+    ("benchmarks/planted.py", "def main():\n    import tests.helpers.numerics\n", 2,
+     "`benchmarks` imports the test module `tests.helpers.numerics`"),
+    # the package itself may not lean on a test helper either
+    ("ouro/lab/planted.py", "from tests.helpers.numerics import rel_rms\n", 1,
+     "`lab` imports the test module `tests.helpers.numerics`"),
+    # the command line is for users, not for the benchmarks
+    ("benchmarks/planted.py", "\nfrom ouro.cli import main\n", 2, "`benchmarks` may not import `cli`"),
+], ids=["benchmark-sys-path", "benchmark-tests-package", "package-tests-package", "benchmark-cli"])
+def test_checker_reports_a_test_helper_imported_outside_the_tests_with_file_and_line(tree, rel, text, line, words):
+    (tree / "tests" / "helpers").mkdir(parents=True)
+    _plant(tree, "tests/__init__.py", "")
+    _plant(tree, "tests/helpers/__init__.py", "")
+    _plant(tree, "tests/helpers/numerics.py", "def rel_rms(a, b):\n    return 0.0\n")
+    (tree / "benchmarks").mkdir()
+    assert not check(tree, TABLE, OUTSIDE)
+    _plant(tree, rel, text)
+    problems = check(tree, TABLE, OUTSIDE)
+    assert any(p.path == rel and p.line == line and words in p.message for p in problems), problems

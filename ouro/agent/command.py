@@ -55,7 +55,7 @@ def add_agent_parser(sub) -> None:
     ev.add_argument("--faults", action="store_true", required=True, help="evaluate on the lab's fault suite")
     ev.add_argument("--only", default=None, help="comma-separated fault names (default: all)")
     ev.add_argument("--tests", type=shlex.split, default=None,
-                    help='the contract\'s pytest selection during each run, one string: "tests/test_ops_kda.py -k step"')
+                    help='the contract\'s pytest selection during each run, one string: "tests/ops/test_kda.py -k step"')
     ev.add_argument("--score-tests", type=shlex.split, default=None,
                     help="the pytest selection scored at the end (default: the whole default suite without the lab's)")
     ev.add_argument("--json", default=None, metavar="FILE", help="write the rows as JSON")

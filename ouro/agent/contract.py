@@ -44,7 +44,7 @@ frozen = ["tests/**", "budgets/**", "ouro/lab/**", "ouro/measure/**", "ouro/benc
 
 [checks]
 # Before a change is kept: these tests (pytest arguments, run in the agent's worktree) ...
-tests = ["tests/test_ops_kda.py", "tests/test_ops_dsa.py", "tests/test_ops_moe.py", "tests/test_engine.py"]
+tests = ["tests/ops/test_kda.py", "tests/ops/test_dsa.py", "tests/ops/test_moe.py", "tests/engine/test_engine.py"]
 # ... and a held-out sweep: this many numerics probes of ouro against transformers, each with a
 # seed, a prompt length and a serving configuration drawn when the change is submitted.
 heldout = 2

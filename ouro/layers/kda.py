@@ -77,7 +77,7 @@ class KDAttention(KeepFloat32):
     def _forward(self, x, ctx):
         # deterministic inference keeps the eager step: a speculative verification and its state
         # replay run the eager pieces, and there the committed state must equal the decoded one bit
-        # for bit (tests/test_speculative_deterministic.py)
+        # for bit (tests/engine/test_speculative_deterministic.py)
         if not ctx.replay and not batch_invariant.enabled() and not watched(self.o_norm) and \
                 (ctx.is_decode or ctx.recurrence_is_local) and fused_kda.can(x, self.o_norm.weight, self.q_conv1d.weight):
             return self._fused(x, ctx)

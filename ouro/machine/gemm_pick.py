@@ -11,7 +11,7 @@ at 139 GFLOP/s against F.linear's 38, and [2048, 512] x [512, 512] at 180 agains
 machine the order may be the reverse. So it is measured: every form timed at a few row counts, the
 fastest kept where it beats `F.linear` by `GAIN`, cached per machine and weight shape next to the
 dtype choice (`$OURO_CACHE/gemm_pick.json`). `OURO_GEMM_PICK=linear|transposed|packed|gemv` pins it
-(the test suite pins `packed` where oneDNN is there; tests/test_gemm_pick.py checks every form)."""
+(the test suite pins `packed` where oneDNN is there; tests/machine/test_gemm_pick.py checks every form)."""
 
 from __future__ import annotations
 

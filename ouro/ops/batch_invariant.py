@@ -3,7 +3,7 @@ how many other rows share the forward, nor where in the batch it sits.
 
 Without this, a float32 row computed alone (a decode step) and the same row computed inside a
 4-row block (a speculative verification, a bigger batch) differ in the last bits. Measured on an
-AVX2 EPYC and an Intel Xeon with torch 2.13 (`tests/test_batch_invariant.py` measures it again):
+AVX2 EPYC and an Intel Xeon with torch 2.13 (`tests/ops/test_batch_invariant.py` measures it again):
 - BLAS picks another kernel for 1-3 rows and for the remainder of a row count that is not a
   multiple of 4 (a GEMV, an edge micro-kernel), which rounds differently; padding the rows with
   zeros to a multiple of a block (`ROW_BLOCK`, measured when enabled) makes every row go
@@ -143,7 +143,7 @@ def enable() -> int:
         return _state["row_block"]
     # one thread: with more, BLAS and oneDNN split a product's rows among threads by the row count,
     # so a row's kernel (and its rounding) changes with the batch; on an Intel Xeon no row block
-    # made two threads invariant for the model's products (tests/test_speculative_deterministic.py)
+    # made two threads invariant for the model's products (tests/engine/test_speculative_deterministic.py)
     _state["threads"] = torch.get_num_threads()
     torch.set_num_threads(1)
     block = _measure_row_block()

@@ -36,7 +36,7 @@ def use_ouro_kda(chunk_size: int = 16) -> None:
     to be differentiable in O(chunks)). transformers' own torch fallback indexes and assigns one
     chunk at a time, so its backward pass re-touches the whole tensor per chunk; at 512 tokens
     that was most of a training step. The two agree to fp32 noise in value and gradient
-    (tests/test_train.py)."""
+    (tests/train/test_train.py)."""
     m = hf_modeling()
     base = getattr(m.chunk_kimi_delta_attention, "_ouro_base", m.chunk_kimi_delta_attention)
 

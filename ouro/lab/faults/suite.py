@@ -63,8 +63,8 @@ def run_probe(root: str, args: list[str], timeout: float, baseline: str | None =
 
 
 def lab_tests(root: str) -> list[str]:
-    tests = os.path.join(root, "tests")
-    return sorted(f"tests/{n}" for n in os.listdir(tests) if n.startswith("test_lab_")) if os.path.isdir(tests) else []
+    tests = os.path.join(root, "tests", "lab")
+    return sorted(f"tests/lab/{n}" for n in os.listdir(tests) if n.startswith("test_")) if os.path.isdir(tests) else []
 
 
 def run_tests(root: str, timeout: float = 1800.0, selection: list[str] | None = None) -> dict:

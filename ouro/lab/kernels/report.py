@@ -29,9 +29,9 @@ def where_of(case: KernelCase, fn, params: dict, phase: str) -> dict:
 
 
 def op_tests(case: KernelCase) -> str:
-    """The op family's test file: ouro/ops/kda/chunk.py -> tests/test_ops_kda.py."""
+    """The op family's test file: ouro/ops/kda/chunk.py -> tests/ops/test_kda.py."""
     parts = case.file.split("/")
-    return f"tests/test_ops_{parts[2].removesuffix('.py')}.py"
+    return f"tests/ops/test_{parts[2].removesuffix('.py')}.py"
 
 
 def params_text(params: dict) -> str:

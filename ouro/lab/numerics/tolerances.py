@@ -5,7 +5,7 @@ over the reference row's norm, the norm floored at a fraction of the typical row
 rows do not blow up). Columns are the *less* precise dtype of the two configurations compared:
 `float64` (both sides fp64), `float32` (fp32 vs fp64 or vs fp32 computed another way:
 chunking, batching, transformers) and `bfloat16`. Calibrated on clean ouro with the `tiny`,
-`small` and trained `tiny-py` presets (see tests/test_lab_numerics.py): clean runs sit 5-50x
+`small` and trained `tiny-py` presets (see tests/lab/test_numerics.py): clean runs sit 5-50x
 below these, while the planted bugs land 100x and more above.
 
 Discrete outputs (expert choice, token selection) flip on near-ties; at bfloat16 a few flips are

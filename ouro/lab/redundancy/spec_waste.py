@@ -11,7 +11,7 @@ So the same verifications are replayed against a reference: the draft layer driv
 on each request's final greedy tokens (`reference_drafts`: the trunk over the whole sequence, the
 draft layer's rows filled from the trunk's states in order, then its chain of single steps at
 the pending token, each fed its own output), which is the draft layer the trainer's MTP head
-defines (`tests/test_mtp_layer.py`) without the engine's bookkeeping (which rows, positions,
+defines (`tests/models/test_mtp_layer.py`) without the engine's bookkeeping (which rows, positions,
 tokens and hidden states `Speculator.draft` hands it, batched across requests). The finding is
 info while the engine accepts what the reference accepts on the same verifications, and a
 warning, at `Speculator.draft` with the first departing verifications' positions, when it
