@@ -15,7 +15,7 @@ import time
 
 from .. import machine_cache
 from ..machine_cache import machine_key
-from .load import OtherLoad, keep, one_at_a_time
+from .load import OtherLoad, keep, one_at_a_time, settled
 
 CANDIDATES = ("bfloat16", "float32")
 NATIVE_GAIN = 1.3
@@ -72,7 +72,7 @@ def pick_dtype(device: str = "cpu") -> str:
     key = machine_key(device)
     with one_at_a_time(FILE):
         hit = machine_cache.read(FILE).get(key, {})
-        if hit.get("dtype") in CANDIDATES and hit.get("format") == FORMAT:
+        if hit.get("dtype") in CANDIDATES and hit.get("format") == FORMAT and settled(hit):
             return hit["dtype"]
         with OtherLoad() as others:
             rates = {name: gemm_rate(name, device) for name in CANDIDATES}

@@ -28,7 +28,7 @@ from .. import machine_cache
 from ..machine_cache import machine_key
 from ..native import gemv as native_gemv
 from ..native import kernels as native_kernels
-from .load import OtherLoad, keep, one_at_a_time
+from .load import OtherLoad, keep, one_at_a_time, settled
 
 log = logging.getLogger(__name__)
 
@@ -257,7 +257,7 @@ def pick_forms(weight, timer=None, label: str = "") -> list[str]:
     with one_at_a_time(FILE):
         hit = machine_cache.read(FILE).get(key, {})
         if hit.get("format") == FORMAT and hit.get("rows") == list(ROWS) and len(hit.get("forms", [])) == len(ROWS) \
-                and set(hit["forms"]) <= set(forms):
+                and set(hit["forms"]) <= set(forms) and settled(hit):
             return hit["forms"]
         timer = timer or (lambda f, r: time_form(f, weight, r))
         # rounds of every form at every row count, interleaved, best kept: a burst of load on a shared

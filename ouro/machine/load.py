@@ -6,8 +6,10 @@ that moment, not the machine: on a 2-core VM a float32 one-row product timed und
 run took 0.14 ms in ouro's gemv against 0.09 in MKL, and the cached "MKL" then cost a quiet batch-1
 decode step ~0.6 ms, gemv being 2x faster there. So `OtherLoad` reads, from `/proc`, the share of
 the machine's CPU time that went to other processes (and to the hypervisor's steal) during the
-timing, and `keep` caches a choice only where that share stayed under `busy_limit()`; a busy
-measurement is used by the process that made it and measured again at the next start. Measurements
+timing. `keep` caches a choice timed while that share stayed under `busy_limit()` for good; one
+timed on a busy machine is kept as provisional (`"provisional": true`): processes that find the
+machine busy too use it rather than time again (inside a first step, say), and the first process
+that finds it quiet (`quiet_now`, sampled once per process) times it again (`settled`). Measurements
 take `one_at_a_time` (an OS lock under `$OURO_CACHE`): tensor-parallel ranks starting together
 would otherwise time against each other; the second one reads what the first cached.
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 
 from .. import machine_cache
 from ..machine_cache import cache_lock, cache_root
@@ -93,20 +96,40 @@ def one_at_a_time(file: str):
         yield
 
 
+QUIET_SAMPLE_S = 0.15
+_quiet: list = []          # this process's one sample: [(quiet?, at)]
+
+
+def quiet_now() -> bool:
+    """Whether the machine is quiet enough to time on (others' share over QUIET_SAMPLE_S at or
+    under the limit; True where it cannot be told), sampled once per process."""
+    if not _quiet:
+        with OtherLoad() as load:
+            time.sleep(QUIET_SAMPLE_S)
+        _quiet.append((not load.busy, time.monotonic()))
+    return _quiet[0][0]
+
+
+def settled(entry: dict) -> bool:
+    """A cached entry to use as it is: timed on a quiet machine, or provisional while the machine
+    is still busy."""
+    return not entry.get("provisional") or not quiet_now()
+
+
 _said: set = set()
 
 
 def keep(file: str, key: str, entry: dict, load: OtherLoad) -> dict:
-    """Cache `entry` under `key` in `file` unless `load` was busy (said once per file); either way
+    """Cache `entry` under `key` in `file`, provisional where `load` was busy (said once per file);
     return it. The share of others is written into the entry, as evidence of a quiet measurement."""
     entry = {**entry, "other_load": None if load.share is None else round(load.share, 3)}
     if load.busy:
+        entry["provisional"] = True
         if file not in _said:
             _said.add(file)
-            log.warning("%s: other processes took %.0f%% of the CPUs while this was timed; the choice is used by "
-                        "this process only and timed again at the next start (quiet the machine, or set "
+            log.warning("%s: other processes took %.0f%% of the CPUs while this was timed; the choice is kept as "
+                        "provisional and timed again by the first start that finds the machine quiet (or set "
                         "OURO_BUSY_LIMIT)", file, 100 * load.share)
-        return entry
     cache = machine_cache.read(file)                      # read again: another process may have written
     cache[key] = entry
     machine_cache.write(file, cache)

@@ -17,7 +17,7 @@ import torch
 
 from .. import machine_cache
 from ..machine.gemm_pick import best_time
-from ..machine.load import OtherLoad, keep, one_at_a_time
+from ..machine.load import OtherLoad, keep, one_at_a_time, settled
 from ..machine_cache import machine_key
 from ..ops.quant import int8_mm_chunked, int8_mm_naive
 from .int8_native import native
@@ -96,7 +96,8 @@ def pick_forms(device: str = "cpu", timer=None) -> list[str]:
     key = f"{machine_key(device)}|{','.join(forms)}"
     with one_at_a_time(FILE):
         hit = machine_cache.read(FILE).get(key, {})
-        if hit.get("format") == FORMAT and hit.get("rows") == list(ROWS) and set(hit.get("forms", ())) <= set(forms):
+        if hit.get("format") == FORMAT and hit.get("rows") == list(ROWS) and set(hit.get("forms", ())) <= set(forms) \
+                and settled(hit):
             return hit["forms"]
         n, k = SHAPE
         if timer is None:
