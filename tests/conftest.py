@@ -9,8 +9,8 @@ os.environ["OURO_DTYPE_AUTO"] = "float32"
 # has oneDNN, else F.linear), so engines in a test round alike; tests/machine/test_gemm_pick.py tests every form
 os.environ["OURO_GEMM_PICK"] = "packed"
 # choices timed inside the suite (the W8A8 int8 forms of a test's engine, say) are timed beside the
-# other workers, so they are not kept in the cache a user shares (`ouro.machine.load`); tests of a
-# picker's caching set OURO_BUSY_LIMIT=1 in their own cache
+# other workers, so a cache a user shares keeps them as provisional only (`ouro.machine.load`); tests
+# of a picker's caching set OURO_BUSY_LIMIT=1 in their own cache
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
