@@ -120,14 +120,14 @@ def test_edits_that_break_correctness_are_reverted(endpoint, tmp_path):
     """One the contract's tests catch, and one they miss that the held-out sweep catches."""
     repo = make_repo(tmp_path)
     line = FAULTS["recurrent_step_beta_scaled"].replace[0][0]
-    mlp = "return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))"
+    mlp = "gate, up = project(x, self.gate_proj, self.up_proj)"      # MLP.forward: both of its paths
     endpoint.script += [
         call("hypothesis", hypothesis="halving the update is free speed"),
         call("edit", path="ouro/ops/kda/recurrent.py", old=line, new=line.replace("u = beta", "u = 0.5 * beta")),
         call("submit", summary="cheaper update"),
         call("diff"),
         call("hypothesis", hypothesis="the shared expert's output can be damped"),
-        call("edit", path="ouro/layers/moe.py", old=mlp, new=mlp.replace("return self", "return 0.9 * self")),
+        call("edit", path="ouro/layers/moe.py", old=mlp, new=mlp.replace("project(x,", "project(0.9 * x,")),
         call("run_tests", tests=KDA_TESTS),
         call("submit", summary="damped"),
         call("finish", summary="nothing else"),
