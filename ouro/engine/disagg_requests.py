@@ -26,9 +26,11 @@ class DisaggRequests:
         if slot is None:
             raise NoRoom("no free state slot")
         held = self.prefix_cache.match(mm.key_ids(ids) if mm else ids, rows_only=True) if self.prefix_cache else None
-        if held is not None and held.usable_tokens:
+        if held is not None and not held.usable_tokens:
+            held = None
+        if held is not None:
             self.prefix_cache.lock(held)
-        own, held = (held.usable_pages, held) if held is not None and held.usable_tokens else ([], None)
+        own = held.usable_pages if held is not None else []
         need = -(-len(ids) // self.config.page_size) - len(own)
         try:
             if need > self.pages.num_free and self.prefix_cache is not None:
@@ -36,7 +38,7 @@ class DisaggRequests:
             pages = list(own) + self.pages.alloc(need)
         except OutOfPages as err:
             self.slots.free(slot)
-            if held:
+            if held is not None:
                 self.prefix_cache.unlock(held)
             raise NoRoom(f"no pages: {err}") from None
         n = next(self._ids)

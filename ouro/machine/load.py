@@ -97,7 +97,7 @@ def one_at_a_time(file: str):
 
 
 QUIET_SAMPLE_S = 0.15
-_quiet: list = []          # this process's one sample: [(quiet?, at)]
+_quiet: list = []          # this process's one sample: [quiet?]
 
 
 def quiet_now() -> bool:
@@ -106,8 +106,8 @@ def quiet_now() -> bool:
     if not _quiet:
         with OtherLoad() as load:
             time.sleep(QUIET_SAMPLE_S)
-        _quiet.append((not load.busy, time.monotonic()))
-    return _quiet[0][0]
+        _quiet.append(not load.busy)
+    return _quiet[0]
 
 
 def settled(entry: dict) -> bool:
