@@ -81,7 +81,7 @@ class LLMEngine(DisaggRequests):
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.grammars = GrammarQueue(tokenizer, model.config, model_dir)    # structured outputs compiling
-        self.failed: list[tuple[str, str]] = []   # (request id, why): released, raised one per step()
+        self.failed: list[RequestFailed] = []   # released requests, raised one per step()
         self.num_failed_steps = 0
 
     def _plan_cache(self, cache_config, verbose: bool) -> None:
@@ -212,9 +212,9 @@ class LLMEngine(DisaggRequests):
                 self.scheduler.add(r)
             for r, why in failed:
                 self.requests.pop(r.request_id, None)
-                self.failed.append((r.request_id, why))
+                self.failed.append(RequestFailed(r.request_id, why, status=400))
         if self.failed:         # each lost request is raised on its own, none dropped
-            raise RequestFailed(*self.failed.pop(0))
+            raise self.failed.pop(0)
         batch = self.scheduler.schedule()
         if not batch:
             return []
@@ -272,8 +272,8 @@ class LLMEngine(DisaggRequests):
         if dead:                # constraints that leave no token: that request fails, the rest sample
             for k in dead:
                 self._finish(reqs[k], "abort")
-                self.failed.append((reqs[k].request_id, "its constraints leave no token to sample (a forced prefix "
-                                                        "the grammar refuses?)"))
+                self.failed.append(RequestFailed(reqs[k].request_id, "its constraints leave no token to sample "
+                                                 "(a forced prefix the grammar refuses?)", status=400))
             keep = [k for k in range(len(reqs)) if k not in dead]
             reqs, logits = [reqs[k] for k in keep], logits[keep]
             if not reqs:

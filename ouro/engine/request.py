@@ -94,11 +94,12 @@ class RequestOutput:
 
 class RequestFailed(RuntimeError):
     """One request cannot go on (e.g. its context-parallel prefill lost a rank): the engine
-    releases it and reports this; the other requests are not affected."""
+    releases it and reports this; the other requests are not affected. `status`: the HTTP status a
+    server answers with (400: the request's own fault, e.g. a grammar that does not compile)."""
 
-    def __init__(self, request_id: str, message: str):
+    def __init__(self, request_id: str, message: str, status: int = 500):
         super().__init__(message)
-        self.request_id = request_id
+        self.request_id, self.status = request_id, status
 
 
 def token_id_list(ids) -> list[int]:

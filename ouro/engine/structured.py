@@ -8,7 +8,9 @@ plus "after": a token id (GLM's `</think>`) before which the output is free, so 
 section stays unconstrained and the grammar starts after it. JSON is compact (no free
 whitespace, as vLLM's `disable-any-whitespace`), so a weak model cannot spend its budget on blanks.
 
-`GrammarBook` compiles (once per grammar: xgrammar's compiler cache, bounded in bytes) on a
+`grammar_of` builds a spec's grammar without the vocabulary (the server's check: a spec that does
+not build is a 400 before the engine sees it). `GrammarBook` compiles it against the vocabulary, in
+the engine only (once per grammar: xgrammar's compiler cache, bounded in bytes) on a
 thread of its own, so the engine's step never waits on a compile: a request waits until its
 grammar is ready (`LLMEngine`). `Constraint` is one request's matcher: each step the constrained
 rows' token bitmasks are filled and applied to those rows only (`mask`), an unconstrained row of
@@ -56,6 +58,36 @@ def tokenizer_info(tokenizer, vocab_size: int, stop_ids):
                             add_prefix_space=meta["add_prefix_space"])
 
 
+def grammar_of(spec: dict):
+    """The grammar `spec` names, built without a tokenizer (a millisecond where the compile against
+    the vocabulary may take a second): the server's 400 check, and the compile's input. ValueError
+    naming the problem."""
+    import xgrammar as xg
+    check_spec(spec)
+    kind = spec["type"]
+    try:
+        if kind in ("json_schema", "json_object"):     # json_object: OpenAI's "any JSON object"
+            schema = spec["schema"] if kind == "json_schema" else {"type": "object"}
+            return xg.Grammar.from_json_schema(schema if isinstance(schema, str) else json.dumps(schema),
+                                               any_whitespace=False, separators=(",", ":"), strict_mode=True)
+        if kind == "regex":
+            return xg.Grammar.from_regex(spec["regex"])
+        if kind == "choice":
+            return xg.Grammar.from_regex("|".join(_regex_literal(x) for x in spec["choice"]))
+        if kind == "grammar":
+            return xg.Grammar.from_ebnf(spec["grammar"])
+        tag = spec["tag"]
+        return xg.Grammar.from_structural_tag(tag if isinstance(tag, str) else json.dumps(tag))
+    except (RuntimeError, ValueError, TypeError, KeyError) as e:
+        raise ValueError(f"the {kind} does not compile: {_why(e)}"[:500]) from None
+
+
+def _why(e: Exception) -> str:
+    """xgrammar's message without its '[time] file.cc:line:' prefix."""
+    first = str(e).splitlines()[0] if str(e) else type(e).__name__
+    return re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", first)
+
+
 class GrammarBook:
     def __init__(self, tokenizer, vocab_size: int, stop_ids, cache_bytes: int = CACHE_BYTES, threads: int = 1):
         import xgrammar as xg
@@ -67,23 +99,11 @@ class GrammarBook:
 
     def compile(self, spec: dict):
         """The compiled grammar of `spec`; ValueError naming the problem when it does not compile."""
-        check_spec(spec)
-        c, kind = self.compiler, spec["type"]
+        grammar = grammar_of(spec)
         try:
-            if kind in ("json_schema", "json_object"):     # json_object: OpenAI's "any JSON object"
-                schema = spec["schema"] if kind == "json_schema" else {"type": "object"}
-                return c.compile_json_schema(schema if isinstance(schema, str) else json.dumps(schema),
-                                             any_whitespace=False, separators=(",", ":"), strict_mode=True)
-            if kind == "regex":
-                return c.compile_regex(spec["regex"])
-            if kind == "choice":
-                return c.compile_regex("|".join(_regex_literal(x) for x in spec["choice"]))
-            if kind == "grammar":
-                return c.compile_grammar(spec["grammar"])
-            return c.compile_structural_tag(json.dumps(spec["tag"]) if not isinstance(spec["tag"], str) else spec["tag"])
-        except (RuntimeError, ValueError, TypeError, KeyError) as e:
-            why = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", str(e).splitlines()[0] if str(e) else type(e).__name__)
-            raise ValueError(f"the {kind} does not compile: {why}"[:500]) from None
+            return self.compiler.compile_grammar(grammar)
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise ValueError(f"the {spec['type']} does not compile: {_why(e)}"[:500]) from None
 
     def submit(self, spec: dict) -> Future:
         """Compile on the book's thread (the caller's step goes on)."""

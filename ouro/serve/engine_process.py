@@ -168,7 +168,7 @@ def _loop(engine, inbox, sender, decode, params_from_wire) -> None:
                 failures = 0
             except RequestFailed as e:   # one request lost (released by the engine); the rest go on
                 log.error("request %s failed: %s", e.request_id, e)
-                sender.send({"type": "error", "rid": e.request_id, "status": 500, "message": str(e)})
+                sender.send({"type": "error", "rid": e.request_id, "status": e.status, "message": str(e)})
                 outs = []
             except TPBroken as e:    # a tensor-parallel rank is gone: fail everything and stop (unhealthy)
                 log.error("%s", e)

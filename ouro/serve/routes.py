@@ -88,7 +88,7 @@ async def _serve(request: Request, body, chat: bool):
         jobs = request_jobs.chat_jobs(state, body) if chat else request_jobs.completion_jobs(state, body)
     for j in jobs:
         _check_length(state, j.prompt_ids, body)
-    await structured_request.check(state, jobs[0].child_params[0].structured)     # a 400 if it does not compile
+    await structured_request.check(jobs[0].child_params[0].structured)     # a 400 if its grammar does not build
     gens = [Generation(state.client, state.metrics, state.tokenizer, j.prompt_ids, j.child_params, j.stop,
                        j.skip_special_tokens, images=j.images) for j in jobs]
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex

@@ -13,7 +13,6 @@ if TYPE_CHECKING:     # the state's collaborators, named for readers and checker
     from tokenizers import Tokenizer
 
     from ..engine.multimodal import ImagePrompt
-    from ..engine.structured import GrammarBook
     from .chat import ChatFormat
     from .engine_client import EngineClient
     from .media import MediaLimits
@@ -40,7 +39,6 @@ class ServerState:
     images: ImagePrompt | None = None    # None: the model takes text only
     media: MediaLimits | None = None
     eos_token_ids: tuple = ()
-    grammars: GrammarBook | None = None   # structured outputs checked here first
     tokenizer_info: dict = field(default_factory=dict)   # GET /tokenizer_info (tokenize_routes.tokenizer_info)
     metrics: Metrics = field(default=None)
     created: int = field(default_factory=lambda: int(time.time()))

@@ -10,8 +10,9 @@ format and the tools' `parameters` (xgrammar's `glm_4_7` structural tag); one ca
 ends, unless `parallel_tool_calls` is true. In a chat whose reply
 opens with reasoning the grammar starts after `</think>`, so the reasoning stays free.
 
-`check` compiles the spec off the event loop before any engine work (a shared `GrammarBook`,
-its cache bounded), so one that does not compile is a 400 naming the problem.
+`check` builds the spec's grammar off the event loop before any engine work (`grammar_of`: no
+vocabulary needed), so one that does not build is a 400 naming the problem; the engine compiles it,
+once (and answers a 400 itself in the rare case where only the compile fails).
 """
 
 from __future__ import annotations
@@ -92,18 +93,11 @@ def _tool_tag(body, tools, choice, rendered) -> dict:
     return {"type": "structural_tag", "tag": json.loads(tag.model_dump_json())}
 
 
-def book(state):
-    """The server's `GrammarBook` (built at the first structured request)."""
-    if getattr(state, "grammars", None) is None:
-        from ..engine.structured import GrammarBook
-        state.grammars = GrammarBook(state.tokenizer, state.vocab_size, state.eos_token_ids)
-    return state.grammars
-
-
-async def check(state, spec: dict | None) -> None:
+async def check(spec: dict | None) -> None:
     if spec is None:
         return
+    from ..engine.structured import grammar_of
     try:
-        await asyncio.to_thread(book(state).compile, spec)
+        await asyncio.to_thread(grammar_of, spec)
     except ValueError as e:
         raise ServeError(400, str(e)) from None

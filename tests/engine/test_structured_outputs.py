@@ -16,7 +16,7 @@ from ouro import LLM, SamplingParams
 from ouro.config import EngineConfig
 from ouro.engine.llm_engine import LLMEngine
 from ouro.engine.request import RequestFailed
-from ouro.engine.structured import Constraint, GrammarBook, check_spec
+from ouro.engine.structured import Constraint, GrammarBook, check_spec, grammar_of
 from ouro.models.loader import load_model
 from ouro.models.resolve import load_tokenizer, resolve_model
 
@@ -109,7 +109,7 @@ def _run_collecting(e):
             for o in e.step():
                 done[o.request_id] = o
         except RequestFailed as err:
-            failed.append((err.request_id, str(err)))
+            failed.append((err.request_id, str(err), err.status))
     return done, failed
 
 
@@ -120,6 +120,7 @@ def test_a_grammar_that_does_not_compile_fails_its_request_only():
     e.add_request("b", SamplingParams(max_tokens=4, structured={"type": "regex", "regex": "(("}), "bad")
     done, failed = _run_collecting(e)
     assert [f[0] for f in failed] == ["bad"] and "does not compile" in failed[0][1]
+    assert failed[0][2] == 400                                  # the request's own fault: a server answers 400
     assert done["ok"].finished and "bad" not in e.requests
     assert e.pages.num_free == e.pages.num_total
 
@@ -152,7 +153,7 @@ def test_constraints_that_leave_no_token_fail_that_request_only():
     e.add_request("so", SamplingParams(temperature=0, max_tokens=8, forced_prefix_ids=[end] + bad,
                                        structured={"type": "choice", "choice": ["alpha"], "after": end}), "x")
     done, failed = _run_collecting(e)
-    assert [f[0] for f in failed] == ["x"] and "no token" in failed[0][1]
+    assert [f[0] for f in failed] == ["x"] and "no token" in failed[0][1] and failed[0][2] == 400
     assert done["a"].token_ids == want
     assert e.pages.num_free == e.pages.num_total and "x" not in e.requests
 
@@ -238,3 +239,74 @@ def test_a_slow_compile_holds_its_request_not_the_batch(monkeypatch):
         for o in e.step():
             seen[o.request_id] = o
     assert seen["held"].finished and seen["held"].text in ("a", "b")
+
+
+SPECS = [{"type": "json_schema", "schema": SCHEMAS["nested"]}, {"type": "json_object"},
+         {"type": "regex", "regex": "[a-c]{2,4}x"}, {"type": "choice", "choice": ["alpha", "be.ta"]},
+         {"type": "grammar", "grammar": 'root ::= "yes" | "no" [0-9]*'},
+         {"type": "structural_tag", "tag": {"type": "structural_tag", "format": {"type": "const_string", "value": "hi"}}}]
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s["type"])
+def test_the_grammar_built_without_the_vocabulary_compiles_to_the_direct_compile(spec):
+    """`grammar_of` (the server's check, and the compile's input) gives what xgrammar's direct
+    compile of the same spec gives: the same allowed tokens along a walk of the grammar."""
+    import xgrammar as xg
+    d = resolve_model("tiny-py")
+    from ouro.config import ModelConfig
+    c = ModelConfig.from_hf(d)
+    book = GrammarBook(load_tokenizer(d), c.vocab_size, c.eos_token_ids)
+    via = book.compile(spec)
+    kind = spec["type"]
+    direct = {"json_schema": lambda: book.compiler.compile_json_schema(json.dumps(spec["schema"]), any_whitespace=False,
+                                                                        separators=(",", ":"), strict_mode=True),
+              "json_object": lambda: book.compiler.compile_json_schema('{"type": "object"}', any_whitespace=False,
+                                                                        separators=(",", ":"), strict_mode=True),
+              "regex": lambda: book.compiler.compile_regex(spec["regex"]),
+              "choice": lambda: book.compiler.compile_regex("alpha|be\\.ta"),
+              "grammar": lambda: book.compiler.compile_grammar(spec["grammar"]),
+              "structural_tag": lambda: book.compiler.compile_structural_tag(json.dumps(spec["tag"]))}[kind]()
+    a, b = xg.GrammarMatcher(via), xg.GrammarMatcher(direct)
+    ma, mb = (xg.allocate_token_bitmask(1, c.vocab_size) for _ in range(2))
+    steps = 0
+    while not a.is_terminated() and steps < 12:
+        a.fill_next_token_bitmask(ma)
+        b.fill_next_token_bitmask(mb)
+        assert torch.equal(ma, mb)
+        ok = [t for t in range(c.vocab_size) if (ma[0, t // 32] >> (t % 32)) & 1]
+        go = [t for t in ok if t not in c.eos_token_ids] or ok        # walk on while the grammar allows
+        assert go and a.accept_token(go[steps % len(go)]) and b.accept_token(go[steps % len(go)])
+        steps += 1
+    assert steps > 0 and a.is_terminated() == b.is_terminated()
+
+
+def test_a_compile_that_fails_only_against_the_vocabulary_is_a_400_from_the_engine(monkeypatch):
+    """The server checks a spec by building its grammar (no vocabulary); should the engine's compile
+    still fail, that request alone fails with status 400."""
+    def broken(self, grammar, **kw):
+        raise RuntimeError("[12:00:00] /x/compiler.cc:1: out of tokens")
+    import xgrammar as xg
+    monkeypatch.setattr(xg.GrammarCompiler, "compile_grammar", broken)
+    d = resolve_model("tiny-py")
+    e = LLMEngine(load_model(d), load_tokenizer(d), EngineConfig(max_memory=64 << 20, page_size=16), verbose=False)
+    e.add_request("a", SamplingParams(temperature=0, max_tokens=4), "ok")
+    e.add_request("b", SamplingParams(max_tokens=4, structured={"type": "regex", "regex": "ab"}), "bad")
+    done, failed = _run_collecting(e)
+    assert failed == [("bad", "the regex does not compile: out of tokens", 400)] and done["ok"].finished
+
+
+def test_each_request_grammar_compiles_once(llm, monkeypatch):
+    calls, real = [], GrammarBook.compile
+    monkeypatch.setattr(GrammarBook, "compile", lambda self, spec: (calls.append(spec["type"]), real(self, spec))[1])
+    llm.generate(PROMPTS[:2], [SamplingParams(temperature=0, max_tokens=8, structured={"type": "json_object"}),
+                               SamplingParams(temperature=0, max_tokens=8)])
+    assert calls == ["json_object"]
+
+
+@pytest.mark.parametrize("spec, says", [({"type": "regex", "regex": "(("}, "does not compile"),
+                                        ({"type": "grammar", "grammar": "root ::= foo"}, "foo"),
+                                        ({"type": "json_schema", "schema": {"type": "objekt"}}, "objekt"),
+                                        ({"type": "structural_tag", "tag": {"x": 1}}, "format")])
+def test_grammar_of_names_what_does_not_build(spec, says):
+    with pytest.raises(ValueError, match=says):
+        grammar_of(spec)

@@ -189,3 +189,24 @@ def test_trimming_a_strict_value_keeps_every_open_form_a_prefix(raw):
     final = trim_formatting(raw)
     assert all(final.startswith(trim_formatting(raw[:k])) for k in range(len(raw) + 1))
     assert len(raw) - len(final) <= 2 and final in raw
+
+
+@pytest.mark.parametrize("spec", [{"type": "json_schema", "schema": SCHEMA}, {"type": "regex", "regex": "a+"},
+                                  {"type": "choice", "choice": ["x"]}, {"type": "grammar", "grammar": 'root ::= "a"'}])
+def test_the_frontend_checks_a_grammar_without_compiling_it(monkeypatch, spec):
+    """The server's 400 check builds the grammar only: the compile against the vocabulary happens
+    once, in the engine (here no compiler may even be made)."""
+    import asyncio
+
+    import xgrammar as xg
+
+    from ouro.serve.protocol import ServeError
+    from ouro.serve.structured_request import check
+
+    def no_compiler(*a, **k):
+        raise AssertionError("the frontend made a grammar compiler")
+    monkeypatch.setattr(xg, "GrammarCompiler", no_compiler)
+    asyncio.run(check(spec))
+    with pytest.raises(ServeError) as e:
+        asyncio.run(check({**spec, "type": "regex", "regex": "(("}))
+    assert e.value.status == 400 and "does not compile" in str(e.value)
