@@ -236,7 +236,29 @@ def add_serve_parser(sub) -> None:
 def build_parser(argv=None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ouro", description="Serve and study GLM-5.3-Flash-class models.")
     sub = p.add_subparsers(dest="command", required=True)
+    _add_make_model_parser(sub)
+    _add_generate_parser(sub)
+    _add_bench_parser(sub)
+    add_serve_parser(sub)
+    _add_plan_parser(sub)
+    add_eval_parser(sub)
+    from .train.command import add_train_parser
+    add_train_parser(sub)
+    from .lab.command import add_lab_parser, add_probe_parser
+    argv = sys.argv[1:] if argv is None else argv
+    add_probe_parser(sub, with_options=argv[1] if argv[:1] == ["probe"] and len(argv) > 1 else None)
+    add_lab_parser(sub)
+    from .disagg.command import add_router_parser
+    add_router_parser(sub)
+    from .agent.command import add_agent_parser
+    add_agent_parser(sub)
+    from .tune.command import add_tune_parser
+    add_tune_parser(sub)
+    return p
 
+
+def _add_make_model_parser(sub) -> None:
+    """`ouro make-model PRESET DIR`."""
     mk = sub.add_parser("make-model", help="write a deterministic random-init checkpoint of a preset")
     mk.add_argument("preset", help="tiny | tiny-vl | small | flash (flash: config and tokenizer only)")
     mk.add_argument("directory")
@@ -244,6 +266,9 @@ def build_parser(argv=None) -> argparse.ArgumentParser:
     mk.add_argument("--overwrite", action="store_true", help="replace a checkpoint already in DIRECTORY")
     mk.set_defaults(func=_cmd_make_model)
 
+
+def _add_generate_parser(sub) -> None:
+    """`ouro generate [MODEL]`: a prompt continued on the terminal."""
     gen = sub.add_parser("generate", help="greedily continue a prompt, printing tokens as they come")
     gen.add_argument("model", nargs="?", default=DEFAULT_MODEL,
                      help=f"checkpoint directory or preset name (default: {DEFAULT_MODEL})")
@@ -268,6 +293,9 @@ def build_parser(argv=None) -> argparse.ArgumentParser:
                           "OURO_KV_CACHE_SPACE GiB)")
     gen.set_defaults(func=_cmd_generate)
 
+
+def _add_bench_parser(sub) -> None:
+    """`ouro bench offline|prefill|serve`."""
     bench = sub.add_parser("bench", help="benchmarks, measured side by side in one run")
     bench.add_argument("kind", choices=["offline", "prefill", "serve"])
     bench.add_argument("--model", default=None, help=f"checkpoint directory or preset name (default: {BENCH_MODEL}); "
@@ -300,8 +328,9 @@ def build_parser(argv=None) -> argparse.ArgumentParser:
                        help="offline: engine options from a file (`ouro tune --output`), over the flags")
     bench.set_defaults(func=run_bench)
 
-    add_serve_parser(sub)
 
+def _add_plan_parser(sub) -> None:
+    """`ouro plan`: cache memory per sequence and per device."""
     plan = sub.add_parser("plan", help="cache memory per sequence, and per device under tp / cp, for a model at given context lengths")
     plan.add_argument("--model", default="flash", help="preset name or checkpoint directory")
     plan.add_argument("--context", default="4096,131072,1048576", help="comma-separated context lengths")
@@ -315,21 +344,6 @@ def build_parser(argv=None) -> argparse.ArgumentParser:
     plan.add_argument("--image-size", default="448x448,1024x768,3584x2800", metavar="WxH,...",
                       help="image sizes whose tokens and tower memory to show (a model with a vision tower)")
     plan.set_defaults(func=_cmd_plan)
-
-    add_eval_parser(sub)
-    from .train.command import add_train_parser
-    add_train_parser(sub)
-    from .lab.command import add_lab_parser, add_probe_parser
-    argv = sys.argv[1:] if argv is None else argv
-    add_probe_parser(sub, with_options=argv[1] if argv[:1] == ["probe"] and len(argv) > 1 else None)
-    add_lab_parser(sub)
-    from .disagg.command import add_router_parser
-    add_router_parser(sub)
-    from .agent.command import add_agent_parser
-    add_agent_parser(sub)
-    from .tune.command import add_tune_parser
-    add_tune_parser(sub)
-    return p
 
 
 def main(argv=None) -> int:

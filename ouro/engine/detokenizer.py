@@ -90,6 +90,24 @@ class IncrementalDetokenizer:
                     break
         return hold
 
+    def update(self, new_ids: list[int], stop_token: bool = False, finished: bool = False) -> tuple[str, int]:
+        """A choice's new ids -> (the text they release, how many of them belong to the choice).
+        The one place a choice's text is made, offline (`OutputProcessor`) and served
+        (`serve/generation.py`): `stop_token` (the last id ended the choice: EOS or a stop token
+        id) keeps that id out of the text, as vLLM does; a stop string ends the choice at the id
+        that completed it (the ids after it are dropped); a choice that `finished` otherwise
+        releases the text held back as a possible stop-string start."""
+        text, used = "", 0
+        for k, tok in enumerate(new_ids):
+            used += 1
+            if not (stop_token and k == len(new_ids) - 1):
+                text += self.add(tok)
+            if self.stopped:
+                return text, used
+        if finished or stop_token:
+            text += self.flush()
+        return text, used
+
     def flush(self) -> str:
         """Release everything held back (call once generation ends without a stop string)."""
         if self.stopped:

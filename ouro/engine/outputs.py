@@ -2,8 +2,9 @@
 sampler, speculative verification, a request prefilled by another worker): appended with its
 logprobs, detokenised where the engine has a tokenizer (stop strings end the request here), checked
 for a stop (EOS, stop token ids, a complete grammar, `max_tokens`, the model's length), and
-reported as a `RequestOutput`. It says why a request stops; the engine lets it go (`LLMEngine.emit`). A served engine has no tokenizer: the server detokenises the ids
-with the same `IncrementalDetokenizer` (`serve/generation.py`)."""
+reported as a `RequestOutput`. It says why a request stops; the engine lets it go (`LLMEngine.emit`).
+A served engine has no tokenizer: the server makes each choice's text with the same
+`IncrementalDetokenizer.update` (`serve/generation.py`), so the text rules are one piece of code."""
 
 from __future__ import annotations
 
@@ -23,30 +24,34 @@ class OutputProcessor:
         r.output_ids.append(tok)
         r.logprobs.append(logprob)
         r.top_logprobs.append(top)
-        new_text = r.detokenizer.add(tok) if r.detokenizer else ""
         if r.constraint is not None:
             r.constraint.accept(tok)
-        reason = self.stop_reason(r, tok)
-        if reason and r.detokenizer is not None:
-            # text held back as a possible stop-string start is released unless a stop string matched
-            new_text += r.detokenizer.flush()
-        return new_text, reason
+        by_token = self.stops_on(r, tok)
+        later = self.ends_after(r)
+        new_text = ""
+        if r.detokenizer is not None:
+            new_text = r.detokenizer.update([tok], stop_token=by_token, finished=later is not None)[0]
+        if by_token:
+            r.stop_reason = tok
+            return new_text, "stop"
+        if r.detokenizer is not None and r.detokenizer.stopped:
+            r.stop_reason = r.detokenizer.stop_reason
+            return new_text, "stop"
+        return new_text, later
 
-    def stop_reason(self, r: Request, tok: int) -> str | None:
-        """Why `tok` ends the request, or None (a stop by token or string is kept in `r.stop_reason`)."""
+    def stops_on(self, r: Request, tok: int) -> bool:
+        """Whether `tok` ends the request by its id (EOS, a stop token id): it is kept out of the text."""
         p = r.params
-        reason = None
-        if not p.ignore_eos and tok in self.eos_token_ids:
-            reason, r.stop_reason = "stop", tok
-        elif p.stop_token_ids and tok in p.stop_token_ids:
-            reason, r.stop_reason = "stop", tok
-        elif r.detokenizer is not None and r.detokenizer.stopped:
-            reason, r.stop_reason = "stop", r.detokenizer.stop_reason
-        elif r.constraint is not None and r.constraint.done:    # the grammar is complete: nothing more may follow
-            reason = "stop"
-        elif len(r.output_ids) >= p.max_tokens or r.num_tokens >= self.max_model_len:
-            reason = "length"
-        return reason
+        return (not p.ignore_eos and tok in self.eos_token_ids) or bool(p.stop_token_ids and tok in p.stop_token_ids)
+
+    def ends_after(self, r: Request) -> str | None:
+        """Why the request ends after its last token, by neither its id nor a stop string: a
+        complete grammar ("stop": nothing more may follow), `max_tokens` or the model's length."""
+        if r.constraint is not None and r.constraint.done:
+            return "stop"
+        if len(r.output_ids) >= r.params.max_tokens or r.num_tokens >= self.max_model_len:
+            return "length"
+        return None
 
     @staticmethod
     def output(r: Request, new_ids, new_text) -> RequestOutput:

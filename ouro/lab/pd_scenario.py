@@ -33,123 +33,157 @@ ROUNDS = 9          # one round: each variant once; medians and a paired bootstr
 
 
 def pd(model_dir, prompt_len: int = PROMPT_LEN, rounds: int = ROUNDS, heartbeat: bool = True, timeout: float = 180.0) -> dict:
-    import zmq
-
     from ..config import EngineConfig
-    from ..disagg.command import free_port_pair
     from ..disagg.prefill_engine import PrefillEngine
     from ..engine.llm_engine import LLMEngine
     from ..engine.sampling import SamplingParams
     from ..models.loader import load_model
-    from ..serve.messages import decode, encode, params_to_wire
-    from ..measure import heartbeat as hb
-    from ..measure import spans, thread_cpu
     from .workload import prompts
 
-    port = free_port_pair()
     memory = 6 * prompt_len * 64 * 1024 + (64 << 20)
-    env = {**os.environ, "OURO_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    env.pop("OURO_TRACE", None)
-    worker = subprocess.Popen([sys.executable, "-m", "ouro.cli", "serve", "--role", "decode", "--model", str(model_dir),
-                               "--port", str(port), "--max-memory", str(memory), "--page-size", "64",
-                               "--exit-with-parent"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    ctx = zmq.Context()
-    push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
-    push.setsockopt(zmq.LINGER, 0)
-    push.connect(f"tcp://127.0.0.1:{port}")
-    pull.connect(f"tcp://127.0.0.1:{port + 1}")
+    worker = DecodeWorker(model_dir, memory, timeout)
+    try:
+        worker.ask({"type": "hello"}, "ready")
+        cfg = EngineConfig(max_memory=memory, page_size=64, max_num_seqs=4, max_num_batched_tokens=prompt_len)
+        engine = LLMEngine(load_model(model_dir), None, cfg, verbose=False)
+        ids = prompts(1, prompt_len, vocab=min(engine.model.config.vocab_size, 30000), seed=9)[0]
+        run = Variants(engine, PrefillEngine(engine), worker, ids, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+        run.alone("warm")                                  # warm-up (also picks the GEMM forms)
+        run.handed("warm", True)
+        run.times["handoff"].clear()
+        threads, doc = run.rounds(rounds, heartbeat)
+        run.prefill.close()
+    finally:
+        worker.close()
+    return summarise(run.times, doc, threads)
 
-    def ask(msg: dict, want: str, rid=None, limit=timeout) -> dict:
-        push.send(encode(msg))
-        deadline = time.monotonic() + limit
+
+class DecodeWorker:
+    """A real decode worker (`ouro serve --role decode`, its own process) and the two sockets to it."""
+
+    def __init__(self, model_dir, memory: int, timeout: float):
+        import zmq
+
+        from ..disagg.command import free_port_pair
+        from ..serve.messages import decode, encode
+        self.decode, self.encode, self.timeout = decode, encode, timeout
+        port = free_port_pair()
+        env = {**os.environ, "OURO_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+        env.pop("OURO_TRACE", None)
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "ouro.cli", "serve", "--role", "decode", "--model", str(model_dir), "--port", str(port),
+             "--max-memory", str(memory), "--page-size", "64", "--exit-with-parent"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+        self.ctx = zmq.Context()
+        self.push, self.pull = self.ctx.socket(zmq.PUSH), self.ctx.socket(zmq.PULL)
+        self.push.setsockopt(zmq.LINGER, 0)
+        self.push.connect(f"tcp://127.0.0.1:{port}")
+        self.pull.connect(f"tcp://127.0.0.1:{port + 1}")
+
+    def ask(self, msg: dict, want: str, rid=None) -> dict:
+        """Send `msg`; the first reply of type `want` (for `rid`), else an error naming why none came."""
+        self.push.send(self.encode(msg))
+        deadline = time.monotonic() + self.timeout
         while time.monotonic() < deadline:
-            if worker.poll() is not None:
-                raise RuntimeError(f"the decode worker exited (code {worker.returncode})")
-            if pull.poll(100):
-                got = decode(pull.recv())
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the decode worker exited (code {self.process.returncode})")
+            if self.pull.poll(100):
+                got = self.decode(self.pull.recv())
                 if got["type"] == want and (rid is None or got.get("rid") == rid):
                     return got
                 if got["type"] == "error" and got.get("rid") == rid:
                     raise RuntimeError(f"the decode worker refused: {got['message']}")
-        raise RuntimeError(f"no {want!r} from the decode worker within {limit:.0f} s")
+        raise RuntimeError(f"no {want!r} from the decode worker within {self.timeout:.0f} s")
 
-    try:
-        ask({"type": "hello"}, "ready")
-        cfg = EngineConfig(max_memory=memory, page_size=64, max_num_seqs=4, max_num_batched_tokens=prompt_len)
-        engine = LLMEngine(load_model(model_dir), None, cfg, verbose=False)
-        p = PrefillEngine(engine)
-        params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-        ids = prompts(1, prompt_len, vocab=min(engine.model.config.vocab_size, 30000), seed=9)[0]
-        times = {k: [] for k in ("alone", "overlap", "no_overlap", "handoff", "cpu_alone", "cpu_overlap",
-                                 "cpu_no_overlap")}
-        n = [0]
-        threads: dict[str, list] = {}       # variant -> per round: {process: {thread: CPU s}}
+    def await_output(self, rid) -> None:
+        deadline = time.monotonic() + self.timeout
+        while time.monotonic() < deadline:
+            if self.pull.poll(100):
+                got = self.decode(self.pull.recv())
+                if got["type"] == "outputs" and any(i["rid"] == rid for i in got["items"]):
+                    return
+                if got["type"] == "error" and got.get("rid") == rid:
+                    raise RuntimeError(f"the decode worker failed {rid}: {got['message']}")
+        raise RuntimeError(f"the decode worker gave no output for {rid} within {self.timeout:.0f} s")
 
-        def alone():
-            t, c = time.perf_counter(), time.thread_time()
-            engine.add_request({"prompt_token_ids": ids}, params, f"alone-{n[0]}")
-            while engine.has_unfinished():
-                engine.step()
-            return time.perf_counter() - t, time.thread_time() - c
+    def close(self) -> None:
+        import zmq
+        try:
+            self.push.send(self.encode({"type": "shutdown"}))
+        except zmq.ZMQError:
+            pass
+        self.ctx.destroy(linger=0)
+        self.process.terminate()
+        try:
+            self.process.wait(10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
 
-        def handed(overlap: bool):
-            p.overlap = overlap
-            rid = f"pd-{n[0]}-{int(overlap)}"
-            room = ask({"type": "reserve", "rid": rid, "prompt_token_ids": ids, "params": params_to_wire(params)},
-                       "reserved", rid)["room"]
-            t, c = time.perf_counter(), time.thread_time()
-            p.add(rid, ids, params, room)
-            while rid not in p.outcomes:
-                p.step()
-                if not p.runnable():
-                    time.sleep(0.0005)     # the transfer thread finishes: a short sleep, no spin
-            sent, cpu = time.perf_counter() - t, time.thread_time() - c
-            _await_output(pull, rid, decode, timeout)
-            if p.outcomes.pop(rid) != "done":
-                raise RuntimeError(f"the transfer of {rid} did not complete")
-            if overlap:
-                times["handoff"].append(time.perf_counter() - t)
-            return sent, cpu
 
-        alone()                                            # warm-up (also picks the GEMM forms)
-        handed(True)
-        times["handoff"].clear()
+class Variants:
+    """The three ways the prompt runs (alone; handed over with the transfer overlapped or not),
+    each timed as (wall s, the compute thread's CPU s) into `times`."""
+
+    def __init__(self, engine, prefill, worker: DecodeWorker, ids, params):
+        self.engine, self.prefill, self.worker, self.ids, self.params = engine, prefill, worker, ids, params
+        self.times = {k: [] for k in ("alone", "overlap", "no_overlap", "handoff", "cpu_alone", "cpu_overlap",
+                                      "cpu_no_overlap")}
+
+    def alone(self, tag) -> tuple[float, float]:
+        t, c = time.perf_counter(), time.thread_time()
+        self.engine.add_request({"prompt_token_ids": self.ids}, self.params, f"alone-{tag}")
+        while self.engine.has_unfinished():
+            self.engine.step()
+        return time.perf_counter() - t, time.thread_time() - c
+
+    def handed(self, tag, overlap: bool) -> tuple[float, float]:
+        from ..serve.messages import params_to_wire
+        p = self.prefill
+        p.overlap = overlap
+        rid = f"pd-{tag}-{int(overlap)}"
+        room = self.worker.ask({"type": "reserve", "rid": rid, "prompt_token_ids": self.ids,
+                                "params": params_to_wire(self.params)}, "reserved", rid)["room"]
+        t, c = time.perf_counter(), time.thread_time()
+        p.add(rid, self.ids, self.params, room)
+        while rid not in p.outcomes:
+            p.step()
+            if not p.runnable():
+                time.sleep(0.0005)     # the transfer thread finishes: a short sleep, no spin
+        sent, cpu = time.perf_counter() - t, time.thread_time() - c
+        self.worker.await_output(rid)
+        if p.outcomes.pop(rid) != "done":
+            raise RuntimeError(f"the transfer of {rid} did not complete")
+        if overlap:
+            self.times["handoff"].append(time.perf_counter() - t)
+        return sent, cpu
+
+    def rounds(self, rounds: int, heartbeat: bool) -> tuple[dict, dict]:
+        """Each round runs the three variants in a turning order (a drift of the machine hits each
+        alike); the last overlapped one is traced. Returns (variant -> per round: {process:
+        {thread: CPU s}}, the trace)."""
+        from ..measure import heartbeat as hb
+        from ..measure import spans, thread_cpu
+        threads: dict[str, list] = {}
         for r in range(rounds):
-            n[0] += 1
-            last = r == rounds - 1
-            # the order turns each round, so a drift of the machine hits every variant alike
             for name in ORDER[r % len(ORDER)]:
-                traced = last and name == "overlap"        # the overlapped round the trace shows
+                traced = r == rounds - 1 and name == "overlap"
                 if traced:
                     spans.clear(), hb.clear()
                     spans.enable()
                     if heartbeat:
                         hb.start()
-                before = _threads(worker.pid)
+                before = _threads(self.worker.process.pid)
                 try:
-                    wall, cpu = alone() if name == "alone" else handed(name == "overlap")
+                    wall, cpu = self.alone(r) if name == "alone" else self.handed(r, name == "overlap")
                 finally:
                     if traced:
                         hb.stop()
                         spans.disable()
-                after = _threads(worker.pid)
-                times[name].append(wall)
-                times["cpu_" + name].append(cpu)
+                after = _threads(self.worker.process.pid)
+                self.times[name].append(wall)
+                self.times["cpu_" + name].append(cpu)
                 threads.setdefault(name, []).append({k: thread_cpu.delta(before[k], after[k]) for k in before})
-        doc = {"traceEvents": spans.chrome_events(process_name="ouro prefill")}
-        p.close()
-    finally:
-        try:
-            push.send(encode({"type": "shutdown"}))
-        except zmq.ZMQError:
-            pass
-        ctx.destroy(linger=0)
-        worker.terminate()
-        try:
-            worker.wait(10)
-        except subprocess.TimeoutExpired:
-            worker.kill()
-    return summarise(times, doc, threads)
+        return threads, {"traceEvents": spans.chrome_events(process_name="ouro prefill")}
 
 
 def _threads(worker_pid: int) -> dict:
@@ -208,18 +242,6 @@ def median_interval(values: list[float], resamples: int = 2000, seed: int = 0) -
     rng = random.Random(seed)
     meds = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
     return [meds[int(0.025 * resamples)], meds[int(0.975 * resamples) - 1]]
-
-
-def _await_output(pull, rid, decode, timeout) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pull.poll(100):
-            got = decode(pull.recv())
-            if got["type"] == "outputs" and any(i["rid"] == rid for i in got["items"]):
-                return
-            if got["type"] == "error" and got.get("rid") == rid:
-                raise RuntimeError(f"the decode worker failed {rid}: {got['message']}")
-    raise RuntimeError(f"the decode worker gave no output for {rid} within {timeout:.0f} s")
 
 
 def send_overlap(doc: dict) -> float:

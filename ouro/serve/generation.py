@@ -1,5 +1,5 @@
 """One HTTP request's generation: its n choices sent to the engine, their outputs detokenised
-(stop strings end a choice here and abort it in the engine), metrics recorded, and everything
+(`IncrementalDetokenizer.update`, as offline; stop strings end a choice here and abort it in the engine), metrics recorded, and everything
 aborted if the client goes away."""
 
 from __future__ import annotations
@@ -95,20 +95,18 @@ class Generation:
         if c.last_token_at is not None:
             self.metrics.itl.observe(now - c.last_token_at)
         c.last_token_at = now
-        text, new_ids, new_lp = "", [], []
+        ids = item["new_token_ids"]
         stop_token = item["finished"] and item["finish_reason"] == "stop" and isinstance(item["stop_reason"], int)
-        for k, tok in enumerate(item["new_token_ids"]):
-            new_ids.append(tok)
-            new_lp.append((tok, item["logprobs"][k], item["top_logprobs"][k]))
-            last = k == len(item["new_token_ids"]) - 1
-            if not (last and stop_token):            # EOS / stop token ids are not part of the text
-                text += c.detok.add(tok)
-            if c.detok.stopped:                      # a stop string: this choice ends here
-                c.finish_reason, c.stop_reason = "stop", c.detok.stop_reason
+        text, used = c.detok.update(ids, stop_token=stop_token, finished=item["finished"])
+        new_ids = ids[:used]
+        new_lp = [(tok, item["logprobs"][k], item["top_logprobs"][k]) for k, tok in enumerate(new_ids)]
+        if c.detok.stopped:                      # a stop string: this choice ends here, and in the engine
+            c.finish_reason, c.stop_reason = "stop", c.detok.stop_reason
+            if not item["finished"]:
                 asyncio.ensure_future(self.client.abort(c.rid))
-                break
-        if c.finish_reason is None and item["finished"]:
-            text += c.detok.flush()
+            else:
+                self.client.release(c.rid)
+        elif item["finished"]:
             c.finish_reason, c.stop_reason = item["finish_reason"], item["stop_reason"]
             self.client.release(c.rid)
         c.token_ids += new_ids

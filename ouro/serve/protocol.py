@@ -38,6 +38,12 @@ class ServeError(Exception):
         self.status, self.message = status, message
 
 
+def check_model(state, model: str | None) -> None:
+    """A request naming another model: 404 (`NotFoundError`), as vLLM and OpenAI answer."""
+    if model is not None and model != state.model_name:
+        raise ServeError(404, f"the model {model!r} does not exist; this server serves {state.model_name!r}")
+
+
 def error_body(message: str, status: int, type_: str | None = None) -> dict:
     kinds = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError",
              413: "BadRequestError", 429: "RateLimitError", 500: "InternalServerError",

@@ -17,11 +17,10 @@ from ..measure import spans
 from . import request_jobs, structured_request
 from .generation import Generation
 from .openapi import STREAMED
-from .protocol import ChatCompletionRequest, CompletionRequest, ServeError, error_body
+from .protocol import ChatCompletionRequest, CompletionRequest, ServeError, check_model, error_body
 from .response_view import ResponseView
 from .responses import ResponsesRequest, sse_events, to_chat, to_response
 from .state import ServerState
-from .tokenize_routes import check_model
 
 router = APIRouter()
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from pydantic import ConfigDict, Field
 
-from .protocol import Body, ChatMessage, ServeError, TokenId, bound
+from .protocol import Body, ChatMessage, ServeError, TokenId, bound, check_model
 
 
 class TokenizeRequest(Body):
@@ -41,12 +41,6 @@ class DetokenizeRequest(Body):
     model_config = ConfigDict(extra="forbid")
     model: str | None = Field(None, json_schema_extra=bound("model"))
     tokens: list[TokenId] = Field(max_length=1 << 20)
-
-
-def check_model(state, model: str | None) -> None:
-    """A request naming another model: 404 (`NotFoundError`), as vLLM and OpenAI answer."""
-    if model is not None and model != state.model_name:
-        raise ServeError(404, f"the model {model!r} does not exist; this server serves {state.model_name!r}")
 
 
 SPECIAL = ("bos_token", "eos_token", "pad_token", "unk_token")

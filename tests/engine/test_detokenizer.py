@@ -108,3 +108,31 @@ def test_special_tokens_skipped_or_kept(tok):
     assert det.text == "done"
     det, _, _ = _run(tok, "", ids=ids, skip_special_tokens=False, stop=["<|user|>"])
     assert det.stopped and det.stop_reason == "<|user|>" and det.text == "done"
+
+
+@pytest.mark.parametrize("rule", ["plain", "stop_token", "stop_string_then_more", "held_then_finished"])
+def test_update_makes_a_choice_text_by_its_rules(tok, rule):
+    """`update` (what the engine offline and the server both use): the text of ids fed in chunks
+    equals the rule's text: a stop token's text left out, ids after a stop string dropped, a held
+    stop prefix released at the finish."""
+    text = "def add(a, b):\n    return a + b\n"
+    ids = tok.encode(text).ids
+    stop = {"stop_string_then_more": [text[9:12]], "held_then_finished": [text[-3:-2] + "zz"]}.get(rule, [])
+    det = IncrementalDetokenizer(tok, tok.encode(PROMPT).ids, stop)
+    got, used_all = "", 0
+    chunks = [ids[i:i + 3] for i in range(0, len(ids), 3)]
+    for n, chunk in enumerate(chunks):
+        last = n == len(chunks) - 1
+        piece, used = det.update(chunk, stop_token=last and rule == "stop_token", finished=last)
+        got += piece
+        used_all += used
+        if det.stopped:
+            break
+    if rule == "stop_string_then_more":
+        assert det.stopped and got == text[:9] and used_all < len(ids)
+        assert tok.decode(ids[:used_all]).find(stop[0]) >= 0               # the id that completed the stop is the last kept
+        assert tok.decode(ids[:used_all - 1]).find(stop[0]) < 0
+    elif rule == "stop_token":
+        assert got == tok.decode(ids[:-1]) and used_all == len(ids)
+    else:
+        assert got == text == det.text and used_all == len(ids) and not det.stopped

@@ -138,14 +138,17 @@ def test_failed_forward_is_recomputed_not_resumed(tiny_dir, when):
 def test_held_back_text_is_released_when_a_stop_token_ends(llm):
     base = llm.generate("Hello there", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
     tok = llm.engine.tokenizer
-    k = next(i for i in range(3, 12) if tok.decode(base.token_ids[:i + 1]).strip())
-    text = tok.decode(base.token_ids[:k + 1])
-    # a stop string that starts with the text's last character, so it is held back at token k
+    ids = base.token_ids
+    k = next(i for i in range(3, 12) if tok.decode(ids[:i]).strip() and ids.index(ids[i]) == i)
+    text = tok.decode(ids[:k])
+    # a stop string that starts with the text's last character, so it is held back before token k
     stop = text[-1] + "\u2603\u2603"
     res = llm.generate("Hello there", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop],
-                                                     stop_token_ids=[base.token_ids[k]]))[0]
-    assert res.finish_reason == "stop" and res.token_ids == base.token_ids[:base.token_ids.index(base.token_ids[k]) + 1]
-    assert res.text == tok.decode(res.token_ids)
+                                                     stop_token_ids=[ids[k]]))[0]
+    assert res.finish_reason == "stop" and res.token_ids == ids[:k + 1]
+    # the held-back character is released; the stop token's own text is not part of the reply
+    # (vLLM's rule, and the server's: `IncrementalDetokenizer.update`)
+    assert res.text == text == tok.decode(res.token_ids[:-1])
 
 
 # ---- 5: engine options ----

@@ -60,6 +60,35 @@ def test_server_output_equals_the_offline_engine(client, model_dir):
         assert got.text == want.text and len(want.token_ids) == 12
 
 
+@pytest.fixture(scope="module")
+def offline(model_dir):
+    from ouro import LLM
+    return LLM(str(model_dir), max_memory=64 << 20, page_size=16)
+
+
+@pytest.mark.parametrize("how", ["stop_token_id", "stop_string", "length"])
+def test_server_text_equals_the_offline_engine_at_every_kind_of_stop(client, offline, how):
+    """A stop token id's text is not part of the reply, a stop string ends it where it starts,
+    `max_tokens` releases what was held back: the same rules (one piece of code) served and offline."""
+    from ouro import SamplingParams
+    prompt = [5, 6, 7, 8]
+    free = offline.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    kw = {}
+    if how == "stop_token_id":
+        kw["stop_token_ids"] = [free.token_ids[4]]
+    elif how == "stop_string":
+        kw["stop"] = [free.text[len(free.text) // 2:len(free.text) // 2 + 2]]
+    want = offline.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=12,
+                                                                        ignore_eos=True, **kw))[0]
+    got = client.completions.create(model=None, prompt=prompt, max_tokens=12, temperature=0, stop=kw.get("stop"),
+                                    extra_body={"ignore_eos": True, "stop_token_ids": kw.get("stop_token_ids")}).choices[0]
+    assert (got.text, got.finish_reason) == (want.text, want.finish_reason)
+    assert want.finish_reason == ("length" if how == "length" else "stop") and len(want.text) < len(free.text) + (how == "length")
+    if how == "stop_token_id":           # the reply is the text of the ids before the stop token
+        k = free.token_ids.index(kw["stop_token_ids"][0])
+        assert want.token_ids[-1] == free.token_ids[k] and want.text == offline.engine.tokenizer.decode(free.token_ids[:k])
+
+
 def test_n_logprobs_and_seed(client):
     r = client.completions.create(model=None, prompt="abc", max_tokens=6, n=3, seed=9, temperature=1.0, logprobs=2,
                                   extra_body={"ignore_eos": True})

@@ -79,32 +79,11 @@ def spec_waste_finding(model: str = "tiny-py", k: int = 3, n_prompts: int = 3, p
     speed (the previous workload, 4 prompts of 64 tokens and 32 out, took 24.8 s in bfloat16 on an
     AVX2 machine against 2-4 s in float32)."""
     from ...engine.llm import LLM
-    from ...engine.sampling import SamplingParams
     from ...eval.corpus import held_out_prefixes
-    from ...measure import spans
     llm = LLM(model, dtype=dtype, max_memory=128 << 20, page_size=16, speculative_config={"num_speculative_tokens": k})
     spec = llm.engine.speculator
     prompts = held_out_prefixes(llm.engine.tokenizer, n_prompts, prompt_len)
-    checks: dict[str, list] = {}       # request id -> [(tokens known, drafts verified, accepted)]
-    verify = spec.verify
-
-    def recorded(r, logits):
-        n, drafts = r.num_tokens, list(r.draft_ids[: logits.shape[0] - 1])
-        emitted = verify(r, logits)
-        checks.setdefault(r.request_id, []).append((n, drafts, len(emitted) - 1))
-        return emitted
-    spec.verify = recorded
-    spans.clear()
-    spans.enable()
-    try:
-        outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts],
-                            SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True))
-    finally:
-        spans.disable()
-        spec.verify = verify
-    seconds = {}
-    for ev in spans.events():
-        seconds[ev["name"]] = seconds.get(ev["name"], 0.0) + ev["dur_ms"] / 1e3
+    outs, checks, seconds = _run_recorded(llm, prompts, output_len)
     st = spec.stats
     s = st.summary()
     rejected = st.proposed - (st.emitted - st.steps)            # verified drafts rolled back
@@ -118,23 +97,7 @@ def spec_waste_finding(model: str = "tiny-py", k: int = 3, n_prompts: int = 3, p
     share = wasted / step_s if step_s else 0.0
     best = weak[0] - 1 if weak else k
 
-    # the same verifications against the draft layer driven from scratch
-    eng_acc = ref_acc = 0
-    departures = []                 # (position of the first draft, engine drafts, reference drafts, accepted e/r)
-    for o in outs:
-        rid = o.request_id
-        ids = list(o.prompt_token_ids) + list(o.outputs[0].token_ids)
-        mine = checks.get(rid, [])
-        if not any(d for _, d, _ in mine):
-            continue
-        ref = reference_drafts(llm.engine.model, spec.layer, ids, [(n, len(d)) for n, d, _ in mine if d])
-        for n, drafts, acc in mine:
-            if not drafts:
-                continue
-            r_acc = _accepted(ref[n], ids, n)
-            eng_acc, ref_acc = eng_acc + acc, ref_acc + r_acc
-            if acc != r_acc:
-                departures.append((n, drafts, ref[n], acc, r_acc))
+    eng_acc, ref_acc, departures = _against_reference(llm, outs, checks)
     departed = abs(eng_acc - ref_acc) > max(DEPART_MIN, DEPART_SHARE * ref_acc)
     evidence = {"accept_rate_per_position": [round(a, 4) for a in rates], "draft_s": seconds.get("draft", 0.0),
                 "forward_s": seconds.get("forward", 0.0), "replay_s": seconds.get("replay", 0.0),
@@ -165,3 +128,54 @@ def spec_waste_finding(model: str = "tiny-py", k: int = 3, n_prompts: int = 3, p
         measured=measured,
         expected={"drafts_accepted": ref_acc, "departure_below": max(DEPART_MIN, DEPART_SHARE * ref_acc)},
         evidence=evidence, next=nxt)
+
+
+def _run_recorded(llm, prompts, output_len: int) -> tuple[list, dict, dict]:
+    """The prompts generated greedily with each verification recorded: (outputs, request id ->
+    [(tokens known, drafts verified, drafts accepted)], span name -> seconds)."""
+    from ...engine.sampling import SamplingParams
+    from ...measure import spans
+    spec = llm.engine.speculator
+    checks: dict[str, list] = {}
+    verify = spec.verify
+
+    def recorded(r, logits):
+        n, drafts = r.num_tokens, list(r.draft_ids[: logits.shape[0] - 1])
+        emitted = verify(r, logits)
+        checks.setdefault(r.request_id, []).append((n, drafts, len(emitted) - 1))
+        return emitted
+    spec.verify = recorded
+    spans.clear()
+    spans.enable()
+    try:
+        outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts],
+                            SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True))
+    finally:
+        spans.disable()
+        spec.verify = verify
+    seconds: dict[str, float] = {}
+    for ev in spans.events():
+        seconds[ev["name"]] = seconds.get(ev["name"], 0.0) + ev["dur_ms"] / 1e3
+    return outs, checks, seconds
+
+
+def _against_reference(llm, outs, checks) -> tuple[int, int, list]:
+    """The same verifications against the draft layer driven from scratch: (drafts the engine got
+    accepted, drafts the reference gets accepted, the verifications where they differ as (position
+    of the first draft, engine drafts, reference drafts, accepted engine, accepted reference))."""
+    eng_acc = ref_acc = 0
+    departures = []
+    for o in outs:
+        ids = list(o.prompt_token_ids) + list(o.outputs[0].token_ids)
+        mine = checks.get(o.request_id, [])
+        if not any(d for _, d, _ in mine):
+            continue
+        ref = reference_drafts(llm.engine.model, llm.engine.speculator.layer, ids, [(n, len(d)) for n, d, _ in mine if d])
+        for n, drafts, acc in mine:
+            if not drafts:
+                continue
+            r_acc = _accepted(ref[n], ids, n)
+            eng_acc, ref_acc = eng_acc + acc, ref_acc + r_acc
+            if acc != r_acc:
+                departures.append((n, drafts, ref[n], acc, r_acc))
+    return eng_acc, ref_acc, departures
