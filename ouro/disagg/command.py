@@ -9,10 +9,11 @@ decode worker's KV receiver port).
 from __future__ import annotations
 
 import argparse
+import os
 import re
-import socket
 import subprocess
 import sys
+import time
 
 
 def add_worker_flags(sv) -> None:
@@ -35,6 +36,7 @@ def add_worker_flags(sv) -> None:
                    help="start X encode (optional), Y prefill and Z decode workers on this host and serve them "
                         "through a router on --host:--port, e.g. 1P1D or 1E1P1D")
     g.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)   # --disagg's own workers
+    g.add_argument("--port-file", default=None, help=argparse.SUPPRESS)   # a launcher's worker: its bound --port (0: any pair)
 
 
 def add_router_parser(sub) -> None:
@@ -70,7 +72,9 @@ def _cmd_router(args) -> int:
 
 
 def free_port_pair() -> int:
-    """A port p with p and p + 1 free now (a worker binds both)."""
+    """A port p with p and p + 1 free now, for a worker that must come back on the same address
+    (a restart); a launcher's own workers choose theirs (`spawn_workers`)."""
+    import socket
     for _ in range(100):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -84,6 +88,38 @@ def free_port_pair() -> int:
     raise RuntimeError("no pair of free ports found")
 
 
+def spawn_workers(argvs: list[list[str]], started: list | None = None, timeout_s: float = 300.0, quiet: bool = False,
+                  env: dict | None = None) -> list[tuple[subprocess.Popen, int]]:
+    """Start workers (each `argv` an `ouro serve --role ...` command line without `--port`) that each
+    bind a free pair of ports themselves (`--port 0`), and wait until all have: (process, port)
+    each. No other process can take a port between its choice and its bind, as one could when a
+    launcher picked free ports and handed them over. `started`: each process is appended as it
+    starts, so a caller can stop them all if one fails. `quiet`: their output discarded."""
+    import tempfile
+    started = [] if started is None else started
+    with tempfile.TemporaryDirectory(prefix="ouro-ports-") as d:
+        paths = [os.path.join(d, str(i)) for i in range(len(argvs))]
+        procs = []
+        for argv, path in zip(argvs, paths):
+            out = subprocess.DEVNULL if quiet else None
+            procs.append(subprocess.Popen(argv + ["--port", "0", "--port-file", path], stdout=out, stderr=out, env=env))
+            started.append(procs[-1])
+        deadline = time.monotonic() + timeout_s
+        for argv, proc, path in zip(argvs, procs, paths):
+            what = " ".join(argv[argv.index("--role"):argv.index("--role") + 2]) if "--role" in argv else "worker"
+            while not os.path.exists(path):
+                if proc.poll() is not None:
+                    raise RuntimeError(f"the worker ({what}) exited during start-up (code {proc.returncode})")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the worker ({what}) bound no port within {timeout_s:.0f} s")
+                time.sleep(0.05)
+        ports = []
+        for path in paths:
+            with open(path) as f:
+                ports.append(int(f.read()))
+    return list(zip(procs, ports))
+
+
 def parse_layout(text: str) -> tuple[int, int, int]:
     """(encode, prefill, decode) workers of `[XE]YPZD`."""
     m = re.fullmatch(r"(?:(\d+)E)?(\d+)P(\d+)D", text.strip().upper())
@@ -92,10 +128,13 @@ def parse_layout(text: str) -> tuple[int, int, int]:
     return int(m[1] or 0), int(m[2]), int(m[3])
 
 
-def worker_argv(args, role: str, port: int) -> list[str]:
-    """The `ouro serve --role ...` command line of one local worker, from this serve's engine flags."""
+def worker_argv(args, role: str, port: int | None = None) -> list[str]:
+    """The `ouro serve --role ...` command line of one local worker, from this serve's engine flags
+    (`port` None: none given, `spawn_worker` adds its own)."""
     argv = [sys.executable, "-m", "ouro.cli", "serve", "--role", role, "--model", str(args.model), "--host", "127.0.0.1",
-            "--port", str(port), "--device", args.device, "--transfer-timeout", str(args.transfer_timeout)]
+            "--device", args.device, "--transfer-timeout", str(args.transfer_timeout)]
+    if port is not None:
+        argv += ["--port", str(port)]
     if role == "encode":                 # the tower alone: none of the engine's flags apply
         return argv + ["--exit-with-parent"]
     argv += ["--dtype", args.dtype, "--page-size", str(args.page_size),
@@ -160,18 +199,16 @@ def serve_disagg(args) -> int:
                          f"{args.transfer_backend}")
     n_encode, n_prefill, n_decode = parse_layout(args.disagg)
     workers = shared_budget(args, n_prefill + n_decode)
-    procs, roles = {}, {"encode": [], "prefill": [], "decode": []}
-    for role, n in (("encode", n_encode), ("prefill", n_prefill), ("decode", n_decode)):
-        for _ in range(n):
-            port = free_port_pair()
-            address = f"127.0.0.1:{port}"
-            procs[address] = subprocess.Popen(worker_argv(workers, role, port))
-            roles[role].append(address)
+    layout = [role for role, n in (("encode", n_encode), ("prefill", n_prefill), ("decode", n_decode)) for _ in range(n)]
+    started, procs, roles = [], {}, {"encode": [], "prefill": [], "decode": []}
     try:
+        for role, (proc, port) in zip(layout, spawn_workers([worker_argv(workers, role) for role in layout], started)):
+            procs[f"127.0.0.1:{port}"] = proc
+            roles[role].append(f"127.0.0.1:{port}")
         return serve(args, lambda directory, on_stats: DisaggClient(roles["prefill"], roles["decode"], on_stats, procs,
                                                                     encode=roles["encode"], model_dir=directory))
     finally:
-        stop_all(procs.values())
+        stop_all(started)
 
 
 def stop_all(procs, timeout_s: float = 10.0) -> None:
@@ -203,8 +240,10 @@ def run_role(args) -> int:
             raise ValueError(f"{directory} has no vision tower (no model.visual.* tensors): an encode worker needs one")
         if getattr(args, "tp", 1) > 1:
             raise ValueError("an encode worker runs the vision tower on one device: drop --tp")
-        run_encoder(str(directory), args.host, args.port, args.device, args.transfer_timeout, args.exit_with_parent)
+        run_encoder(str(directory), args.host, args.port, args.device, args.transfer_timeout, args.exit_with_parent,
+                    args.port_file)
         return 0
     run_worker(args.role, str(directory), engine_kwargs(args), args.host, args.port, args.transfer_backend,
-               args.bootstrap_port, args.transfer_timeout, args.exit_with_parent, args.encoder_cache_mb << 20)
+               args.bootstrap_port, args.transfer_timeout, args.exit_with_parent, args.encoder_cache_mb << 20,
+               args.port_file)
     return 0

@@ -89,14 +89,14 @@ class EncodeWorker:
 
 
 def run_encoder(model_dir: str, host: str, port: int, device: str = "cpu", timeout_s: float = 30.0,
-                exit_with_parent: bool = False) -> None:
+                exit_with_parent: bool = False, port_file: str | None = None) -> None:
     import torch
 
     from ..serve.messages import decode, encode, output_to_wire
     from .worker import bind_sockets
     trace_path = spans.start_from_env(".encode.json", process_name="ouro encode")
     torch.set_num_threads(int(os.environ.get("OURO_NUM_THREADS", torch.get_num_threads())))
-    inbox, outbox = bind_sockets(host, port)
+    inbox, outbox, port = bind_sockets(host, port, port_file)
     worker = EncodeWorker(model_dir, device, timeout_s)
     info = {"type": "ready", "role": "encode", "pid": os.getpid(), "plan": "vision tower only",
             "max_model_len": 0, "max_tokens": 0, "max_num_seqs": 0}

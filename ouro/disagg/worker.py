@@ -32,20 +32,38 @@ HEARTBEAT_S = 0.25
 POLL_MS = 20          # the longest sleep: rooms' deadlines and heartbeats are checked this often
 
 
-def bind_sockets(host: str, port: int):
-    """A worker's (inbox, outbox): PULL on `port`, PUSH on `port + 1`, what a router connects to."""
+def bind_sockets(host: str, port: int, port_file: str | None = None):
+    """A worker's (inbox, outbox, port): PULL on `port`, PUSH on `port + 1`, what a router connects
+    to. Port 0: a free pair, chosen while bound (a launcher that picked the ports and let them go
+    could see another process take one before the worker binds). `port_file`: the port is written
+    there once both are bound, for the launcher."""
     import zmq
     ctx = zmq.Context()
     inbox, outbox = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    inbox.bind(f"tcp://{host}:{port}")
-    outbox.bind(f"tcp://{host}:{port + 1}")
     outbox.setsockopt(zmq.LINGER, 0)
-    return inbox, outbox
+    if port:
+        inbox.bind(f"tcp://{host}:{port}")
+        outbox.bind(f"tcp://{host}:{port + 1}")
+    else:
+        for _ in range(100):
+            port = inbox.bind_to_random_port(f"tcp://{host}")
+            try:
+                outbox.bind(f"tcp://{host}:{port + 1}")
+                break
+            except zmq.ZMQError:
+                inbox.unbind(inbox.getsockopt_string(zmq.LAST_ENDPOINT))
+        else:
+            raise RuntimeError(f"no pair of free ports on {host}")
+    if port_file:
+        with open(port_file + ".part", "w") as f:
+            f.write(str(port))
+        os.replace(port_file + ".part", port_file)       # the launcher never reads half a number
+    return inbox, outbox, port
 
 
 def run_worker(role: str, model_dir: str, engine_kwargs: dict, host: str, port: int, backend: str = "tcp",
                bootstrap_port: int = 0, timeout_s: float = 30.0, exit_with_parent: bool = False,
-               encoder_cache_bytes: int = 256 << 20) -> None:
+               encoder_cache_bytes: int = 256 << 20, port_file: str | None = None) -> None:
     import torch
 
     from ..config import EngineConfig
@@ -57,7 +75,7 @@ def run_worker(role: str, model_dir: str, engine_kwargs: dict, host: str, port: 
 
     trace_path = spans.start_from_env(f".{role}.json", process_name=f"ouro {role}")
     torch.set_num_threads(int(os.environ.get("OURO_NUM_THREADS", torch.get_num_threads())))
-    inbox, outbox = bind_sockets(host, port)
+    inbox, outbox, port = bind_sockets(host, port, port_file)
     cfg = EngineConfig(**engine_kwargs)
     model = load_model(model_dir, dtype=cfg.torch_dtype(), device=cfg.device, kda_chunk_size=cfg.kda_chunk_size)
     engine = LLMEngine(model, None, cfg, model_dir=model_dir, verbose=True, tp_follower_module="ouro.disagg.tp_ranks")

@@ -64,16 +64,14 @@ class DecodeWorker:
     def __init__(self, model_dir, memory: int, timeout: float):
         import zmq
 
-        from ..disagg.command import free_port_pair
+        from ..disagg.command import spawn_workers
         from ..serve.messages import decode, encode
         self.decode, self.encode, self.timeout = decode, encode, timeout
-        port = free_port_pair()
         env = {**os.environ, "OURO_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
         env.pop("OURO_TRACE", None)
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "ouro.cli", "serve", "--role", "decode", "--model", str(model_dir), "--port", str(port),
-             "--max-memory", str(memory), "--page-size", "64", "--exit-with-parent"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+        [(self.process, port)] = spawn_workers(
+            [[sys.executable, "-m", "ouro.cli", "serve", "--role", "decode", "--model", str(model_dir),
+              "--max-memory", str(memory), "--page-size", "64", "--exit-with-parent"]], quiet=True, env=env)
         self.ctx = zmq.Context()
         self.push, self.pull = self.ctx.socket(zmq.PUSH), self.ctx.socket(zmq.PULL)
         self.push.setsockopt(zmq.LINGER, 0)
