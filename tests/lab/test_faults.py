@@ -37,6 +37,18 @@ def test_fault_applies_to_the_current_code(fault):
     assert "FAULT" in patched and "FAULT" not in source
 
 
+def test_a_fault_in_a_timed_choice_pins_the_choice_for_both_runs():
+    """A fault planted in the native int8 kernel is on the path only where that form is picked (a
+    timing, provisional on a busy machine: a suite run beside the slow tests once missed it). Such
+    a fault pins the form, the probe process gets it, and its clean baseline runs under it too."""
+    from ouro.lab.faults.suite import _env, probe_key
+    in_kernel = [f for f in FAULTS if f.file == "ouro/quant/int8_mm.cpp"]
+    assert in_kernel and all(f.env.get("OURO_INT8_FORM") == "native" for f in in_kernel)
+    assert _env("/x", in_kernel[0].env)["OURO_INT8_FORM"] == "native" and "OURO_INT8_FORM" not in _env("/x", {})
+    args = in_kernel[0].probes[0]
+    assert probe_key(args, {}) == tuple(args) != probe_key(args, in_kernel[0].env)
+
+
 def test_a_fault_whose_code_moved_on_does_not_apply():
     src = "def f(x):\n    return x + 1\n\n\ndef g(x):\n    return x + 1\n"
     ok = Fault("t", "d", "m.py", "f", [("x + 1", "x + 2  # FAULT")], [{}], [[]])

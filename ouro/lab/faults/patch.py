@@ -33,6 +33,9 @@ class Fault:
     probes: list                       # argument lists of `ouro probe ...` a person would run
     symptom: str = ""
     extra_imports: list = field(default_factory=list)   # lines added at the top of the file
+    # environment the probes run under, clean and faulted alike: where the faulty code runs only
+    # on a choice the machine times (an int8 product form), the choice pinned so it is on the path
+    env: dict = field(default_factory=dict)
 
 
 def find_function(tree: ast.Module, qualname: str):

@@ -24,16 +24,16 @@ BENCH = ["bench", "offline", "--model", "tiny", "--num-prompts", "8", "--input-l
          "--max-concurrency", "8"]
 
 
-def _env(root: str) -> dict:
-    env = dict(os.environ, PYTHONPATH=root, OMP_WAIT_POLICY="PASSIVE")
+def _env(root: str, extra: dict | None = None) -> dict:
+    env = dict(os.environ, PYTHONPATH=root, OMP_WAIT_POLICY="PASSIVE", **(extra or {}))
     env.pop("OURO_TRACE", None)
     return env
 
 
-def _run(cmd: list[str], root: str, timeout: float) -> subprocess.CompletedProcess:
+def _run(cmd: list[str], root: str, timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run in its own process group, so a timeout also stops what the run started (a probe's
     server, a test's engine process) instead of leaving it to spin."""
-    p = subprocess.Popen(cmd, cwd=root, env=_env(root), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    p = subprocess.Popen(cmd, cwd=root, env=_env(root, env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True, start_new_session=True)
     try:
         out, err = p.communicate(timeout=timeout)
@@ -45,14 +45,15 @@ def _run(cmd: list[str], root: str, timeout: float) -> subprocess.CompletedProce
 
 
 def run_probe(root: str, args: list[str], timeout: float, baseline: str | None = None,
-              out: str | None = None) -> tuple[list[Finding], float, str | None]:
-    """One `ouro probe` process against the copy at root: (findings, seconds, error or None).
-    With a baseline (the same probe's JSON on clean ouro), what clean ouro also says is info."""
+              out: str | None = None, env: dict | None = None) -> tuple[list[Finding], float, str | None]:
+    """One `ouro probe` process against the copy at root (`env` added to its environment):
+    (findings, seconds, error or None). With a baseline (the same probe's JSON on clean ouro,
+    under the same `env`), what clean ouro also says is info."""
     out = out or os.path.join(root, f".probe-{args[0]}-{time.monotonic_ns()}.json")
     extra = ["--baseline", baseline] if baseline else []
     t0 = time.perf_counter()
     try:
-        p = _run([sys.executable, "-m", "ouro.cli", "probe", *args, "--json", out, *extra], root, timeout)
+        p = _run([sys.executable, "-m", "ouro.cli", "probe", *args, "--json", out, *extra], root, timeout, env)
     except subprocess.TimeoutExpired:
         return [], time.perf_counter() - t0, f"timed out after {timeout:.0f} s"
     seconds = time.perf_counter() - t0
@@ -99,13 +100,18 @@ def _dsa_layers() -> set[int]:
     return {i for i, t in enumerate(PRESETS["tiny"].layer_types) if t != "linear_attention"}
 
 
+def probe_key(args: list[str], env: dict) -> tuple:
+    """A probe command and the environment it runs under: one clean baseline each."""
+    return (*args, *sorted(env.items()))
+
+
 def run_fault(fault: Fault, workdir: str, timeout: float, sparse: bool = False, clean_root: str | None = None,
               baselines: dict | None = None) -> dict:
     root = copy_tree(REPO_DIR, os.path.join(workdir, fault.name))
     apply_fault(root, fault)
     findings, seconds, errors, first_detect = [], 0.0, [], None
     for args in fault.probes:
-        f, s, err = run_probe(root, args, timeout, (baselines or {}).get(tuple(args)))
+        f, s, err = run_probe(root, args, timeout, (baselines or {}).get(probe_key(args, fault.env)), env=fault.env)
         seconds += s
         findings += f
         if err:
@@ -136,15 +142,16 @@ def clean_baseline(faults: list[Fault], workdir: str, timeout: float) -> tuple[l
     rows, paths = [], {}
     for fault in faults:
         for args in fault.probes:
-            key = tuple(args)
+            key = probe_key(args, fault.env)
             if key in paths:
                 continue
             paths[key] = os.path.join(workdir, f"clean-{len(paths)}.json")
-            f, s, err = run_probe(root, args, timeout, out=paths[key])
+            f, s, err = run_probe(root, args, timeout, out=paths[key], env=fault.env)
             if err:
                 paths[key] = None
             standing = [x for x in f if x.severity != "info"]
-            rows.append({"probe": " ".join(args), "standing": [f"{x.severity}: {x.summary}" for x in standing],
+            rows.append({"probe": " ".join(args) + "".join(f" [{k}={v}]" for k, v in sorted(fault.env.items())),
+                         "standing": [f"{x.severity}: {x.summary}" for x in standing],
                          "seconds": s, "error": err})
     return rows, paths
 
