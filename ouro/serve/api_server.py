@@ -1,5 +1,6 @@
-"""The HTTP frontend's application: the API key, overload and body-size limits (`Guard`, before a
-body is read), errors in the OpenAI body, and the routes (`routes.py`: generation, /health,
+"""The HTTP frontend's application, assembled: the middleware every request passes (`middleware.py`:
+the API key, overload and body-size limits before a body is read; HTTP methods), errors in the
+OpenAI body, and the routes (`routes.py`: generation, /health,
 /metrics, /v1/models; `tokenize_routes.py`; tracing on demand, `trace_routes.py`). Tokenisation,
 chat templates and detokenisation happen in this process; the model runs in the engine process
 (`engine_client.py`)."""
@@ -10,88 +11,13 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .methods import Methods
+from .middleware import Guard, Methods
 from .openapi import openapi
 from .protocol import ServeError
 from .routes import error, router
-from .state import GENERATE_ROUTES, ServerState
+from .state import ServerState
 from .tokenize_routes import add_tokenize_routes
 from .trace_routes import add_trace_routes
-
-
-class Place:
-    """One request's place among the in-flight requests; released exactly once."""
-
-    def __init__(self, state):
-        self.state, self.owned, self.released = state, False, False
-
-    def release(self) -> None:
-        if not self.released:
-            self.released = True
-            self.state.in_flight -= 1
-
-
-class Guard:
-    """Pure ASGI middleware (so streaming and disconnects pass straight through): the API key,
-    then for generation routes the overload and body-size limits, decided before the body is
-    parsed. The body is read here with a cap (Content-Length or chunked alike) and replayed."""
-
-    def __init__(self, app, state):
-        self.app, self.state = app, state
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        st, m = self.state, self.state.metrics
-        path = scope["path"]
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        refuse = None
-        if st.api_key is not None and path != "/health" and headers.get("authorization", "") != f"Bearer {st.api_key}":
-            refuse = (401, "invalid or missing API key: send 'Authorization: Bearer <key>'")
-        elif scope["method"] == "POST" and path in GENERATE_ROUTES:
-            length = headers.get("content-length")
-            if st.draining:
-                refuse = (503, "the server is draining (shutting down); retry elsewhere")
-            elif not st.client.healthy:
-                refuse = (503, st.client.dead_reason or "the engine is still loading; retry shortly")
-            elif st.in_flight >= st.max_num_seqs + st.max_queued_requests:
-                refuse = (429, f"too many requests in flight ({st.in_flight}); the waiting queue is full "
-                               f"(--max-queued-requests {st.max_queued_requests}); retry later")
-            elif length is not None and (not length.isdigit() or int(length) > st.max_body_bytes):
-                refuse = (413, f"request body over {st.max_body_bytes} bytes")
-        if refuse is not None:
-            m.reject(refuse[0])
-            return await error(*refuse)(scope, receive, send)
-        if not (scope["method"] == "POST" and path in GENERATE_ROUTES):
-            return await self.app(scope, receive, send)
-        body, more = b"", True
-        while more:
-            msg = await receive()
-            if msg["type"] == "http.disconnect":
-                return
-            body += msg.get("body", b"")
-            more = msg.get("more_body", False)
-            if len(body) > st.max_body_bytes:
-                m.reject(413)
-                return await error(413, f"request body over {st.max_body_bytes} bytes")(scope, receive, send)
-        replayed = False
-
-        async def replay():
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-        # the request holds an in-flight place from here; the handler takes it over (and gives it
-        # back when its response ends), or it is given back below if the handler never ran
-        st.in_flight += 1
-        place = Place(st)
-        scope.setdefault("state", {})["place"] = place
-        try:
-            await self.app(scope, replay, send)
-        finally:
-            if not place.owned:
-                place.release()
 
 
 def build_app(state: ServerState) -> FastAPI:
