@@ -3,8 +3,7 @@ request leaves no trace (`LLMEngine.add_request`, `check_request`). `self` is th
 
 from __future__ import annotations
 
-from .multimodal import split_images
-from .request import prompt_token_ids
+from .request import prompt_token_ids, split_images
 from .sampling import SamplingParams
 
 

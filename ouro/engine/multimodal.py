@@ -148,22 +148,6 @@ class ImageEncoder(ImagePrompt):
         return ImageInputs.from_rows(ids, self.config, rows, hashes or pixel_hashes)
 
 
-def split_images(prompt):
-    """(the prompt without its images, the images or None): a prompt with images is
-    {"prompt": text or "prompt_token_ids": ids, "multi_modal_data": {"image": one or a list}}."""
-    if not isinstance(prompt, dict) or "multi_modal_data" not in prompt:
-        return prompt, None
-    rest = {k: v for k, v in prompt.items() if k != "multi_modal_data"}
-    data = prompt["multi_modal_data"]
-    if not isinstance(data, dict) or set(data) - {"image"}:
-        raise ValueError(f"multi_modal_data takes {{'image': image or [images]}}, got "
-                         f"{sorted(data) if isinstance(data, dict) else type(data).__name__}")
-    if set(rest) == {"prompt"}:
-        rest = rest["prompt"]
-    images = as_images(data.get("image", []))
-    return rest, images or None
-
-
 def image_spans(ids: list[int], config) -> list[tuple[int, int]]:
     """(first position, count) of the image tokens of each `<|begin_of_image|> ... <|end_of_image|>` span."""
     out, start = [], None

@@ -112,6 +112,23 @@ def token_id_list(ids) -> list[int]:
     return [int(t) for t in ids]
 
 
+def split_images(prompt):
+    """(the prompt without its images, the images or None): a prompt with images is
+    {"prompt": text or "prompt_token_ids": ids, "multi_modal_data": {"image": one or a list}}."""
+    if not isinstance(prompt, dict) or "multi_modal_data" not in prompt:
+        return prompt, None
+    rest = {k: v for k, v in prompt.items() if k != "multi_modal_data"}
+    data = prompt["multi_modal_data"]
+    if not isinstance(data, dict) or set(data) - {"image"}:
+        raise ValueError(f"multi_modal_data takes {{'image': image or [images]}}, got "
+                         f"{sorted(data) if isinstance(data, dict) else type(data).__name__}")
+    if set(rest) == {"prompt"}:
+        rest = rest["prompt"]
+    from .multimodal import as_images          # the image machinery, only for a prompt that has images
+    images = as_images(data.get("image", []))
+    return rest, images or None
+
+
 def prompt_token_ids(prompt, tokenizer) -> list[int]:
     """A prompt as a request takes it: text (through `tokenizer`), a list of ids, or
     {'prompt_token_ids': [...]}; anything else is a ValueError saying what is expected."""
