@@ -15,12 +15,11 @@ call stack had already left (A -> B -> A: B calling back into A), each as caller
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dis
+import io
 import os
 import sys
 import threading
-import time
 
 OBSERVERS = ("measure", "lab")
 
@@ -32,8 +31,10 @@ def tree_arg() -> str:
     return os.path.abspath(ap.parse_known_args()[0].tree)
 
 
-sys.path.insert(0, tree_arg())
-PACKAGE = os.path.join(tree_arg(), "ouro")
+TREE = tree_arg()
+sys.path.insert(0, TREE)
+PACKAGE = os.path.join(TREE, "ouro")
+from ouro.bench.server_process import wait_ready  # noqa: E402  (the tree's own)
 
 
 def room_of(filename: str) -> tuple[str, str] | None:
@@ -118,6 +119,16 @@ def offline_walk(model: str) -> Walk:
     return w
 
 
+class _Alive:
+    """The server's thread as `wait_ready` watches a process: `poll()` is None while it runs."""
+
+    def __init__(self, thread):
+        self.thread = thread
+
+    def poll(self):
+        return None if self.thread.is_alive() else 1
+
+
 def served_walk(model: str, port: int) -> Walk:
     import runpy
 
@@ -130,14 +141,7 @@ def served_walk(model: str, port: int) -> Walk:
     t.start()
     threading.setprofile(None)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(base + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
+    wait_ready(_Alive(t), base, 300, io.StringIO())
     body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
     httpx.post(base + "/v1/chat/completions", json=body, timeout=120).raise_for_status()
     w.on = True
@@ -145,7 +149,6 @@ def served_walk(model: str, port: int) -> Walk:
         httpx.post(base + "/v1/chat/completions", json=body, timeout=120).raise_for_status()
     finally:
         w.on = False
-    asyncio.run(asyncio.sleep(0))
     return w
 
 

@@ -130,7 +130,7 @@ def parse_layout(text: str) -> tuple[int, int, int]:
 
 def worker_argv(args, role: str, port: int | None = None) -> list[str]:
     """The `ouro serve --role ...` command line of one local worker, from this serve's engine flags
-    (`port` None: none given, `spawn_worker` adds its own)."""
+    (`port` None: none given, `spawn_workers` adds its own)."""
     argv = [sys.executable, "-m", "ouro.cli", "serve", "--role", role, "--model", str(args.model), "--host", "127.0.0.1",
             "--device", args.device, "--transfer-timeout", str(args.transfer_timeout)]
     if port is not None:

@@ -79,13 +79,14 @@ def grammar_of(spec: dict):
         tag = spec["tag"]
         return xg.Grammar.from_structural_tag(tag if isinstance(tag, str) else json.dumps(tag))
     except (RuntimeError, ValueError, TypeError, KeyError) as e:
-        raise ValueError(f"the {kind} does not compile: {_why(e)}"[:500]) from None
+        raise _not_compiled(kind, e) from None
 
 
-def _why(e: Exception) -> str:
-    """xgrammar's message without its '[time] file.cc:line:' prefix."""
+def _not_compiled(kind: str, e: Exception) -> ValueError:
+    """xgrammar's complaint about a `kind` spec, without its '[time] file.cc:line:' prefix."""
     first = str(e).splitlines()[0] if str(e) else type(e).__name__
-    return re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", first)
+    why = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", first)
+    return ValueError(f"the {kind} does not compile: {why}"[:500])
 
 
 class GrammarBook:
@@ -103,7 +104,7 @@ class GrammarBook:
         try:
             return self.compiler.compile_grammar(grammar)
         except (RuntimeError, ValueError, TypeError) as e:
-            raise ValueError(f"the {spec['type']} does not compile: {_why(e)}"[:500]) from None
+            raise _not_compiled(spec["type"], e) from None
 
     def submit(self, spec: dict) -> Future:
         """Compile on the book's thread (the caller's step goes on)."""
