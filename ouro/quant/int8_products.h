@@ -5,7 +5,10 @@
 
 #include <ATen/Parallel.h>
 
+#include <ATen/ATen.h>
+
 #include <algorithm>
+#include <array>
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
@@ -33,6 +36,38 @@ using XT = int8_t;
 #endif
 constexpr int64_t ROW_CHUNK = 32;        // rows whose quantised activations stay in L2 while weights stream
 constexpr int64_t LANES = 8;              // channels per block
+
+// A call's intermediate buffers (quantised rows, their scales, the experts' middle products). Small
+// ones, a decode step's, live in storage the calling thread keeps from call to call: such a call
+// allocates nothing but its output (a W8A8 decode step of `small` made ~230 allocations and ~70
+// zero-fills for them). Larger ones, a prefill's, are tensors freed with the call, so what a thread
+// keeps stays under KEEP_BYTES a slot. A quantised row's padding past K is left as it was: it meets
+// the packed weight's zeros (`pack_weight`), so whatever it holds adds nothing.
+class CallBuffers {
+  public:
+    static constexpr size_t KEEP_BYTES = size_t(1) << 20;
+    static constexpr int SLOTS = 8;
+
+    // `count` values of T in slot `slot` (each slot one buffer of the call; contents undefined)
+    template <typename T>
+    T* get(int slot, int64_t count) {
+        const size_t bytes = std::max<int64_t>(count, 1) * sizeof(T);
+        if (bytes > KEEP_BYTES) {
+            owned_.push_back(at::empty({int64_t(bytes)}, at::kByte));
+            return reinterpret_cast<T*>(owned_.back().data_ptr());
+        }
+        std::vector<char>& v = kept()[slot];
+        if (v.size() < bytes) v.resize(bytes);
+        return reinterpret_cast<T*>(v.data());
+    }
+
+  private:
+    static std::array<std::vector<char>, SLOTS>& kept() {
+        thread_local std::array<std::vector<char>, SLOTS> k;
+        return k;
+    }
+    std::vector<at::Tensor> owned_;
+};
 
 // a thread's share should be worth waking it: at least ~64 KB of weights. A decode step streams its
 // weights from memory, not cache (a model is larger than L3), where one thread reads ~8 GB/s and two
@@ -90,7 +125,7 @@ inline void quantize_row(const float* row, int64_t K, OT* out, float* scale) {
     }
 }
 
-// M rows (x: stride K) written with stride `qs` (>= K; the padding stays as the caller zeroed it)
+// M rows (x: stride K) written with stride `qs` (>= K; the padding past K is not written)
 template <typename OT>
 void quantize_rows(const float* x, int64_t M, int64_t K, OT* q, int64_t qs, float* scale) {
     at::parallel_for(0, M, std::max<int64_t>(1, 4096 / std::max<int64_t>(1, K)), [&](int64_t m0, int64_t m1) {

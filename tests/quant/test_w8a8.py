@@ -334,3 +334,56 @@ def test_quantize_model_packs_every_native_weight_before_the_first_forward(monke
     assert all(packed._PACKED[mod][k][1] is v for mod, p in packs.items() for k, v in p.items()), "packed again"
     assert torch.equal(got, SimpleRunner(lazy, 1, 64).step(prompt, logits="all"))
     assert any(mod in packed._PACKED for mod in lazy.modules())      # the lazy model packed at its forward
+
+
+# ---- the native kernel's kept buffers (`CallBuffers`, int8_products.h) ----
+
+def _packed_call(x, q, s):
+    p = native().pack_weight(q.unsqueeze(0))
+    return native().w8a8_packed(x, p, s, torch.zeros(0, dtype=torch.long), q.shape[0])
+
+
+@pytest.mark.skipif(native() is None, reason="ouro's int8 kernel is not built here")
+@pytest.mark.parametrize("k", [7, 64, 101])
+def test_a_call_after_a_larger_one_reads_no_leftovers(k):
+    """A decode-size call reuses the storage a larger call left full of other rows' values: every
+    product (odd K included, whose padding column keeps a leftover) still equals the exact reference."""
+    g = torch.Generator().manual_seed(k)
+    big_q, big_s = quantize_rows(torch.randn(40, 2 * k + 3, generator=g))
+    _packed_call(torch.randn(64, 2 * k + 3, generator=g) * 50, big_q, big_s)     # fills the kept slots
+    q, s = quantize_rows(torch.randn(24, k, generator=g))
+    for rows in (1, 3, 1):
+        x = torch.randn(rows, k, generator=g)
+        assert torch.equal(_packed_call(x, q, s), w8a8_linear_naive(x, q, s))
+
+
+def _allocations(fn) -> int:
+    with torch.profiler.profile() as prof:
+        fn()
+    return sum(e.count for e in prof.key_averages() if e.key in ("aten::empty", "aten::zeros", "aten::empty_strided"))
+
+
+@pytest.mark.skipif(native() is None, reason="ouro's int8 kernel is not built here")
+def test_decode_size_calls_allocate_only_their_output():
+    """A decode step's products and routed experts make no tensor but the one they return (their
+    quantised rows and middle products live in the calling thread's kept storage); a prefill-size
+    call's buffers are its own tensors, freed with it."""
+    g = torch.Generator().manual_seed(3)
+    q, s = quantize_rows(torch.randn(48, 96, generator=g))
+    p = native().pack_weight(q.unsqueeze(0))
+    none = torch.zeros(0, dtype=torch.long)
+    x = torch.randn(2, 96, generator=g)
+    native().w8a8_packed(x, p, s, none, 48)
+    assert _allocations(lambda: native().w8a8_packed(x, p, s, none, 48)) == 1
+    E, D, I = 4, 32, 16
+    gu_q, gu_s = quantize_rows(torch.randn(E, 2 * I, D, generator=g))
+    dn_q, dn_s = quantize_rows(torch.randn(E, D, I, generator=g))
+    gu, dn = native().pack_weight(gu_q), native().pack_weight(dn_q)
+    xt = torch.randn(3, D, generator=g)
+    w = torch.rand(3, 2, generator=g)
+    ex = torch.tensor([[0, 2], [1, 2], [3, 0]])
+    call = lambda: native().w8a8_experts(xt, w, ex, gu, gu_s, dn, dn_s, I, 10.0)   # noqa: E731
+    call()
+    assert _allocations(call) == 1
+    big = torch.randn(16384, 96, generator=g)      # its quantised rows (1.5 or 3 MB) over the kept size
+    assert _allocations(lambda: native().w8a8_packed(big, p, s, none, 48)) == 2
