@@ -33,6 +33,12 @@ def load_config_file(path) -> dict:
         raise ValueError(f"config file {p} does not exist") from None
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"config file {p} is not valid TOML: {e}") from None
+    # a key outside the two tables (`compile = true` on the file's first lines, a misspelt table) would
+    # otherwise be dropped without a word, and the engine run without it
+    stray = sorted(k for k in doc if k not in ("engine", "tune") or not isinstance(doc[k], dict))
+    if stray:
+        raise ValueError(f"config file {p}: {stray} outside the [engine] and [tune] tables; "
+                         f"engine settings go under an [engine] line, e.g. [engine] then compile = true")
     fields = doc.get("engine", {})
     unknown = sorted(set(fields) - set(FLAGS))
     if unknown:

@@ -34,6 +34,15 @@ def test_config_file_round_trip_and_errors(tmp_path):
         load_config_file(tmp_path / "worse.toml")
     with pytest.raises(ValueError, match="does not exist"):
         load_config_file(tmp_path / "none.toml")
+    # settings above the [engine] line, or under a misspelt table, are refused, not dropped
+    (tmp_path / "flat.toml").write_text('quantization = "w8a8"\ncompile = true\n')
+    with pytest.raises(ValueError, match=r"\['compile', 'quantization'\] outside the \[engine\]"):
+        load_config_file(tmp_path / "flat.toml")
+    (tmp_path / "typo.toml").write_text("[engnie]\ncompile = true\n")
+    with pytest.raises(ValueError, match="engnie"):
+        load_config_file(tmp_path / "typo.toml")
+    (tmp_path / "both.toml").write_text("[engine]\ncompile = true\n[tune]\nmodel = 'tiny'\n")
+    assert load_config_file(tmp_path / "both.toml") == {"compile": True}
 
 
 def test_llm_and_serve_read_the_file_and_flags_win(tmp_path):
