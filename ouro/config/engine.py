@@ -117,6 +117,10 @@ class EngineConfig:
             count(name)
         if self.quantization is not None and self.quantization not in self.QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(self.QUANTIZATIONS)} or None, got {self.quantization!r}")
+        if isinstance(self.quantization_ignore, str):     # iterated, a string is its letters: each a pattern
+            raise ValueError(f"quantization_ignore must be a list of module name patterns, got the string "
+                             f"{self.quantization_ignore!r}; e.g. ({self.quantization_ignore!r},), or in a config "
+                             f"file quantization_ignore = [{self.quantization_ignore!r}]")
         if self.quantization_ignore is not None and not all(isinstance(p, str) for p in self.quantization_ignore):
             raise ValueError(f"quantization_ignore must be module name patterns (strings), got {self.quantization_ignore!r}")
         if self.kv_cache_dtype not in KV_DTYPES:

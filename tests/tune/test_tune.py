@@ -41,6 +41,12 @@ def test_config_file_round_trip_and_errors(tmp_path):
     (tmp_path / "typo.toml").write_text("[engnie]\ncompile = true\n")
     with pytest.raises(ValueError, match="engnie"):
         load_config_file(tmp_path / "typo.toml")
+    # one pattern given as a string, not a list, was read letter by letter (and lm_head quantised)
+    (tmp_path / "string.toml").write_text('[engine]\nquantization_ignore = "lm_head"\n')
+    with pytest.raises(ValueError, match=r"quantization_ignore must be a list .*\['lm_head'\]"):
+        load_config_file(tmp_path / "string.toml")
+    with pytest.raises(ValueError, match="quantization_ignore must be a list"):
+        EngineConfig(quantization="w8a8", quantization_ignore="lm_head")
     (tmp_path / "both.toml").write_text("[engine]\ncompile = true\n[tune]\nmodel = 'tiny'\n")
     assert load_config_file(tmp_path / "both.toml") == {"compile": True}
 
