@@ -79,6 +79,10 @@ GOALS = {"budget": ("budget",), "metric": ("metric", "direction", "scenario"), "
 LIMITS = {"iterations": 20, "wall_seconds": 3600, "tokens": 2_000_000, "tool_seconds": 900}
 CHECKS = {"tests": [], "heldout": 2}
 BENCH = {"scenario": "decode", "metric": "decode_step_ms", "direction": "lower", "repeats": 5}
+# every key a contract may hold, by table: another (a misspelt `iteratons`, a `[limit]` table) would
+# otherwise be dropped without a word and its default used
+KEYS = {"goal": ("kind", "model", *{k for need in GOALS.values() for k in need}), "paths": ("writable", "frozen"),
+        "risk": RISK_CLASSES, "limits": tuple(LIMITS), "checks": tuple(CHECKS), "bench": tuple(BENCH)}
 
 
 class ContractError(ValueError):
@@ -116,6 +120,13 @@ class Contract:
 
     @classmethod
     def from_dict(cls, doc: dict, where: str = "the contract") -> "Contract":
+        for table in doc:
+            if table not in KEYS or not isinstance(doc[table], dict):
+                raise ContractError(f"{where}: {table!r} is not a table of the contract; its tables are "
+                                    f"{', '.join(f'[{t}]' for t in KEYS)}")
+            unknown = sorted(set(doc[table]) - set(KEYS[table]))
+            if unknown:
+                raise ContractError(f"{where}: [{table}] has no key {unknown[0]!r}; it takes {', '.join(KEYS[table])}")
         goal = doc.get("goal", {})
         if goal.get("kind") not in GOALS:
             raise ContractError(f"{where}: [goal] kind must be one of {', '.join(GOALS)}, got {goal.get('kind')!r}")

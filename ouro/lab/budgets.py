@@ -63,6 +63,9 @@ def default_path() -> str:
 
 
 # ---- the budgets file ----
+BUDGET_KEYS = ("name", "scenario", "check", "severity", "model")
+
+
 def load_budgets(path: str) -> list[dict]:
     from .scenarios import MEASURES, SCENARIOS
     try:
@@ -75,8 +78,17 @@ def load_budgets(path: str) -> list[dict]:
     budgets = doc.get("budget")
     if not isinstance(budgets, list) or not budgets:
         raise ValueError(f"budgets file {path} has no [[budget]] tables")
+    stray = sorted(set(doc) - {"budget"})
+    if stray:
+        raise ValueError(f"budgets file {path}: {stray} outside the [[budget]] tables")
     for i, b in enumerate(budgets):
         label = f"{path}: budget #{i + 1} ({b.get('name', 'unnamed')!r})"
+        # a misspelt key (`severty = "error"`) would otherwise leave its default in force without a word
+        unknown = sorted(set(b) - set(BUDGET_KEYS))
+        if unknown:
+            raise ValueError(f"{label}: unknown key(s) {unknown}; a budget takes {', '.join(BUDGET_KEYS)}")
+        if not isinstance(b.get("model", ""), str):
+            raise ValueError(f"{label}: model must be a model name (a string), got {b['model']!r}")
         missing = [k for k in ("name", "scenario", "check") if not isinstance(b.get(k), str)]
         if missing:
             raise ValueError(f"{label}: missing or non-string key(s) {missing}")

@@ -50,6 +50,13 @@ def test_risk_classes_by_path_and_by_changed_text(contract):
     ({"goal": {"kind": "budget", "budget": "b"}, "paths": {"writable": ["x"]}, "risk": {"numerics": ["(unclosed"]}},
      "regular expression"),
     ({"goal": {"kind": "budget", "budget": "b"}, "paths": {"writable": ["x"]}, "limits": {"tokens": -1}}, "tokens"),
+    # a misspelt key or table is refused, not dropped with its default left in force
+    ({"goal": {"kind": "budget", "budget": "b"}, "paths": {"writable": ["x"]}, "limits": {"iteratons": 3}},
+     "no key 'iteratons'"),
+    ({"goal": {"kind": "budget", "budget": "b"}, "paths": {"writable": ["x"]}, "limit": {"iterations": 3}},
+     "'limit' is not a table"),
+    ({"goal": {"kind": "budget", "budget": "b"}, "paths": {"writable": ["x"], "frozn": ["y"]}}, "no key 'frozn'"),
+    ({"goal": {"kind": "budget", "budget": "b", "modle": "tiny"}, "paths": {"writable": ["x"]}}, "no key 'modle'"),
 ])
 def test_malformed_contracts_say_what_is_wrong(doc, word):
     with pytest.raises(ContractError, match=word):

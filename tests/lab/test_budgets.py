@@ -88,6 +88,15 @@ def test_bad_files_give_clear_errors(tmp_path):
                                              'check = "__import__(\'os\') == 0"'))
     with pytest.raises(ValueError, match="does not exist"):
         budgets.load_budgets(str(tmp_path / "nope.toml"))
+    # a misspelt key would leave its default in force (here: a warning where an error was meant)
+    ok = '[[budget]]\nname = "x"\nscenario = "decode"\ncheck = "decode_step_ms < 1"\n'
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['severty'\]"):
+        budgets.load_budgets(write(tmp_path, ok + 'severty = "error"\n'))
+    with pytest.raises(ValueError, match=r"\['title'\] outside the \[\[budget\]\] tables"):
+        budgets.load_budgets(write(tmp_path, 'title = "x"\n' + ok))
+    with pytest.raises(ValueError, match="model must be a model name"):
+        budgets.load_budgets(write(tmp_path, ok + 'model = 3\n'))
+    assert budgets.load_budgets(write(tmp_path, ok + 'severity = "error"\nmodel = "small"\n'))[0]["model"] == "small"
 
 
 def test_default_budgets_load():
