@@ -1,6 +1,7 @@
 """Where ouro keeps what it wrote or measured once (`$OURO_CACHE`, default `~/.cache/ouro`), and
 the per-machine JSON files that hold measured choices (`dtype_pick`, `gemm_pick`): read whole,
-written atomically, keyed by `machine_key`. Imports only torch and the standard library."""
+written atomically, keyed by `machine_key`; and `switched_off`, the reading of an OURO_* on/off
+variable of the environment. Imports only torch and the standard library."""
 
 from __future__ import annotations
 
@@ -10,6 +11,15 @@ import json
 import os
 import platform
 from pathlib import Path
+
+
+def switched_off(name: str) -> bool:
+    """An on/off environment variable, on unless set to 0 (`OURO_FUSED=0`). Any value but 0 or 1 is
+    refused: read as "not 0", `OURO_FUSED=false` would leave the switch on without a word."""
+    value = os.environ.get(name, "1").strip()
+    if value not in ("0", "1", ""):
+        raise ValueError(f"{name} must be 0 (off) or 1 (on), got {value!r}")
+    return value == "0"
 
 
 def cache_root() -> Path:

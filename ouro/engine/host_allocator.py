@@ -20,6 +20,8 @@ import logging
 import os
 import sys
 
+from ..machine_cache import switched_off
+
 log = logging.getLogger(__name__)
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3      # glibc's mallopt parameters (malloc.h)
@@ -32,7 +34,7 @@ def why_not() -> str | None:
     """None where the thresholds can be set here; else why they are left alone."""
     if not sys.platform.startswith("linux"):
         return f"not glibc ({sys.platform})"
-    if os.environ.get("OURO_MALLOC_TUNE", "1") == "0":
+    if switched_off("OURO_MALLOC_TUNE"):
         return "OURO_MALLOC_TUNE=0"
     user = [v for v in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_") if v in os.environ]
     if user:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from ..machine_cache import switched_off
 from .build import build_side_by_side, compile_native
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ def load(family: str) -> bool:
         if torch.compiler.is_compiling():
             raise RuntimeError(f"ouro's fused {family} kernels are loaded inside a graph trace: call "
                                "ouro.native.kernels.load_all() before compiling (a build cannot be traced)")
-        if os.environ.get("OURO_FUSED", "1") == "0":
+        if switched_off("OURO_FUSED"):
             _LOADED[family] = "OURO_FUSED=0"
         else:
             path, why = compile_native(f"fused_{family}", HERE / f"{family}.cpp", HEADERS, python_module=False)
@@ -124,7 +125,7 @@ def load_all() -> dict[str, bool]:
     """Every family built and loaded (or its reason recorded): before a graph is traced, so the
     trace reads each family's state and never starts a build. Families not built yet build side by
     side."""
-    if os.environ.get("OURO_FUSED", "1") != "0" and any(f not in _LOADED for f in FAMILIES):
+    if not switched_off("OURO_FUSED") and any(f not in _LOADED for f in FAMILIES):
         build_side_by_side(builds())
     return {f: load(f) for f in FAMILIES}
 

@@ -81,6 +81,29 @@ def test_ouro_fused_0_turns_every_family_off(tmp_path):
     assert out.stdout.split() == ["False", "OURO_FUSED=0"]
 
 
+@pytest.mark.parametrize("value, off", [("0", True), ("1", False), ("", False), (None, False), (" 0 ", True)])
+def test_the_on_off_switches_read_0_and_1_only(monkeypatch, value, off):
+    from ouro.machine_cache import switched_off
+    if value is None:
+        monkeypatch.delenv("OURO_FUSED", raising=False)
+    else:
+        monkeypatch.setenv("OURO_FUSED", value)
+    assert switched_off("OURO_FUSED") is off
+
+
+@pytest.mark.parametrize("value", ["false", "off", "no", "2"])
+def test_an_unreadable_switch_is_refused_not_read_as_on(monkeypatch, value):
+    """OURO_FUSED=false was read as "not 0": the fused kernels stayed on without a word."""
+    from ouro.native import kernels
+    monkeypatch.setenv("OURO_FUSED", value)
+    with pytest.raises(ValueError, match=f"OURO_FUSED must be 0 \\(off\\) or 1 \\(on\\), got '{value}'"):
+        kernels.load_all()
+    monkeypatch.setenv("OURO_MALLOC_TUNE", value)
+    from ouro.engine import host_allocator
+    with pytest.raises(ValueError, match="OURO_MALLOC_TUNE must be 0"):
+        host_allocator.why_not()
+
+
 def test_fused_ops_are_one_call_in_a_compiled_graph():
     from ouro.native import norms
     torch.set_grad_enabled(False)
