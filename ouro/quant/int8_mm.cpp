@@ -228,22 +228,28 @@ torch::Tensor w8a8_experts(torch::Tensor x, torch::Tensor weights, torch::Tensor
     // each token quantised once, its values and scale copied to each of its rows (a row's
     // quantisation depends on the row alone)
     const int64_t xs1 = KGN1 * KG, xs2 = KGN2 * KG;
-    CallBuffers buffers;
-    XT* QT = buffers.get<XT>(0, T * xs1);
-    float* ST = buffers.get<float>(1, T);
-    quantize_rows(x.data_ptr<float>(), T, D, QT, xs1, ST);
-    XT* Q1 = buffers.get<XT>(2, R * xs1);
-    float* S1 = buffers.get<float>(3, R);
+    auto qt = torch::zeros({T, xs1}, x.options().dtype(x_dtype()));
+    auto st = torch::empty({T}, x.options());
+    quantize_rows(x.data_ptr<float>(), T, D, static_cast<XT*>(qt.data_ptr()), xs1, st.data_ptr<float>());
+    auto q1 = torch::empty({R, xs1}, qt.options());
+    auto s1 = torch::empty({R}, x.options());
+    const XT* QT = static_cast<const XT*>(qt.data_ptr());
+    XT* Q1 = static_cast<XT*>(q1.data_ptr());
+    const float* ST = st.data_ptr<float>();
+    float* S1 = s1.data_ptr<float>();
     for (int64_t r = 0; r < R; ++r) {
         std::memcpy(Q1 + r * xs1, QT + tok[r] * xs1, xs1 * sizeof(XT));
         S1[r] = ST[tok[r]];
     }
-    float* G = buffers.get<float>(4, R * I2);
+    auto g = torch::empty({R, I2}, x.options());
+    float* G = g.data_ptr<float>();
     grouped(Q1, xs1, gate_up.data_ptr<int8_t>(), E, NB1, KGN1, I2, off.data(),
             Dequantise{S1, gate_up_scale.data_ptr<float>(), G, I2});
     // the clamped SwiGLU of each row's gate and up halves, h quantised per row
-    XT* Q2 = buffers.get<XT>(5, R * xs2);
-    float* S2 = buffers.get<float>(6, R);
+    auto q2 = torch::zeros({R, xs2}, qt.options());
+    auto s2 = torch::empty({R}, x.options());
+    XT* Q2 = static_cast<XT*>(q2.data_ptr());
+    float* S2 = s2.data_ptr<float>();
     const float lim = static_cast<float>(limit);
     at::parallel_for(0, R, std::max<int64_t>(1, 4096 / I), [&](int64_t r0, int64_t r1) {
         std::vector<float> h(I);
@@ -252,9 +258,10 @@ torch::Tensor w8a8_experts(torch::Tensor x, torch::Tensor weights, torch::Tensor
             quantize_row(h.data(), I, Q2 + r * xs2, S2 + r);
         }
     });
-    float* Y = buffers.get<float>(7, R * D);
+    auto y = torch::empty({R, D}, x.options());
+    const float* Y = y.data_ptr<float>();
     grouped(Q2, xs2, down.data_ptr<int8_t>(), E, NB2, KGN2, D, off.data(),
-            Dequantise{S2, down_scale.data_ptr<float>(), Y, D});
+            Dequantise{S2, down_scale.data_ptr<float>(), y.data_ptr<float>(), D});
     // back in token order: each token's k outputs weighted, in choice order
     auto out = torch::empty({T, D}, x.options());
     float* O = out.data_ptr<float>();

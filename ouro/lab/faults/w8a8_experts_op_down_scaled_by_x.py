@@ -7,8 +7,8 @@ FAULT = Fault(
     description="the fused W8A8 routed-experts op dequantises the down product with each row's input "
                 "activation scale (x's) instead of the scale its SwiGLU output h was quantised with",
     file="ouro/quant/int8_mm.cpp", function="w8a8_experts",
-    replace=[("Dequantise{S2, down_scale.data_ptr<float>(), Y, D}",
-              "Dequantise{S1 /* FAULT: x's scale, not h's */, down_scale.data_ptr<float>(), Y, D}")],
+    replace=[("Dequantise{S2, down_scale.data_ptr<float>(), y.data_ptr<float>(), D}",
+              "Dequantise{S1 /* FAULT: x's scale, not h's */, down_scale.data_ptr<float>(), y.data_ptr<float>(), D}")],
     localised=[{"module": r"layers\.\d+\.mlp\.experts$"}],
     # against the naive reference modules, not fused=off: every fused op upstream (norms, KDA decode)
     # rounds differently from its eager code, and W8A8 turns a 1e-7 change into an int8 step (the
