@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from pathlib import Path
 
 import torch

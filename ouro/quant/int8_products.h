@@ -40,11 +40,11 @@ constexpr int64_t LANES = 8;              // channels per block
 
 // A projection's quantised rows and their scales (`w8a8_packed`). Up to KEEP_BYTES a buffer, a decode
 // step's sizes, they live in storage the calling thread keeps from call to call: such a call allocates
-// nothing but its output (two tensors and a zero-fill fewer: 1-10 us a call at 1-64 rows, timed in one
-// process against the previous build, AVX2 Zen 3). Larger ones are tensors freed with the call. A
-// row's padding past K is left as it was: it meets the packed weight's zeros (`pack_weight`), so
-// whatever it holds adds nothing. The routed experts' op keeps its own fresh buffers: kept (or not
-// zero-filled) ones made it 3-8% slower at 16 tokens in the same comparison.
+// nothing but its output (two tensors and a zero-fill fewer: 1-4% a call at 1-64 rows,
+// `benchmarks/int8_ab.py` against the previous build, AVX2 Zen 3). Larger ones are tensors freed
+// with the call. A row's padding past K is left as it was: it meets the packed weight's zeros
+// (`pack_weight`), so whatever it holds adds nothing. The routed experts' op keeps its own fresh
+// buffers: kept (or not zero-filled) ones made it 3-8% slower at 16 tokens in the same comparison.
 class CallBuffers {
   public:
     static constexpr size_t KEEP_BYTES = size_t(1) << 16;
