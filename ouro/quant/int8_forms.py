@@ -6,7 +6,9 @@ Forms, each exact (checked against `int8_mm_naive` before it is offered):
   on an AVX2-only CPU, 0.5 GOP/s measured; on CUDA the operands are zero-padded to its shapes);
 - `chunked`: float32 BLAS on K-chunks that stay exact (`int8_mm_chunked`): runs everywhere.
 The fastest form at a few row counts on one representative product is kept per machine in
-`$OURO_CACHE/int8_pick.json`; `OURO_INT8_FORM` pins one (tests check every form)."""
+`$OURO_CACHE/int8_pick.json`; `OURO_INT8_FORM` pins one (tests check every form). The routed experts
+pick apart (`kind="experts"`, timed on a whole experts layer): where `native` is their form they run
+as one fused call, otherwise as a product per expert, so one product's speed does not decide it."""
 
 from __future__ import annotations
 
@@ -81,10 +83,11 @@ def available_forms(device: str = "cpu") -> tuple[str, ...]:
     return tuple(f for f in FORMS if form_runs(f, device) is None)
 
 
-def pick_forms(device: str = "cpu", timer=None) -> list[str]:
-    """One form per row count in ROWS: the fastest measured here (cached per machine). `timer(form,
-    rows)`: seconds of the whole product a caller runs in that form (the W8A8 layers time theirs,
-    weights prepared as they run them); default: the int32 product alone."""
+def pick_forms(device: str = "cpu", timer=None, kind: str = "product") -> list[str]:
+    """One form per row count in ROWS: the fastest measured here (cached per machine and `kind`).
+    `timer(form, rows)`: seconds of the whole work a caller runs in that form (the W8A8 layers time
+    theirs, weights prepared as they run them; the experts a whole layer at `rows` rows an expert);
+    default: the int32 product alone."""
     forms = available_forms(device)
     pinned = os.environ.get("OURO_INT8_FORM")
     if pinned:
@@ -93,7 +96,7 @@ def pick_forms(device: str = "cpu", timer=None) -> list[str]:
         if pinned not in forms:
             raise ValueError(f"OURO_INT8_FORM={pinned} does not run on this machine: {form_runs(pinned, device)}")
         return [pinned] * len(ROWS)
-    key = f"{machine_key(device)}|{','.join(forms)}"
+    key = f"{machine_key(device)}|{','.join(forms)}" + ("" if kind == "product" else f"|{kind}")
     with one_at_a_time(FILE):
         hit = machine_cache.read(FILE).get(key, {})
         if hit.get("format") == FORMAT and hit.get("rows") == list(ROWS) and set(hit.get("forms", ())) <= set(forms) \

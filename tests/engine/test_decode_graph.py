@@ -169,10 +169,13 @@ def graph_targets(graphs) -> list[str]:
 
 
 @pytest.mark.parametrize("quantization", [None, "w8a8"])
-def test_graph_calls_the_native_products_directly(quantization):
+def test_graph_calls_the_native_products_directly(quantization, monkeypatch):
     """Inside the graph the routed experts and (W8A8) every int8 projection run as direct native ops
     on the packed copies the eager pass before the trace made, merged where eager merges them: no
-    product goes back to Python through `ouro::opaque_call`. Same logits and caches as eager."""
+    product goes back to Python through `ouro::opaque_call`. Same logits and caches as eager. The
+    int8 form is pinned to ouro's kernel: where `_int_mm` is as fast (a VNNI machine), the pick
+    between them flips from run to run."""
+    monkeypatch.setenv("OURO_INT8_FORM", "native")
     from ouro.native import kernels
     from ouro.quant.int8_native import native
     from ouro.quant.w8a8 import quantize_model
