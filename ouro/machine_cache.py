@@ -7,10 +7,14 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
 import platform
 from pathlib import Path
+
+
+CPUINFO = "/proc/cpuinfo"
 
 
 def switched_off(name: str) -> bool:
@@ -42,7 +46,7 @@ def cache_lock(path: Path):
 
 
 def machine_key(device: str) -> str:
-    """Device name (CPU model and thread count on a CPU) and torch version."""
+    """Device name (on a CPU: its model, family, flags and thread count) and torch version."""
     import torch
     if device.startswith("cuda"):
         name = torch.cuda.get_device_name(torch.device(device))
@@ -52,13 +56,38 @@ def machine_key(device: str) -> str:
 
 
 def _cpu_model() -> str:
-    return cpuinfo("model name")
+    """The CPU as a cached choice must know it. The model name alone is not enough: cloud VMs of
+    three AMD generations (Zen 3 with AVX2 only, Zen 4 and Zen 5 with AVX-512) all say "AMD EPYC", and
+    a cache carried from one to another (a home directory or an image moved between them) handed
+    one's timed choices to the other. Family, model and a digest of the flags tell them apart."""
+    fields = cpu_fields()
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    if "cpu family" not in fields and "flags" not in fields:
+        return name
+    flags = hashlib.sha256(" ".join(sorted(fields.get("flags", "").split())).encode()).hexdigest()[:8]
+    return f"{name} (family {fields.get('cpu family', '?')} model {fields.get('model', '?')}, flags {flags})"
+
+
+def cpu_fields() -> dict[str, str]:
+    """The first processor's entries in /proc/cpuinfo, by exact name ({} where there is none)."""
+    out: dict[str, str] = {}
+    try:
+        with open(CPUINFO) as fh:
+            for line in fh:
+                if not line.strip():
+                    break
+                key, sep, value = line.partition(":")
+                if sep:
+                    out.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    return out
 
 
 def cpuinfo(*fields: str) -> str:
     """The first of `fields` /proc/cpuinfo has (e.g. "model name", "flags"), else the platform's name."""
     try:
-        with open("/proc/cpuinfo") as fh:
+        with open(CPUINFO) as fh:
             for line in fh:
                 if line.startswith(fields):
                     return line.split(":", 1)[1].strip()
