@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 
 from .rooms import RoomTable
-from .state_pieces import layer_pieces, page_segments
+from .state_pieces import cache_layout, layer_pieces, page_segments
 from .transfer import Receiver
 
 
@@ -23,14 +23,16 @@ class KVReceiver:
         self.cache, self.pieces = cache, layer_pieces(config)
         self.rooms = RoomTable(config.dsa_layers, config.kda_layers, on_event)
         self.backend, self.shared_spec = backend, shared_spec
-        self.receiver = Receiver(self._resolve, self._frame, self._error, self.rooms.connection_closed, address)
+        self.layout = cache_layout(cache)
+        self._broke: dict = {}            # peer -> why its connection broke (said in its rooms' reason)
+        self.receiver = Receiver(self._resolve, self._frame, self._error, self._closed, address)
         self.address = self.receiver.address
         self.errors: list[str] = []
 
     def room_info(self, room) -> dict:
         """What the prefill worker needs to write into `room` (travels with the request)."""
         info = {"address": self.address, "backend": self.backend, "pages": room.pages, "slot": room.slot,
-                "skip_tokens": room.skip_tokens, "prompt_len": room.prompt_len}
+                "skip_tokens": room.skip_tokens, "prompt_len": room.prompt_len, "layout": self.layout}
         if self.backend != "tcp":
             info["cache"] = self.shared_spec
         return info
@@ -59,6 +61,10 @@ class KVReceiver:
 
     def _error(self, peer, message: str) -> None:
         self.errors.append(f"{peer}: {message}")
+        self._broke[peer] = message
+
+    def _closed(self, peer) -> None:
+        self.rooms.connection_closed(peer, self._broke.pop(peer, None))
 
     def close(self) -> None:
         self.receiver.close()

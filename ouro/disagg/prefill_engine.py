@@ -24,6 +24,7 @@ from ..engine.multimodal import ImageInputs, image_spans
 from ..engine.request import Request
 from .encoder_cache import EmbedsReceiver, EncoderCache, ImageWaits
 from .kv_sender import KVSender
+from .state_pieces import check_layout
 from .wake_queue import WakeQueue
 
 
@@ -70,6 +71,7 @@ class PrefillEngine:
         worker is sending now]} (rows from the encoder cache), or {"hashes", "data": [encoded
         images]} (no encode worker: encoded here)."""
         params = dataclasses.replace(params, max_tokens=1)
+        check_layout(self.engine.cache, room)        # before anything is computed for a room it cannot fill
         if rid in self.waits.waiting:
             raise ValueError(f"duplicate request id {rid!r}")
         prompt = {"prompt_token_ids": prompt_ids}

@@ -171,13 +171,15 @@ class RoomTable:
                 event = ("free", room, room.reason)
         self.on_event(*event)
 
-    def connection_closed(self, conn) -> None:
-        """The writer is gone: nothing more can arrive from it. Its unfinished rooms are freed."""
+    def connection_closed(self, conn, why: str | None = None) -> None:
+        """The writer is gone: nothing more can arrive from it. Its unfinished rooms are freed (`why`:
+        the frame error that broke the connection, where one did)."""
+        reason = "the prefill worker's connection closed before it finished" + (f" ({why})" if why else "")
         with self.lock:
             gone = [r for r in self.rooms.values()
                     if r.writer is conn and r.state in (RoomState.RECEIVING, RoomState.ABORTING)]
             for r in gone:
-                self._close(r, "the prefill worker's connection closed before it finished")
+                self._close(r, reason)
         for r in gone:
             self.on_event("free", r, r.reason)
 

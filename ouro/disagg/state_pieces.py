@@ -31,6 +31,45 @@ class LayerPieces:
     indexer_index: int | None  # DSA with its own indexer: its index in the indexer tensors
 
 
+class LayoutMismatch(RuntimeError):
+    """The two workers keep cache rows differently: nothing of the request can be written."""
+
+
+def cache_layout(cache) -> dict:
+    """What both sides' caches must agree on for rows to move between them: the page size and, per
+    cache tensor, its dtype and row width (JSON-able; travels in the room info)."""
+    out = {"page_size": cache.page_size}
+    for name in (*ROW_PIECES, POOL_PIECE, *STATE_PIECES):
+        t = getattr(cache, name, None)
+        if t is not None:
+            out[name] = [[str(x.dtype).removeprefix("torch."), int(x.shape[-1])] for x in (t if isinstance(t, list) else [t])]
+    return out
+
+
+def check_layout(cache, room: dict) -> None:
+    """Raise `LayoutMismatch` naming what differs where the decode worker's room says its cache keeps
+    rows otherwise than `cache` (workers started with different --dtype or --kv-cache-dtype, or
+    `--dtype auto` resolved differently on two machines). Without the check the first frame broke
+    the connection and the decode side said only that it closed."""
+    theirs = room.get("layout")
+    if theirs is None:               # a decode worker that does not say: its frames are checked on arrival
+        return
+    mine = cache_layout(cache)
+    diff = [f"{k}: {_said(mine.get(k))} here, {_said(theirs.get(k))} on the decode worker"
+            for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k)]
+    if diff:
+        raise LayoutMismatch("this prefill worker's KV cache is laid out otherwise than the decode worker's ("
+                             + "; ".join(diff) + "): start both with the same --dtype (not auto across machines), "
+                             "--kv-cache-dtype and --page-size")
+
+
+def _said(entry) -> str:
+    """A layout entry as a reader wants it: "bfloat16 rows of 576" (per layer, where layers differ)."""
+    if not isinstance(entry, list):
+        return str(entry)
+    return ", ".join(dict.fromkeys(f"{dtype} rows of {width}" for dtype, width in entry)) or "none"
+
+
 def layer_pieces(config) -> list[LayerPieces]:
     """Every decoder layer's pieces, in model order."""
     out = []

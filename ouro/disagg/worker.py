@@ -105,6 +105,7 @@ def _handle(role, worker, msg, sender, info) -> bool:
     """One message; False: shut down."""
     from ..serve.messages import params_from_wire
     from .decode_engine import NoRoom
+    from .state_pieces import LayoutMismatch
     kind, rid = msg.get("type"), msg.get("rid")
     if kind == "hello":
         sender.send(info)
@@ -121,6 +122,8 @@ def _handle(role, worker, msg, sender, info) -> bool:
             worker.add(rid, msg["prompt_token_ids"], params_from_wire(msg["params"]), msg["room"], msg.get("images"))
         except ValueError as e:
             sender.send({"type": "error", "rid": rid, "status": 400, "message": str(e)})
+        except LayoutMismatch as e:       # the workers' settings, not the request: a server error
+            sender.send({"type": "error", "rid": rid, "status": 500, "message": str(e)})
     elif kind == "abort":
         worker.abort(rid)
     elif kind == "shutdown":

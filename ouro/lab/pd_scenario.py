@@ -30,6 +30,9 @@ import time
 
 PROMPT_LEN = 2048
 ROUNDS = 9          # one round: each variant once; medians and a paired bootstrap interval over rounds
+# both sides' dtype, named: `auto` is resolved by each process for its own thread count, and where
+# bfloat16 wins (AVX-512 BF16 machines) the two caches differed and no transfer could complete
+DTYPE = "float32"
 
 
 def pd(model_dir, prompt_len: int = PROMPT_LEN, rounds: int = ROUNDS, heartbeat: bool = True, timeout: float = 180.0) -> dict:
@@ -44,8 +47,9 @@ def pd(model_dir, prompt_len: int = PROMPT_LEN, rounds: int = ROUNDS, heartbeat:
     worker = DecodeWorker(model_dir, memory, timeout)
     try:
         worker.ask({"type": "hello"}, "ready")
-        cfg = EngineConfig(max_memory=memory, page_size=64, max_num_seqs=4, max_num_batched_tokens=prompt_len)
-        engine = LLMEngine(load_model(model_dir), None, cfg, verbose=False)
+        cfg = EngineConfig(max_memory=memory, page_size=64, max_num_seqs=4, max_num_batched_tokens=prompt_len,
+                           dtype=DTYPE)
+        engine = LLMEngine(load_model(model_dir, dtype=cfg.torch_dtype()), None, cfg, verbose=False)
         ids = prompts(1, prompt_len, vocab=min(engine.model.config.vocab_size, 30000), seed=9)[0]
         run = Variants(engine, PrefillEngine(engine), worker, ids, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
         run.alone("warm")                                  # warm-up (also picks the GEMM forms)
@@ -71,7 +75,8 @@ class DecodeWorker:
         env.pop("OURO_TRACE", None)
         [(self.process, port)] = spawn_workers(
             [[sys.executable, "-m", "ouro.cli", "serve", "--role", "decode", "--model", str(model_dir),
-              "--max-memory", str(memory), "--page-size", "64", "--exit-with-parent"]], quiet=True, env=env)
+              "--max-memory", str(memory), "--page-size", "64", "--dtype", DTYPE, "--exit-with-parent"]], quiet=True,
+            env=env)
         self.ctx = zmq.Context()
         self.push, self.pull = self.ctx.socket(zmq.PUSH), self.ctx.socket(zmq.PULL)
         self.push.setsockopt(zmq.LINGER, 0)

@@ -42,7 +42,7 @@ def _worst(findings):
 def test_clean_w8a8_agrees_with_its_reference_and_alone(a, b, forms, monkeypatch):
     from ouro.quant import int8_forms
     if forms is not None:
-        monkeypatch.setattr(int8_forms, "pick_forms", lambda device="cpu", timer=None: list(forms))
+        monkeypatch.setattr(int8_forms, "pick_forms", lambda device="cpu", timer=None, kind="product": list(forms))
     findings = probe_numerics("tiny", a, b, prompt_len=24)
     assert _worst(findings) == 0, [f.summary for f in findings]
 
@@ -66,7 +66,7 @@ def test_planted_w8a8_faults_are_found_where_they_are_whatever_the_forms(name, f
     branch alone and was found a layer late where `int_mm` runs the prefill's projections)."""
     from ouro.quant import int8_forms
     if forms is not None:
-        monkeypatch.setattr(int8_forms, "pick_forms", lambda device="cpu", timer=None: list(forms))
+        monkeypatch.setattr(int8_forms, "pick_forms", lambda device="cpu", timer=None, kind="product": list(forms))
     fault = FAULTS[name]
     probe = fault.probes[0]
     a, b = probe[probe.index("--a") + 1], probe[probe.index("--b") + 1]

@@ -87,6 +87,26 @@ def test_a_poller_spinning_all_along_is_not_taken_for_the_baseline():
     assert all(f.severity == "info" for f in analyse([span], {1: {"samples": samples, "late": late}}))
 
 
+def starved_trace(wakes: int, every_ms: float):
+    """A heartbeat that woke only `wakes` times, `every_ms` apart, each late by nearly that, while a
+    poller ran Python: what a spinning thread does to a short prefill on a fast machine."""
+    hog = {"thread": "poller", "tid": 9, "where": {"file": "x.py", "function": "poll", "line": 3}}
+    samples = [(i * every_ms, every_ms - 1.0) for i in range(wakes)]
+    late = [{"at_ms": t, "delay_ms": d, "interval_ms": every_ms, "threads": [dict(hog, cpu_ms=every_ms * 0.9)]}
+            for t, d in samples]
+    span = {"name": "forward", "cat": "compute", "start_ms": 0.0, "end_ms": wakes * every_ms, "dur_ms": wakes * every_ms,
+            "pid": 1, "tid": 1, "thread": "MainThread", "process": "p"}
+    return [span], {1: {"period_ms": 1.0, "samples": samples, "late": late}}
+
+
+def test_a_starved_heartbeat_that_woke_rarely_is_the_finding():
+    """18 wakes over 0.9 s (due: ~900) is starvation, not too little evidence; a watch shorter than
+    MIN_WATCH_PERIODS heartbeat periods says nothing."""
+    findings = sort_findings(analyse(*starved_trace(18, 50.0)))
+    assert findings[0].severity == "warning" and findings[0].where["function"] == "poll", [f.summary for f in findings]
+    assert all(f.severity == "info" for f in analyse(*starved_trace(6, 1.5)))
+
+
 def _sender_with(monkeypatch, wait=None):
     """The engine process's real output sender on a real (in-process) ZeroMQ pair."""
     if wait is not None:

@@ -13,6 +13,7 @@ from ..findings import Finding
 PROBE = "timeline"
 GIL_FLOOR_MS = 2.0          # heartbeat delay below this is ordinary scheduling, whatever the baseline
 GIL_BASELINE_FACTOR = 5.0
+MIN_WATCH_PERIODS = 20      # a heartbeat watched for fewer periods than this says nothing
 CULPRIT_MIN_CPU_SHARE = 0.2  # another thread ran at least this share of the late intervals
 CULPRIT_BUSY_SHARE = 0.5     # ...outside its own work spans: a thread busy in `forward` is computing, not waiting
 GAP_MIN_MS = 5.0
@@ -80,7 +81,10 @@ def gil_findings(spans: list[dict], heartbeats: dict, t0: float) -> list[Finding
     out = []
     for pid, hb in heartbeats.items():
         samples = sorted(hb["samples"])
-        if len(samples) < 20:
+        # too short a watch to judge: fewer than MIN_WATCH_PERIODS heartbeat periods. Not "too few
+        # wakes": a starved heartbeat wakes rarely, and that is the finding (a 0.9 s prefill on a fast
+        # machine, its GIL held by a spinning thread, gave 18 wakes where ~900 were due)
+        if len(samples) < 2 or samples[-1][0] - samples[0][0] < MIN_WATCH_PERIODS * hb.get("period_ms", 1.0):
             continue
         times, delays = [s[0] for s in samples], [s[1] for s in samples]
         mine = [s for s in spans if s["pid"] == pid]
