@@ -22,6 +22,7 @@ from ..machine.gemm_pick import best_time
 from ..machine.load import OtherLoad, keep, one_at_a_time, settled
 from ..machine_cache import machine_key
 from ..ops.quant import int8_mm_chunked, int8_mm_naive
+from . import int8_native
 from .int8_native import native
 
 log = logging.getLogger(__name__)
@@ -96,7 +97,8 @@ def pick_forms(device: str = "cpu", timer=None, kind: str = "product") -> list[s
         if pinned not in forms:
             raise ValueError(f"OURO_INT8_FORM={pinned} does not run on this machine: {form_runs(pinned, device)}")
         return [pinned] * len(ROWS)
-    key = f"{machine_key(device)}|{','.join(forms)}" + ("" if kind == "product" else f"|{kind}")
+    key = (f"{machine_key(device)}|{','.join(forms)}" + (f"|kernel {int8_native.build_id()}" if "native" in forms else "")
+           + ("" if kind == "product" else f"|{kind}"))
     with one_at_a_time(FILE):
         hit = machine_cache.read(FILE).get(key, {})
         if hit.get("format") == FORMAT and hit.get("rows") == list(ROWS) and set(hit.get("forms", ())) <= set(forms) \

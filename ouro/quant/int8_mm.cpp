@@ -12,7 +12,8 @@
 // (vpmaddubsw) needs unsigned activations: exact 8-bit ones take the sign trick, one more
 // instruction on the multiply ports per 32 products, and measured 1.37x slower than fbgemm's 7-bit
 // activations; the 16-bit form has fbgemm's multiply count without giving up a bit.
-// With AVX-VNNI / AVX512-VNNI: KG = 4, vpdpbusd with the sign trick (|x| unsigned, w * sign(x)).
+// With AVX-VNNI / AVX512-VNNI: KG = 4, vpdpbusd on activations kept as x + 128 (unsigned), each channel's
+// 128 x sum of weights (packed after its block) taken off; with AVX-512 two blocks share a register.
 // Elsewhere: scalar loops over the same layout. Threads split (expert, channel-block groups, row
 // chunks) with at::parallel_for: torch's own pool.
 //
@@ -49,7 +50,7 @@ void check_offsets(const torch::Tensor& offsets, int64_t E, int64_t R) {
     for (int64_t e = 0; e < E; ++e) TORCH_CHECK(off[e] <= off[e + 1], "ouro int8: offsets must not decrease");
 }
 
-at::ScalarType x_dtype() { return sizeof(XT) == 2 ? torch::kShort : torch::kChar; }
+at::ScalarType x_dtype() { return sizeof(XT) == 2 ? torch::kShort : XOFF ? torch::kByte : torch::kChar; }
 
 // grouped's emit for a float32 product: y[m][n] = float(acc) * x_scale[m] * w_scale[e][n], the
 // reference's order of operations (ouro.ops.quant.dequantize); y and w_scale have N columns
@@ -133,23 +134,35 @@ inline void weighted_sum(float* out, const float* w, const float* const* rows, i
 
 }  // namespace
 
-// int8 w [E, N, K] -> the packed layout [E, ceil(N/8), ceil(K/KG), 8, KG] (zeros past N and K)
+// int8 w [E, N, K] -> the packed layout [E, ceil(N/8), ceil(K/KG) + EXTRA_GROUPS, 8, KG] (zeros past N
+// and K); on the VNNI path each block's last group holds its 8 channels' XOFF x sum of weights (int32)
 torch::Tensor pack_weight(torch::Tensor w) {
     TORCH_CHECK(w.dim() == 3 && w.scalar_type() == torch::kChar && w.device().is_cpu(), "pack_weight: int8 CPU [E, N, K]");
     w = w.contiguous();
     const int64_t E = w.size(0), N = w.size(1), K = w.size(2), NB = (N + LANES - 1) / LANES, KGN = (K + KG - 1) / KG;
-    auto p = torch::zeros({E, NB, KGN, LANES, KG}, w.options());
+    const int64_t G = KGN + EXTRA_GROUPS;
+    auto p = torch::zeros({E, NB, G, LANES, KG}, w.options());
     const int8_t* W = w.data_ptr<int8_t>();
     int8_t* P = p.data_ptr<int8_t>();
     at::parallel_for(0, E * N, 64, [&](int64_t i0, int64_t i1) {
         for (int64_t i = i0; i < i1; ++i) {
             const int64_t e = i / N, n = i % N;
-            for (int64_t k = 0; k < K; ++k)
-                P[(((e * NB + n / LANES) * KGN + k / KG) * LANES + n % LANES) * KG + k % KG] = W[i * K + k];
+            int32_t sum = 0;
+            for (int64_t k = 0; k < K; ++k) {
+                P[(((e * NB + n / LANES) * G + k / KG) * LANES + n % LANES) * KG + k % KG] = W[i * K + k];
+                sum += W[i * K + k];
+            }
+            if (EXTRA_GROUPS) {
+                const int32_t corr = XOFF * sum;
+                std::memcpy(P + ((e * NB + n / LANES) * G + KGN) * LANES * KG + (n % LANES) * 4, &corr, 4);
+            }
         }
     });
     return p;
 }
+
+// a packed weight's K groups (its groups less the corrections)
+int64_t k_groups(const torch::Tensor& p) { return p.size(2) - EXTRA_GROUPS; }
 
 // W8A8 on packed weights: rows offsets[e] .. offsets[e+1] of x (float32 [R, K]) are quantised per
 // row and run through expert e (one expert: a plain projection); N is the real channel count.
@@ -158,7 +171,7 @@ torch::Tensor w8a8_packed(torch::Tensor x, torch::Tensor p, torch::Tensor w_scal
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.device().is_cpu(), "w8a8_packed: float32 CPU x [R, K]");
     TORCH_CHECK(p.dim() == 5 && p.scalar_type() == torch::kChar && p.size(3) == LANES && p.size(4) == KG,
                 "w8a8_packed: the weight must come from pack_weight");
-    const int64_t R = x.size(0), K = x.size(1), E = p.size(0), NB = p.size(1), KGN = p.size(2);
+    const int64_t R = x.size(0), K = x.size(1), E = p.size(0), NB = p.size(1), KGN = k_groups(p);
     TORCH_CHECK(KGN == (K + KG - 1) / KG && NB == (N + LANES - 1) / LANES, "w8a8_packed: x has ", K,
                 " columns and N is ", N, ", but the packed weight was made for another shape");
     TORCH_CHECK(w_scale.scalar_type() == torch::kFloat && w_scale.numel() == E * N, "w8a8_packed: float32 w_scale [E, N]");
@@ -177,7 +190,7 @@ torch::Tensor w8a8_packed(torch::Tensor x, torch::Tensor p, torch::Tensor w_scal
     CallBuffers buffers;
     XT* q = buffers.get<XT>(0, R * xs);
     float* sc = buffers.get<float>(1, R);
-    quantize_rows(x.data_ptr<float>(), R, K, q, xs, sc);
+    quantize_rows(x.data_ptr<float>(), R, K, q, xs, sc, XOFF);
     auto out = torch::empty({R, N}, x.options());
     grouped(q, xs, p.data_ptr<int8_t>(), E, NB, KGN, N, off, Dequantise{sc, w_scale.data_ptr<float>(), out.data_ptr<float>(), N});
     return out;
@@ -204,7 +217,7 @@ torch::Tensor w8a8_experts(torch::Tensor x, torch::Tensor weights, torch::Tensor
         TORCH_CHECK(p.dim() == 5 && p.scalar_type() == torch::kChar && p.size(3) == LANES && p.size(4) == KG,
                     "w8a8_experts: the weights must come from pack_weight");
     const int64_t T = x.size(0), D = x.size(1), k = experts.size(1), E = gate_up.size(0), I2 = 2 * I;
-    const int64_t NB1 = gate_up.size(1), KGN1 = gate_up.size(2), NB2 = down.size(1), KGN2 = down.size(2);
+    const int64_t NB1 = gate_up.size(1), KGN1 = k_groups(gate_up), NB2 = down.size(1), KGN2 = k_groups(down);
     TORCH_CHECK(I > 0 && down.size(0) == E && NB1 == (I2 + LANES - 1) / LANES && KGN1 == (D + KG - 1) / KG &&
                 NB2 == (D + LANES - 1) / LANES && KGN2 == (I + KG - 1) / KG,
                 "w8a8_experts: x has ", D, " columns and I is ", I,
@@ -230,7 +243,7 @@ torch::Tensor w8a8_experts(torch::Tensor x, torch::Tensor weights, torch::Tensor
     const int64_t xs1 = KGN1 * KG, xs2 = KGN2 * KG;
     auto qt = torch::zeros({T, xs1}, x.options().dtype(x_dtype()));
     auto st = torch::empty({T}, x.options());
-    quantize_rows(x.data_ptr<float>(), T, D, static_cast<XT*>(qt.data_ptr()), xs1, st.data_ptr<float>());
+    quantize_rows(x.data_ptr<float>(), T, D, static_cast<XT*>(qt.data_ptr()), xs1, st.data_ptr<float>(), XOFF);
     auto q1 = torch::empty({R, xs1}, qt.options());
     auto s1 = torch::empty({R}, x.options());
     const XT* QT = static_cast<const XT*>(qt.data_ptr());
@@ -255,7 +268,7 @@ torch::Tensor w8a8_experts(torch::Tensor x, torch::Tensor weights, torch::Tensor
         std::vector<float> h(I);
         for (int64_t r = r0; r < r1; ++r) {
             swiglu_row(G + r * I2, G + r * I2 + I, I, lim, h.data());
-            quantize_row(h.data(), I, Q2 + r * xs2, S2 + r);
+            quantize_row(h.data(), I, Q2 + r * xs2, S2 + r, XOFF);
         }
     });
     auto y = torch::empty({R, D}, x.options());
@@ -285,7 +298,7 @@ torch::Tensor int8_mm(torch::Tensor x, torch::Tensor w) {
     const int64_t M = x.size(0), K = x.size(1), N = w.size(0), KGN = (K + KG - 1) / KG, NB = (N + LANES - 1) / LANES;
     auto p = pack_weight(w.unsqueeze(0));
     auto q = torch::zeros({M, KGN * KG}, x.options().dtype(x_dtype()));
-    q.narrow(1, 0, K).copy_(x);
+    q.narrow(1, 0, K).copy_(x.to(torch::kShort) + XOFF);
     auto out = torch::empty({M, N}, x.options().dtype(torch::kInt));
     auto offsets = torch::tensor({int64_t(0), M}, torch::kLong);
     int32_t* Y = out.data_ptr<int32_t>();
@@ -312,7 +325,9 @@ std::tuple<torch::Tensor, torch::Tensor> quantize_int8(torch::Tensor x) {
 }
 
 std::string features() {
-#if defined(OURO_VNNI)
+#if defined(OURO_VNNI512)
+    return "avx512+vnni";
+#elif defined(OURO_VNNI)
     return "avx2+vnni";
 #elif defined(OURO_WIDE)
     return "avx2";

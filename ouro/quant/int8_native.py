@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ..native.build import compile_native
+from ..native.build import build_key, compile_native
 from ..native.kernels import fused_off
 from ..ops.quant import quantize_rows
 
@@ -48,6 +48,12 @@ def why_not() -> str | None:
 
 
 BUILD = ("int8_mm", SOURCE, (SOURCE.with_name("int8_products.h"), BY_EXPERT, VEC, TILES))   # (name, source, headers)
+
+
+def build_id() -> str:
+    """The kernel's build key (its sources, the CPU's flags, torch): a choice timed on another build of
+    it is timed again (the VNNI path's products took half the time after the offset change)."""
+    return build_key([BUILD[1], *BUILD[2]])
 
 
 def _load():

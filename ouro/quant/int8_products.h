@@ -24,6 +24,9 @@
 #if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
 #define OURO_VNNI 1
 #endif
+#if defined(OURO_VNNI) && defined(__AVX512VNNI__) && defined(__AVX512F__) && !defined(OURO_NO_512)
+#define OURO_VNNI512 1            // two channel blocks a 512-bit register (OURO_NO_512: the 256-bit path)
+#endif
 
 namespace {
 
@@ -31,10 +34,23 @@ namespace {
 #define OURO_WIDE 1
 constexpr int64_t KG = 2;                 // k per group: two int16 products per 32-bit lane
 using XT = int16_t;                       // quantised activations as int16
+#elif defined(OURO_VNNI)
+constexpr int64_t KG = 4;                 // k per group: four int8 products per 32-bit lane
+// vpdpbusd multiplies unsigned by signed bytes: activations are kept as x + 128 (1..255) and each
+// channel's sum of weights x 128, packed after its block's groups, is taken off the int32 sums
+// (exact: the same integers as sum x * w, wrapping alike). The sign trick it replaces
+// (|x| x w * sign(x)) cost one more instruction per register product.
+using XT = uint8_t;
+constexpr int XOFF = 128;
 #else
 constexpr int64_t KG = 4;                 // k per group: four int8 products per 32-bit lane
 using XT = int8_t;
 #endif
+#if !defined(OURO_VNNI)
+constexpr int XOFF = 0;
+#endif
+// groups a packed block holds past its K groups: the VNNI path's channel corrections (8 int32, one group)
+constexpr int64_t EXTRA_GROUPS = XOFF ? 1 : 0;
 constexpr int64_t ROW_CHUNK = 32;        // rows whose quantised activations stay in L2 while weights stream
 constexpr int64_t LANES = 8;              // channels per block
 
@@ -82,9 +98,9 @@ int64_t grain_for(int64_t K) { return std::max<int64_t>(1, (int64_t(1) << 16) / 
 // per-row symmetric quantisation, the same arithmetic as ouro.ops.quant.quantize_rows:
 // scale = amax / 127 (float32), q = round-half-even(x / max(scale, FLT_MIN)) clamped to [-127, 127]
 // (NaN -> 0, the row's scale NaN); one row of K values into `out` (its padding past K untouched),
-// as the kernel's activation type (XT) or as int8 (`quantize_int8`: the values fit either)
+// as the kernel's activation type (XT, `off` added: XOFF) or as int8 (`quantize_int8`, off 0)
 template <typename OT>
-inline void quantize_row(const float* row, int64_t K, OT* out, float* scale) {
+inline void quantize_row(const float* row, int64_t K, OT* out, float* scale, int off = 0) {
     float amax = 0.f;
     bool nan = false;
     int64_t k = 0;
@@ -119,30 +135,34 @@ inline void quantize_row(const float* row, int64_t K, OT* out, float* scale) {
         r = _mm256_andnot_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q), r);        // NaN inputs -> 0
         alignas(32) int32_t iv[8];
         _mm256_store_si256(reinterpret_cast<__m256i*>(iv), _mm256_cvtps_epi32(r));
-        for (int j = 0; j < 8; ++j) out[k + j] = static_cast<OT>(iv[j]);
+        for (int j = 0; j < 8; ++j) out[k + j] = static_cast<OT>(iv[j] + off);
     }
 #endif
     for (; k < K; ++k) {
         float v = std::nearbyint(row[k] / d);
         v = v > 127.f ? 127.f : (v < -127.f ? -127.f : v);
-        out[k] = static_cast<OT>(std::isnan(v) ? 0.f : v);
+        out[k] = static_cast<OT>(static_cast<int>(std::isnan(v) ? 0.f : v) + off);
     }
 }
 
 // M rows (x: stride K) written with stride `qs` (>= K; the padding past K is not written)
 template <typename OT>
-void quantize_rows(const float* x, int64_t M, int64_t K, OT* q, int64_t qs, float* scale) {
+void quantize_rows(const float* x, int64_t M, int64_t K, OT* q, int64_t qs, float* scale, int off = 0) {
     at::parallel_for(0, M, std::max<int64_t>(1, 4096 / std::max<int64_t>(1, K)), [&](int64_t m0, int64_t m1) {
-        for (int64_t m = m0; m < m1; ++m) quantize_row(x + m * K, K, q + m * qs, scale + m);
+        for (int64_t m = m0; m < m1; ++m) quantize_row(x + m * K, K, q + m * qs, scale + m, off);
     });
 }
 
+// bytes of one packed channel block: its KGN groups and its corrections
+inline int64_t block_bytes(int64_t KGN) { return (KGN + EXTRA_GROUPS) * LANES * KG; }
+
 #if defined(OURO_VNNI)
-inline __m256i dot4(__m256i acc, __m256i ax, __m256i xb, __m256i w) {
+// acc + the four (x + 128) x w byte products of each lane
+inline __m256i dot4(__m256i acc, __m256i xb, __m256i w) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(acc, ax, _mm256_sign_epi8(w, xb));
+    return _mm256_dpbusd_epi32(acc, xb, w);
 #else
-    return _mm256_dpbusd_avx_epi32(acc, ax, _mm256_sign_epi8(w, xb));
+    return _mm256_dpbusd_avx_epi32(acc, xb, w);
 #endif
 }
 #endif
@@ -152,7 +172,36 @@ inline __m256i dot4(__m256i acc, __m256i ax, __m256i xb, __m256i w) {
 template <int R, int B>
 inline void packed_tile(const XT* X, int64_t xs, const int8_t* P, int64_t KGN, int64_t nb0, int32_t out[][B][LANES]) {
     const int8_t* pb[B];
-    for (int b = 0; b < B; ++b) pb[b] = P + (nb0 + b) * KGN * LANES * KG;
+    for (int b = 0; b < B; ++b) pb[b] = P + (nb0 + b) * block_bytes(KGN);
+#if defined(OURO_VNNI512)
+    if constexpr (B % 2 == 0) {        // blocks b and b + 1 side by side in one register
+        constexpr int H = B / 2;
+        __m512i acc[R][H];
+        for (int r = 0; r < R; ++r)
+            for (int h = 0; h < H; ++h) acc[r][h] = _mm512_setzero_si512();
+        auto pair = [&](int h, int64_t at) {
+            return _mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb[2 * h] + at))),
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb[2 * h + 1] + at)), 1);
+        };
+        for (int64_t g = 0; g < KGN; ++g) {
+            __m512i w[H];
+            for (int h = 0; h < H; ++h) w[h] = pair(h, g * LANES * KG);
+            for (int r = 0; r < R; ++r) {
+                int32_t four;
+                std::memcpy(&four, X + r * xs + g * KG, 4);
+                const __m512i xb = _mm512_set1_epi32(four);
+                for (int h = 0; h < H; ++h) acc[r][h] = _mm512_dpbusd_epi32(acc[r][h], xb, w[h]);
+            }
+        }
+        for (int h = 0; h < H; ++h) {
+            const __m512i corr = pair(h, KGN * LANES * KG);
+            for (int r = 0; r < R; ++r)
+                _mm512_storeu_si512(reinterpret_cast<__m512i*>(out[r][2 * h]), _mm512_sub_epi32(acc[r][h], corr));
+        }
+        return;
+    }
+#endif
 #if defined(OURO_WIDE)
     __m256i acc[R][B];
     for (int r = 0; r < R; ++r)
@@ -181,12 +230,14 @@ inline void packed_tile(const XT* X, int64_t xs, const int8_t* P, int64_t KGN, i
             int32_t four;
             std::memcpy(&four, X + r * xs + g * KG, 4);
             const __m256i xb = _mm256_set1_epi32(four);
-            const __m256i ax = _mm256_sign_epi8(xb, xb);
-            for (int b = 0; b < B; ++b) acc[r][b] = dot4(acc[r][b], ax, xb, w[b]);
+            for (int b = 0; b < B; ++b) acc[r][b] = dot4(acc[r][b], xb, w[b]);
         }
     }
-    for (int r = 0; r < R; ++r)
-        for (int b = 0; b < B; ++b) _mm256_storeu_si256(reinterpret_cast<__m256i*>(out[r][b]), acc[r][b]);
+    for (int b = 0; b < B; ++b) {
+        const __m256i corr = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb[b] + KGN * LANES * KG));
+        for (int r = 0; r < R; ++r)
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(out[r][b]), _mm256_sub_epi32(acc[r][b], corr));
+    }
 #else
     for (int r = 0; r < R; ++r)
         for (int b = 0; b < B; ++b)
@@ -201,8 +252,13 @@ inline void packed_tile(const XT* X, int64_t xs, const int8_t* P, int64_t KGN, i
 #endif
 }
 
-// tile shape: TR rows x TB channel blocks of accumulators (16 ymm registers hold TR*TB + TB + 1)
+// tile shape: TR rows x TB channel blocks of accumulators (16 ymm registers hold TR*TB + TB + 1; with
+// 512-bit registers two blocks share one, and 32 of them hold 4 x 2 pairs)
+#if defined(OURO_VNNI512)
+constexpr int TR = 4, TB = 4;
+#else
 constexpr int TR = 4, TB = 2;
+#endif
 
 // rows [r0, r1) of X against channel blocks [nbA, nbB) of one packed weight P;
 // emit(m, n0, acc, count): the int32 sums of channels n0 .. n0 + count (count <= 8, n0 + count <= N)
@@ -223,7 +279,7 @@ void packed_rows(const XT* X, int64_t xs, const int8_t* P, int64_t KGN, int64_t 
         for (; nb + TB <= nbB; nb += TB) {
             // the next tile's blocks requested while this one is summed (streamed weights: measured on
             // the float experts, 1.2-1.35x a cold 16-token step's routed experts)
-            if (c0 == r0 && nb + 2 * TB <= nbB) ouro::prefetch(P + (nb + TB) * KGN * LANES * KG, TB * KGN * LANES * KG);
+            if (c0 == r0 && nb + 2 * TB <= nbB) ouro::prefetch(P + (nb + TB) * block_bytes(KGN), TB * block_bytes(KGN));
             int64_t m = c0;
             for (; m + TR <= c1; m += TR) {
                 packed_tile<TR, TB>(X + m * xs, xs, P, KGN, nb, out);
@@ -263,7 +319,7 @@ void grouped(const XT* X, int64_t xs, const int8_t* P, int64_t E, int64_t NB, in
     at::parallel_for(0, int64_t(items.size()), 1, [&](int64_t i0, int64_t i1) {
         for (int64_t i = i0; i < i1; ++i) {
             const Item& it = items[i];
-            packed_rows(X, xs, P + it.e * NB * KGN * LANES * KG, KGN, N, it.r0, it.r1, it.g * per,
+            packed_rows(X, xs, P + it.e * NB * block_bytes(KGN), KGN, N, it.r0, it.r1, it.g * per,
                         std::min(NB, (it.g + 1) * per),
                         [&](int64_t m, int64_t n0, const int32_t* a, int64_t count) { emit(it.e, m, n0, a, count); });
         }

@@ -12,7 +12,7 @@ import torch
 from ouro import machine_cache
 from ouro.models.loader import load_model
 from ouro.models.resolve import resolve_model
-from ouro.quant import int8_forms, w8a8
+from ouro.quant import int8_forms, int8_native, w8a8
 from ouro.quant.int8_native import native
 from ouro.quant.w8a8 import W8A8Experts, W8A8Linear, balanced_routing, experts_kind, experts_timer, quantize_model
 
@@ -58,7 +58,7 @@ def test_the_experts_take_their_own_pick_and_the_projections_theirs(own_cache, m
         assert routed[0].kernel_runs(x, ids)
     # both picks are cached apart: a second model times nothing
     cache = machine_cache.read(int8_forms.FILE)
-    assert sorted(k.rsplit("|", 1)[-1] for k in cache) == sorted(["native,int_mm,chunked", experts_kind(gate_up)])
+    assert sorted(k.rsplit("|", 1)[-1] for k in cache) == sorted([f"kernel {int8_native.build_id()}", experts_kind(gate_up)])
     n_products, n_experts = len(products.calls), len(experts.calls)
     assert n_products and n_experts
     quantize_model(load_model(resolve_model("tiny")))
@@ -93,3 +93,19 @@ def test_the_experts_timer_runs_each_form_on_a_layer_of_the_shape(monkeypatch):
 
 def test_the_experts_kind_names_the_shape():
     assert experts_kind((32, 512, 512)) != experts_kind((32, 1024, 512)) != experts_kind((32, 512, 1024))
+
+
+def test_another_build_of_the_kernel_is_timed_again(own_cache, monkeypatch):
+    """A pick timed on one build of ouro's kernel is not kept for another (the VNNI path's offset
+    change halved its products' time: a kept pick would have stayed with `_int_mm`)."""
+    if native() is None:
+        pytest.skip("needs ouro's int8 kernel")
+    timer = ranked("native", "int_mm", "chunked")
+    monkeypatch.setattr(int8_native, "build_id", lambda: "one")
+    int8_forms.pick_forms("cpu", timer)
+    n = len(timer.calls)
+    int8_forms.pick_forms("cpu", timer)
+    assert n and len(timer.calls) == n                       # the same build: cached
+    monkeypatch.setattr(int8_native, "build_id", lambda: "two")
+    int8_forms.pick_forms("cpu", timer)
+    assert len(timer.calls) == 2 * n                         # another build: timed again

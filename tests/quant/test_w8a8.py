@@ -143,7 +143,7 @@ def test_the_native_kernel_is_built_here_or_says_why():
     from ouro.quant.int8_native import native, why_not
     assert (native() is None) == (why_not() is not None)
     if native() is not None:
-        assert native().features() in ("avx2", "avx2+vnni", "scalar")
+        assert native().features() in ("avx2", "avx2+vnni", "avx512+vnni", "scalar")
         assert int8_forms.form_runs("native") is None
 
 
