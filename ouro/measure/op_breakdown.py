@@ -19,7 +19,7 @@ from collections import defaultdict
 
 import torch
 
-from .step_breakdown import MHC, in_decode, part_floors
+from .step_breakdown import MHC, part_floors, reach_decode
 from .step_cost import LOW_PRECISION, ROUTED, SCALE, decode_cost, weight_tensors
 
 KDA, DSA, INDEXER, SWIGLU = "KDA decode op", "DSA attention op", "DSA indexer op", "clamped SwiGLU"
@@ -82,11 +82,7 @@ def compiled_breakdown(engine, prompts: list[list[int]], steps: int, roof, param
     if getattr(runner, "graph", None) is None:
         raise ValueError("the compiled breakdown needs a compiled engine (--compile, or compile = true in --config)")
     model, batch = engine.model, len(prompts)
-    for p in prompts:
-        engine.add_request({"prompt_token_ids": p}, params)
-    while not in_decode(engine, batch):
-        engine.step()
-    engine.step()                                          # warm-up
+    reach_decode(engine, prompts, params)
     plain, contexts = [], []
     for _ in range(steps):
         t = time.perf_counter()

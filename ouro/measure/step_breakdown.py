@@ -149,16 +149,21 @@ def in_decode(engine, batch: int) -> bool:
     return len(s.running) == batch and not s.waiting and all(r.num_computed == r.num_tokens - 1 for r in s.running)
 
 
+def reach_decode(engine, prompts: list[list[int]], params) -> None:
+    """The prompts added and prefilled until every one of them decodes, then one warm-up step."""
+    for p in prompts:
+        engine.add_request({"prompt_token_ids": p}, params)
+    while not in_decode(engine, len(prompts)):
+        engine.step()
+    engine.step()
+
+
 def decode_breakdown(engine, prompts: list[list[int]], steps: int, roof, params) -> dict:
     """The engine's decode steps at batch len(prompts): plain steps (the engine as it runs, its
     compiled graph included) interleaved with hooked eager ones; per row the median milliseconds
     and its floor; `params`: the requests' SamplingParams (enough tokens for 2 * steps + 2)."""
     model, batch = engine.model, len(prompts)
-    for p in prompts:
-        engine.add_request({"prompt_token_ids": p}, params)
-    while not in_decode(engine, batch):
-        engine.step()
-    engine.step()                                          # warm-up
+    reach_decode(engine, prompts, params)
     runner = getattr(engine, "runner", None)
     graph = getattr(runner, "graph", None)
     plain, hooked, per_row, contexts = [], [], defaultdict(list), []
