@@ -46,13 +46,19 @@ def completions(server, ps, max_tokens=12):
         return list(pool.map(one, ps))
 
 
-def settled(server, want: dict, timeout=10):
-    """The metrics once they show `want` (the workers' heartbeats trail the replies a little)."""
+def metric_of(m: dict, name: str):
+    return next(v for k, v in m.items() if k.split("{")[0] == name)
+
+
+def settled(server, want: dict, timeout=10, when=None):
+    """The metrics once they show `want` and `when(get)` holds (the workers' heartbeats trail the
+    replies a little, each worker's on its own clock: a gauge already at its final value may still be
+    the other worker's last heartbeat)."""
     deadline = time.monotonic() + timeout
     while True:
         m = server.metrics()
-        got = {n: next(v for k, v in m.items() if k.split("{")[0] == n) for n in want}
-        if got == want or time.monotonic() > deadline:
+        got = {n: metric_of(m, n) for n in want}
+        if (got == want and (when is None or when(lambda n: metric_of(m, n)))) or time.monotonic() > deadline:
             return m
         time.sleep(0.2)
 
@@ -82,8 +88,9 @@ def test_1p1d_with_tp2_answers_as_one_engine(tiny_checkpoint, tmp_path, referenc
         assert completions(server, prompts()) == reference
         assert completions(server, prompts()[:3]) == reference[:3]      # pages reused on every rank
         m = settled(server, {"ouro:pd_transfers_completed": len(LENGTHS) + 3, "ouro:kv_pages_used": 0,
-                             "ouro:pd_prefill_pages_used": 0})
-        get = lambda name: next(v for k, v in m.items() if k.split("{")[0] == name)
+                             "ouro:pd_prefill_pages_used": 0},
+                    when=lambda g: g("ouro:pd_kv_bytes_sent") == g("ouro:pd_kv_bytes_received") > 0)
+        get = lambda name: metric_of(m, name)
         assert get("ouro:pd_transfers_completed") == len(LENGTHS) + 3 and get("ouro:pd_transfers_failed") == 0
         assert get("ouro:kv_pages_used") == 0 and get("ouro:pd_prefill_pages_used") == 0
         # rank 0 sent its shard: the DSA rows whole, the KDA state of its half of the heads
@@ -147,9 +154,11 @@ def test_1p1d_answers_as_one_engine(tiny_checkpoint, tmp_path, reference, backen
         for body in ({"echo": True, "logprobs": 1}, {"prompt_logprobs": 0}, {"max_tokens": 0}):   # a single server's
             r = httpx.post(server.base + "/v1/completions", json={"prompt": prompts()[0], "max_tokens": 1, **body})
             assert r.status_code == 400 and "router" in r.json()["message"], r.text
+        # the bytes each side counted: the prefill worker's heartbeat may trail the decode worker's
+        same_bytes = (lambda g: g("ouro:pd_kv_bytes_received") == g("ouro:pd_kv_bytes_sent") > 0) if backend == "tcp" else None
         m = settled(server, {"ouro:pd_transfers_completed": len(LENGTHS), "ouro:kv_pages_used": 0,
-                             "ouro:pd_prefill_pages_used": 0})
-        get = lambda name: next(v for k, v in m.items() if k.split("{")[0] == name)
+                             "ouro:pd_prefill_pages_used": 0}, when=same_bytes)
+        get = lambda name: metric_of(m, name)
         assert get("ouro:pd_transfers_completed") == len(LENGTHS) and get("ouro:pd_transfers_failed") == 0
         assert get("ouro:pd_transfer_latency_seconds_count") == len(LENGTHS)
         if backend == "tcp":
