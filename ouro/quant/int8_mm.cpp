@@ -1,7 +1,7 @@
 // W8A8 int8 products: acc[m, n] = sum_k x[m, k] * w[n, k] with x and w in [-127, 127] (symmetric
 // quantisation never makes -128). Exact: every partial sum is an integer that fits in int32.
 //
-// Layout: a weight [N, K] is stored once as [ceil(N/8)][ceil(K/KG)][8][KG] (`pack_weight`): 8 output
+// Layout: a weight [N, K] is stored once as [ceil(N/8)][ceil(K/KG) (+1 on VNNI)][8][KG] (`pack_weight`): 8 output
 // channels x KG consecutive k. An activation row's KG values at k are broadcast to all 8 lanes, so
 // each lane accumulates its own channel (no horizontal sums), and a tile of R rows x B channel blocks
 // keeps R*B accumulators in registers while the weight streams once per tile.
