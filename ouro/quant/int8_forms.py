@@ -28,10 +28,14 @@ from .int8_native import native
 log = logging.getLogger(__name__)
 
 FORMS = ("native", "int_mm", "chunked")
-ROWS = (1, 16, 128)
+# row counts each form is timed at: decode (1, 16), small chunks (128) and a prefill chunk (1024), which
+# took 128 rows' choice before. The forms' order can change between them (Zen 5, the [1024, 1024]
+# layer: native ahead at 1 and 16 rows, `_int_mm` at 128 and 1024 by 10-15%, the two within 3% over
+# a whole 16 x 512 prefill of `small`, one process, alternating)
+ROWS = (1, 16, 128, 1024)
 SHAPE = (1024, 1024)           # N, K of the product each form is timed on
 FILE = "int8_pick.json"
-FORMAT = 3          # 3: kept only when timed on a quiet machine (`machine.load.keep`)
+FORMAT = 4          # 3: kept only when timed on a quiet machine (`machine.load.keep`); 4: a prefill row count
 _RUNS: dict = {}
 
 

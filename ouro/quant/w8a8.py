@@ -282,7 +282,8 @@ def balanced_routing(rows: int, E: int, k: int) -> torch.Tensor:
 
 def experts_timer(gate_up_shape, top_k: int):
     """timer(form, rows) for the routed experts' pick: seconds of a W8A8 experts layer of this shape
-    ([E, 2I, D], up to 8 experts, `top_k` a token) whose every expert gets `rows` tokens, in `form`.
+    ([E, 2I, D], up to 8 experts and ~2,048 tokens, `top_k` a token) whose every expert gets `rows`
+    tokens, in `form`.
     The layer is timed, not a product: with `native` it is one fused call (both products,
     SiLU-and-multiply, the weighted sum), in another form a product per expert and the glue between.
     On an AMD EPYC Zen 5 (VNNI), `_int_mm` beat ouro's kernel on the [1024, 1024] product at 1 and 128
@@ -291,18 +292,18 @@ def experts_timer(gate_up_shape, top_k: int):
     import types
     E = min(int(gate_up_shape[0]), 8)
     k = max(1, min(int(top_k), E))
+    E_timed = lambda rows: max(k, min(E, 2048 // max(rows, 1)))   # noqa: E731 - at most ~2,048 tokens a timing
     two_i, D = int(gate_up_shape[1]), int(gate_up_shape[2])
-    shape = types.SimpleNamespace(n_routed_experts=E, hidden_size=D, moe_intermediate_size=two_i // 2,
-                                  num_experts_per_tok=k, swiglu_limit=10.0)
-
     def timer(form: str, rows: int) -> float:
         g = torch.Generator().manual_seed(0)
-        dense = Experts(shape)
+        n = E_timed(rows)
+        dense = Experts(types.SimpleNamespace(n_routed_experts=n, hidden_size=D, moe_intermediate_size=two_i // 2,
+                                              num_experts_per_tok=k, swiglu_limit=10.0))
         with torch.no_grad():
             for p in dense.parameters():
                 p.copy_(torch.randn(p.shape, generator=g) * 0.05)
         layer = W8A8Experts(dense, [form] * len(int8_forms.ROWS))
-        experts = balanced_routing(rows, E, k)
+        experts = balanced_routing(rows, n, k)
         T = experts.shape[0]
         x, weights = torch.randn(T, D, generator=g), torch.rand(T, k, generator=g)
         with torch.no_grad():

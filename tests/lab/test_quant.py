@@ -28,7 +28,7 @@ def _form_sets():
     here for every row count, and a VNNI CPU's (ouro's kernel at one row, `torch._int_mm` from 16)."""
     from ouro.quant import int8_forms
     forms = int8_forms.available_forms()
-    mixed = [("native", "int_mm", "int_mm")] if {"native", "int_mm"} <= set(forms) else []
+    mixed = [("native",) + ("int_mm",) * (len(int8_forms.ROWS) - 1)] if {"native", "int_mm"} <= set(forms) else []
     return [None] + [(f,) * len(int8_forms.ROWS) for f in forms] + mixed
 
 

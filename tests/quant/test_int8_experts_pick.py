@@ -89,6 +89,9 @@ def test_the_experts_timer_runs_each_form_on_a_layer_of_the_shape(monkeypatch):
         assert 0 < t < 10
         shape, used, T, k = seen[-1]
         assert shape == (8, 24, 16) and used == form and k == 3 and T == balanced_routing(4, 8, 3).shape[0]
+    timer("native", 1024)                # a prefill's rows an expert: fewer experts, ~2,048 tokens at most
+    shape, _, T, k = seen[-1]
+    assert shape == (3, 24, 16) and T == balanced_routing(1024, 3, 3).shape[0] <= 2048
 
 
 def test_the_experts_kind_names_the_shape():
