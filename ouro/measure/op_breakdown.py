@@ -27,10 +27,10 @@ ROUTED_ROW, PRODUCTS, SAMPLER = "routed experts (with their combine)", "projecti
 REST = "the rest (generated loops, wrapper, engine)"
 # (op name prefix, group), first match wins
 OP_GROUPS = (("ouro_native::kda", KDA), ("ouro_native::hc_", MHC), ("ouro_native::route", "router"),
-             ("ouro_native::rms_norm", "norms"), ("ouro_native::add_rms_norm", "norms"),
+             ("ouro_native::rms_norm", "norms"), ("ouro_native::gated_rms_norm", "norms"),
              ("ouro_native::sparse_mla", DSA), ("ouro_native::write_rows", DSA), ("ouro_native::index_", INDEXER),
              ("ouro_native::clamped_swiglu", SWIGLU), ("ouro_int8::w8a8_experts", ROUTED_ROW),
-             ("ouro_native::experts", ROUTED_ROW), ("ouro_native::pick_logprobs", SAMPLER),
+             ("ouro_native::moe_experts", ROUTED_ROW), ("ouro_native::pick_logprobs", SAMPLER),
              ("ouro_int8::", PRODUCTS), ("ouro_native::gemv", PRODUCTS), ("mkldnn::", PRODUCTS),
              ("aten::mm", PRODUCTS), ("aten::addmm", PRODUCTS), ("aten::_int_mm", PRODUCTS))
 ROWS = [KDA, MHC, "router", "norms", DSA, INDEXER, SWIGLU, ROUTED_ROW, PRODUCTS, SAMPLER, REST]

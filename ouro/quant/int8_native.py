@@ -10,6 +10,7 @@ reason, once, and the quantised layers use a form that runs (`int8_forms`)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from pathlib import Path
@@ -50,6 +51,7 @@ def why_not() -> str | None:
 BUILD = ("int8_mm", SOURCE, (SOURCE.with_name("int8_products.h"), BY_EXPERT, VEC, TILES))   # (name, source, headers)
 
 
+@functools.cache
 def build_id() -> str:
     """The kernel's build key (its sources, the CPU's flags, torch): a choice timed on another build of
     it is timed again (the VNNI path's products took half the time after the offset change)."""

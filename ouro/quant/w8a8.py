@@ -32,7 +32,8 @@ from ..ops.moe import clamped_swiglu
 from ..ops.moe.experts import by_expert, combine, padded_by_expert
 from ..ops.opaque import call_opaque
 from ..ops.quant import E4M3, dequantize, quantize_rows, quantize_rows_fp8
-from . import fp8_forms, int8_forms
+from . import form_timers, fp8_forms, int8_forms
+from .form_timers import experts_kind
 from .int8_native import native, quantize_for_int8
 from .packed import graph_pack, packed_for
 
@@ -259,56 +260,12 @@ def default_forms(qweight, timer=None, kind: str = "product") -> list[str]:
 
 def _time_product(form: str, rows: int) -> float:
     """Seconds of one W8A8 product of int8_forms.SHAPE at `rows` rows in `form`, as a layer runs it."""
-    n, k = int8_forms.SHAPE
-    g = torch.Generator().manual_seed(0)
-    q, s = quantize_rows(torch.randn(n, k, generator=g))
-    layer = W8A8Linear(q, s, forms=[form] * len(int8_forms.ROWS))
-    x = torch.randn(rows, k, generator=g)
-    return best_time(lambda: layer(x), budget_s=0.02, max_reps=10)
-
-
-def experts_kind(gate_up_shape) -> str:
-    """The experts' pick is made per expert shape (`int8_forms.pick_forms`' kind): [E, 2I, D] -> "experts 2IxD"."""
-    return f"experts {gate_up_shape[-2]}x{gate_up_shape[-1]}"
-
-
-def balanced_routing(rows: int, E: int, k: int) -> torch.Tensor:
-    """[T, k] expert ids of T = ceil(rows * E / k) tokens: token t goes to experts t*k .. t*k + k - 1
-    (mod E), so every expert gets `rows` tokens (a last partial round adds at most one) and no token
-    names an expert twice (k <= E)."""
-    T = max(1, -(-rows * E // k))
-    return (torch.arange(T).unsqueeze(1) * k + torch.arange(k)) % E
+    return form_timers.time_layer(W8A8Linear, form, rows)
 
 
 def experts_timer(gate_up_shape, top_k: int):
-    """timer(form, rows) for the routed experts' pick: seconds of a W8A8 experts layer of this shape
-    ([E, 2I, D], up to 8 experts and ~2,048 tokens, `top_k` a token) whose every expert gets `rows`
-    tokens, in `form`.
-    The layer is timed, not a product: with `native` it is one fused call (both products,
-    SiLU-and-multiply, the weighted sum), in another form a product per expert and the glue between.
-    On an AMD EPYC Zen 5 (VNNI), `_int_mm` beat ouro's kernel on the [1024, 1024] product at 1 and 128
-    rows, and the per-expert path that chose for `small`'s experts ran 2-6x slower than the fused call
-    at every token count from 1 to 2,048; on a larger expert shape `_int_mm` won at 128 rows an expert."""
-    import types
-    E = min(int(gate_up_shape[0]), 8)
-    k = max(1, min(int(top_k), E))
-    E_timed = lambda rows: max(k, min(E, 2048 // max(rows, 1)))   # noqa: E731 - at most ~2,048 tokens a timing
-    two_i, D = int(gate_up_shape[1]), int(gate_up_shape[2])
-    def timer(form: str, rows: int) -> float:
-        g = torch.Generator().manual_seed(0)
-        n = E_timed(rows)
-        dense = Experts(types.SimpleNamespace(n_routed_experts=n, hidden_size=D, moe_intermediate_size=two_i // 2,
-                                              num_experts_per_tok=k, swiglu_limit=10.0))
-        with torch.no_grad():
-            for p in dense.parameters():
-                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
-        layer = W8A8Experts(dense, [form] * len(int8_forms.ROWS))
-        experts = balanced_routing(rows, n, k)
-        T = experts.shape[0]
-        x, weights = torch.randn(T, D, generator=g), torch.rand(T, k, generator=g)
-        with torch.no_grad():
-            return best_time(lambda: layer(x, weights, experts), budget_s=0.02, max_reps=10)
-    return timer
+    """timer(form, rows) for the routed experts' pick, on a W8A8Experts layer (`form_timers.experts_timer`)."""
+    return form_timers.experts_timer(W8A8Experts, gate_up_shape, top_k)
 
 
 def product_rate(method: str = "w8a8", rows: int = 256, n: int = 2048, k: int = 2048) -> float:

@@ -14,7 +14,8 @@ from ouro.models.loader import load_model
 from ouro.models.resolve import resolve_model
 from ouro.quant import int8_forms, int8_native, w8a8
 from ouro.quant.int8_native import native
-from ouro.quant.w8a8 import W8A8Experts, W8A8Linear, balanced_routing, experts_kind, experts_timer, quantize_model
+from ouro.quant.form_timers import balanced_routing, experts_kind
+from ouro.quant.w8a8 import W8A8Experts, W8A8Linear, experts_timer, quantize_model
 
 
 @pytest.fixture
