@@ -4,6 +4,7 @@ namespace renamed (`-Douro_int8=ouro_int8_base`), so both builds' ops are loaded
 case checks the two give equal results, then times `--rounds` alternating calls and prints medians.
 
     python benchmarks/int8_ab.py --base 2d53990
+    python benchmarks/int8_ab.py --base HEAD --base-cflags=-DOURO_NO_512   # the 512-bit path against the 256-bit one
 
 A C++ change's effect of a few microseconds a call is below what separate processes resolve on a
 shared VM (the same command moves 20-40% between runs there); side by side in one process it is not.
@@ -31,16 +32,18 @@ FILES = {"ouro/quant/int8_mm.cpp": "int8_mm.cpp", "ouro/quant/int8_products.h": 
          "ouro/native/vec.h": "vec.h", "ouro/native/by_expert.h": "by_expert.h", "ouro/native/tiles.h": "tiles.h"}
 
 
-def build_base(rev: str, directory: str):
-    """The kernel's files at `rev`, built as a module whose ops are `torch.ops.ouro_int8_base`."""
+def build_base(rev: str, directory: str, cflags: list[str] = ()):
+    """The kernel's files at `rev`, built as a module whose ops are `torch.ops.ouro_int8_base`
+    (`cflags`: extra flags for that build only, e.g. `-DOURO_NO_512` for the 256-bit path)."""
     from torch.utils import cpp_extension
     for path, name in FILES.items():
         text = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=REPO, capture_output=True, text=True)
         if text.returncode == 0:            # a header the revision does not have is not needed by it
             with open(os.path.join(directory, name), "w") as f:
                 f.write(text.stdout)
-    return cpp_extension.load(name=f"ouro_int8_base_{rev}", sources=[os.path.join(directory, "int8_mm.cpp")],
-                              extra_cflags=[*CFLAGS, "-Douro_int8=ouro_int8_base"],
+    tag = "".join(c for c in "_".join([rev, *cflags]) if c.isalnum() or c == "_")
+    return cpp_extension.load(name=f"ouro_int8_base_{tag}", sources=[os.path.join(directory, "int8_mm.cpp")],
+                              extra_cflags=[*CFLAGS, *cflags, "-Douro_int8=ouro_int8_base"],
                               extra_include_paths=[directory], verbose=False)
 
 
@@ -78,13 +81,15 @@ def cases(gen):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--base", required=True, help="the git revision to compare against")
+    ap.add_argument("--base-cflags", default="", help="extra compiler flags for the base build only, "
+                    "e.g. '-DOURO_NO_512' (with --base HEAD: this tree's 256-bit VNNI path against its 512-bit one)")
     ap.add_argument("--rounds", type=int, default=200)
     a = ap.parse_args()
     this = native()
     if this is None:
         sys.exit("ouro's int8 kernel is not built here")
     with tempfile.TemporaryDirectory() as d:
-        base = build_base(a.base, d)
+        base = build_base(a.base, d, a.base_cflags.split())
         print(f"{torch.get_num_threads()} threads; medians of {a.rounds} alternating calls")
         print("| case | base, us | this tree, us | base - this, us |\n|---|---|---|---|")
         for name, call in cases(torch.Generator().manual_seed(0)):

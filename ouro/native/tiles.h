@@ -225,10 +225,10 @@ inline void rescale_lincomb_4(float* const y[4], const float a[4], const float* 
     int64_t i = 0;
 #if defined(OURO_LANES)
     if (!portable()) {
-        // blocks of 16 columns per head (two registers each on AVX2: eight independent sums hide the
-        // FMA latency), then single registers
-        i = lincomb_4_lanes<16 / Lanes::W, true>(y, a, c, x, m, n, 0);
-        if (Lanes::W < 16) i = lincomb_4_lanes<1, true>(y, a, c, x, m, n, i);
+        // blocks of two registers per head (eight independent sums hide the FMA latency: at one
+        // register a head, AVX-512 kept four and ran at about half rate), then single registers
+        i = lincomb_4_lanes<2, true>(y, a, c, x, m, n, 0);
+        i = lincomb_4_lanes<1, true>(y, a, c, x, m, n, i);
     }
 #endif
     for (; i < n; ++i) {
@@ -249,8 +249,8 @@ inline void lincomb_4(float* const y[4], const float* const c[4], const X* const
     int64_t i = 0;
 #if defined(OURO_LANES)
     if (!portable()) {
-        i = lincomb_4_lanes<16 / Lanes::W, false>(y, nullptr, c, x, m, n, 0);
-        if (Lanes::W < 16) i = lincomb_4_lanes<1, false>(y, nullptr, c, x, m, n, i);
+        i = lincomb_4_lanes<2, false>(y, nullptr, c, x, m, n, 0);
+        i = lincomb_4_lanes<1, false>(y, nullptr, c, x, m, n, i);
     }
 #endif
     for (; i < n; ++i)
