@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..machine.gemm_pick import form_for, packed_for, pick_forms, product
-from ..native import gemv
+from ..native import gemv, onednn
 from ..ops import batch_invariant
 from ..ops.opaque import call_opaque
 
@@ -19,9 +19,13 @@ class Linear(nn.Linear):
     forms = None
 
     def forward(self, x):
-        # a compiled graph holds every form as a direct op but the packed one: oneDNN's packed copy
-        # cannot be traced, so that product runs as one opaque op
+        # a compiled graph holds every form as a direct op: oneDNN's packed copy cannot be traced, so
+        # the graph calls `onednn.packed_linear` on the plain weight (the op keeps the packed copy),
+        # or, where that op is not built, the product as one opaque op (back into Python)
         if self.forms is not None and torch.compiler.is_compiling() and self.form(x) == "packed":
+            if onednn.can(x, self.weight):
+                flat = x.reshape(-1, x.shape[-1])
+                return onednn.packed_linear(flat, self.weight).view(*x.shape[:-1], self.out_features)
             return call_opaque(self, x)
         return self.eager(x)
 

@@ -28,6 +28,7 @@ from .. import machine_cache
 from ..machine_cache import machine_key
 from ..native import gemv as native_gemv
 from ..native import kernels as native_kernels
+from ..native import onednn as native_onednn
 from .load import OtherLoad, keep, one_at_a_time, settled
 
 log = logging.getLogger(__name__)
@@ -124,6 +125,14 @@ def pack(weight):
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
 
 
+def shared_pack(weight):
+    """`pack(weight)`, from the native op's cache where it is built (`ouro.native.onednn`): the copy a
+    compiled graph's `packed_linear` reads, so a weight has one packed copy, not two."""
+    if native_onednn.ready(weight):
+        return native_onednn.packed_weight(weight.detach())
+    return pack(weight)
+
+
 # owner module -> (key of the weights packed, packs): kept outside the module, so deepcopy and
 # pickling of a model never meet oneDNN's opaque tensors, and a module's packs go with it
 _PACKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -135,7 +144,7 @@ def packed_for(owner, weights) -> list:
     key = tuple((w.data_ptr(), w._version, w.dtype, tuple(w.shape)) for w in weights)
     hit = _PACKS.get(owner)
     if hit is None or hit[0] != key:
-        packs = [pack(m) for w in weights for m in (w if w.dim() == 3 else [w])]
+        packs = [shared_pack(m) for w in weights for m in (w if w.dim() == 3 else [w])]
         _PACKS[owner] = hit = (key, packs)
     return hit[1]
 

@@ -5,9 +5,7 @@ rows and keeps it where it measures fastest."""
 
 from __future__ import annotations
 
-import torch
-
-from .kernels import ops, register_fakes, usable
+from .kernels import ops, register_fakes, register_product, usable
 
 FAMILY = "gemv"
 MAX_ROWS = 8          # the row counts it is meant for (decode); more rows re-read each weight block per 4
@@ -24,10 +22,4 @@ def gemv(x, w):
 
 @register_fakes(FAMILY)
 def _fakes():
-    torch.library.register_fake("ouro_native::gemv")(lambda x, w: x.new_empty(x.shape[0], w.shape[0]))
-    # FLOPs for torch's FlopCounterMode (the bench's dispatched FLOPs), as for a matmul: 2 * M * N * K
-    from torch.utils.flop_counter import flop_registry, register_flop_formula
-    op = torch.ops.ouro_native.gemv
-    if op not in flop_registry:
-        register_flop_formula(op)(lambda x_shape, w_shape, *args, out_shape=None, **kwargs:
-                                  2 * x_shape[0] * x_shape[1] * w_shape[0])
+    register_product("gemv")

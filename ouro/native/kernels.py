@@ -24,11 +24,11 @@ log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
 HEADERS = (HERE / "vec.h", HERE / "tiles.h", HERE / "by_expert.h", HERE / "boundary.h")
-FAMILIES = ("norms", "mhc", "router", "experts", "kda", "mla", "gemv", "sample")   # one `<family>.cpp` each
+FAMILIES = ("norms", "mhc", "router", "experts", "kda", "mla", "gemv", "sample", "onednn")   # one `<family>.cpp` each
 # the families whose ops also take a bfloat16 model's tensors: float32 inside, its rows converted at
 # the op's boundary (`boundary.h`) or widened as they are read (expert weights, latent cache rows); the
-# float32 few-row product (`gemv`) does not
-BFLOAT16 = frozenset({"norms", "mhc", "router", "experts", "kda", "mla"})
+# float32 few-row product (`gemv`) does not; oneDNN's packed product (`onednn`) runs either dtype itself
+BFLOAT16 = frozenset({"norms", "mhc", "router", "experts", "kda", "mla", "onednn"})
 _STATE: dict = {"eager_only": False, "eager_families": frozenset()}
 _LOADED: dict[str, str | None] = {}      # family -> None when loaded, else why it is not
 _FAKES: dict[str, object] = {}           # family -> function registering its fake implementations
@@ -40,6 +40,17 @@ def register_fakes(family: str):
         _FAKES[family] = fn
         return fn
     return wrap
+
+
+def register_product(name: str) -> None:
+    """The fake of `ouro_native::<name>(x [M, K], w [N, K]) -> [M, N]` and its FLOPs for torch's
+    FlopCounterMode (the bench's dispatched FLOPs), as for a matmul: 2 * M * N * K."""
+    torch.library.register_fake(f"ouro_native::{name}")(lambda x, w: x.new_empty(x.shape[0], w.shape[0]))
+    from torch.utils.flop_counter import flop_registry, register_flop_formula
+    op = getattr(torch.ops.ouro_native, name)
+    if op not in flop_registry:
+        register_flop_formula(op)(lambda x_shape, w_shape, *args, out_shape=None, **kwargs:
+                                  2 * x_shape[0] * x_shape[1] * w_shape[0])
 
 
 def load(family: str) -> bool:

@@ -43,18 +43,30 @@ def _module(key: int):
     return m
 
 
-@torch.library.custom_op("ouro::opaque_call", mutates_args=())
-def opaque_call(args: list[torch.Tensor], key: int) -> torch.Tensor:
+# a plain library op, not `torch.library.custom_op`: the dispatcher calls `_run` directly (a call
+# from a compiled graph cost 16 us there against 6 us here, hot, for a 4 us module; more cold)
+_LIB = torch.library.Library("ouro", "FRAGMENT")
+_LIB.define("opaque_call(Tensor[] args, int key) -> Tensor")
+
+
+def _run(args: list[torch.Tensor], key: int) -> torch.Tensor:
     out = _module(key).eager(*args)
-    # a custom op's output may not alias its inputs
+    # an op's output may not alias its inputs
     return out.clone() if any(out.untyped_storage().data_ptr() == a.untyped_storage().data_ptr()
                               for a in args if a.numel() and out.numel()) else out
 
 
-@opaque_call.register_fake
+_LIB.impl("opaque_call", _run, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("ouro::opaque_call", lib=_LIB)
 def _(args, key):
     shape, dtype = _module(key).eager_shape(*args)
     return args[0].new_empty(shape, dtype=dtype)
+
+
+def opaque_call(args: list[torch.Tensor], key: int) -> torch.Tensor:
+    return torch.ops.ouro.opaque_call(args, key)
 
 
 def call_opaque(module, *args: torch.Tensor) -> torch.Tensor:

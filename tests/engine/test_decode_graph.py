@@ -170,9 +170,9 @@ def graph_targets(graphs) -> list[str]:
 
 @pytest.mark.parametrize("quantization", [None, "w8a8"])
 def test_graph_calls_the_native_products_directly(quantization, monkeypatch):
-    """Inside the graph the routed experts and (W8A8) every int8 projection run as direct native ops
-    on the packed copies the eager pass before the trace made, merged where eager merges them: no
-    product goes back to Python through `ouro::opaque_call`. Same logits and caches as eager. The
+    """Inside the graph the routed experts, the oneDNN-packed float projections and (W8A8) every int8
+    projection run as direct native ops on the packed copies the eager pass before the trace made,
+    merged where eager merges them: no product goes back to Python through `ouro::opaque_call`. Same logits and caches as eager. The
     int8 form is pinned to ouro's kernel: where `_int_mm` is as fast (a VNNI machine), the pick
     between them flips from run to run."""
     monkeypatch.setenv("OURO_INT8_FORM", "native")
@@ -192,8 +192,13 @@ def test_graph_calls_the_native_products_directly(quantization, monkeypatch):
     from ouro.ops.opaque import _module
     opaque = {type(_module(n.args[1])).__name__ for gm in graphs for n in gm.graph.nodes
               if n.op == "call_function" and "opaque_call" in str(n.target)}
-    # the tests pin float32 projections to the oneDNN-packed form (conftest), which stays opaque
-    assert opaque <= {"Linear"}, opaque
+    # the tests pin float32 projections to the oneDNN-packed form (conftest): the graph calls that product
+    # as `ouro_native.packed_linear` where the op is built, as an opaque op otherwise
+    if kernels.load("onednn"):
+        assert not opaque, opaque
+        assert any("ouro_native.packed_linear" in t for t in targets)
+    else:
+        assert opaque <= {"Linear"}, opaque
     # the new cache rows are stored in place (an index_put on a cache layer became a copy of the layer)
     assert any("ouro_native.write_rows" in t for t in targets)
     if quantization:
