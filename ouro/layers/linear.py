@@ -20,12 +20,10 @@ class Linear(nn.Linear):
 
     def forward(self, x):
         # a compiled graph holds every form as a direct op: oneDNN's packed copy cannot be traced, so
-        # the graph calls `onednn.packed_linear` on the plain weight (the op keeps the packed copy),
+        # the packed form is `onednn.packed_linear` on the plain weight (the op keeps the packed copy),
         # or, where that op is not built, the product as one opaque op (back into Python)
-        if self.forms is not None and torch.compiler.is_compiling() and self.form(x) == "packed":
-            if onednn.can(x, self.weight):
-                flat = x.reshape(-1, x.shape[-1])
-                return onednn.packed_linear(flat, self.weight).view(*x.shape[:-1], self.out_features)
+        if self.forms is not None and torch.compiler.is_compiling() and self.form(x) == "packed" \
+                and not onednn.can(x, self.weight):
             return call_opaque(self, x)
         return self.eager(x)
 
@@ -42,7 +40,9 @@ class Linear(nn.Linear):
         if form == "linear":
             return F.linear(x, self.weight, self.bias)
         flat = x.reshape(-1, x.shape[-1])
-        packed = packed_for(self, self.packed_weights())[0] if form == "packed" else None
+        # the packed form: native's op where it is built (it keeps the packed copy), else this module's copy
+        packed = packed_for(self, self.packed_weights())[0] if form == "packed" and not onednn.can(flat, self.weight) \
+            else None
         return product(flat, self.weight, form, packed).view(*x.shape[:-1], self.out_features)
 
     def eager_shape(self, x):

@@ -82,6 +82,7 @@ def offers(form: str, rows: int) -> bool:
 # (form, dtype, device) -> None where the form runs here and agrees with a float64 product, else why not
 _RUNS: dict = {}
 PROBE_SHAPE = (3, 40, 24)        # rows, in, out: odd sizes, so a kernel's tail handling runs too
+PADDED_PROBE_ROWS = 18           # more rows for the packed form's probe: 21 in all, padded to row_bucket's 22
 
 
 def form_runs(form: str, dtype, device: str = "cpu") -> str | None:
@@ -105,9 +106,12 @@ def _probe(form: str, dtype, device: str) -> str | None:
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(n, k, generator=gen).to(device=device, dtype=dtype)
     x = torch.randn(rows, k, generator=gen).to(device=device, dtype=dtype)
+    if form == "packed":        # past oneDNN's exact row counts too: the padded rows' path is checked as well
+        x = torch.cat([x, torch.randn(PADDED_PROBE_ROWS, k, generator=gen).to(device=device, dtype=dtype)])
     try:
         with torch.no_grad():
-            out = product(x, w, form, pack(w) if form == "packed" else None)
+            # the packed form as layers run it: native's op where it is built (a wrong one is refused here)
+            out = product(x, w, form)
     except Exception as e:                         # noqa: BLE001 - any failure means "not here"
         cpu = torch.backends.cpu.get_cpu_capability() if device == "cpu" else device
         return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} (CPU capability {cpu})"
@@ -165,11 +169,15 @@ def row_bucket(rows: int) -> int:
 
 def product(x, weight, form: str, packed=None):
     """x [M, K] @ weight.T, computed as `form` says (contiguous either way: callers may .view() it).
-    `packed`: `pack(weight)`, needed by the packed form (rows padded to `row_bucket`); gemv beyond
-    GEMV_ROWS rows runs F.linear."""
+    `packed`: `pack(weight)` for the packed form (rows padded to `row_bucket`); without it, native's
+    `packed_linear` (the same product, the op keeping the packed copy) where it is built, else a copy
+    packed for this call; gemv beyond GEMV_ROWS rows runs F.linear."""
     if form == "gemv":
         return native_gemv.gemv(x, weight) if x.shape[0] <= GEMV_ROWS else F.linear(x, weight)
     if form == "packed":
+        if packed is None and native_onednn.can(x, weight):     # the op keeps the packed copy (`shared_pack`)
+            return native_onednn.packed_linear(x, weight)
+        packed = pack(weight) if packed is None else packed
         rows = x.shape[0]
         padded = row_bucket(rows)
         if padded != rows:

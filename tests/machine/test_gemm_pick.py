@@ -53,8 +53,11 @@ def test_a_form_that_raises_here_is_not_offered_and_a_pin_falls_back(monkeypatch
     AVX2-only CPU. The form is probed before it is offered, the reason is kept, nothing raises."""
     def refuse(weight):
         raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx512bw")
+    from ouro.native import onednn
     monkeypatch.setattr(gemm_pick, "_RUNS", {})
     monkeypatch.setattr(gemm_pick, "pack", refuse)
+    # native's op packs the same way, inside: the same refusal reaches the probe from there
+    monkeypatch.setattr(onednn, "packed_linear", lambda x, w: refuse(w))
     w = torch.zeros(8, 4)
     assert "packed" not in gemm_pick.available_forms(w) and not gemm_pick.packable(w)
     assert "avx512bw" in gemm_pick.form_runs("packed", torch.float32)
@@ -89,6 +92,29 @@ def test_a_gemv_that_gives_every_row_the_first_rows_product_is_not_offered(monke
     monkeypatch.setattr(gemm_pick, "product", first_row)
     assert "wrong result" in gemm_pick.form_runs("gemv", torch.float32)
     assert "gemv" not in gemm_pick.available_forms(torch.zeros(8, 4))
+
+
+@pytest.mark.parametrize("fault", ["tail_rows_zero", "first_row_everywhere"])
+def test_a_wrong_native_packed_product_is_not_offered(monkeypatch, fault):
+    """native's `packed_linear` is how layers run the packed form, and it is checked as every form is,
+    past oneDNN's exact row counts too: an op that drops its padded call's last rows, or gives every row
+    the first row's product (the bugs a planted C++ fault would be), is refused before any layer runs it."""
+    from ouro.native import onednn
+    if not onednn.ready(torch.zeros(4, 4)):
+        pytest.skip("the native packed product is not built here")
+    real = onednn.packed_linear
+
+    def wrong(x, w):
+        out = real(x, w).clone()
+        if fault == "tail_rows_zero":
+            out[gemm_pick.EXACT_ROWS:] = 0
+        else:
+            out[:] = out[:1]
+        return out
+    monkeypatch.setattr(gemm_pick, "_RUNS", {})
+    monkeypatch.setattr(onednn, "packed_linear", wrong)
+    assert "wrong result" in gemm_pick.form_runs("packed", torch.float32)
+    assert "packed" not in gemm_pick.available_forms(torch.zeros(8, 4))
 
 
 def test_packed_copy_follows_in_place_weight_changes():
