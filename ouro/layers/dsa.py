@@ -97,6 +97,8 @@ class Indexer(nn.Module):
 
 
 class DSAttention(nn.Module):
+    MERGED = (("q_a_proj", "kv_a_proj_with_mqa"),)     # one product (`merged.project`), forms picked with the others
+
     def __init__(self, config, layer_idx: int):
         super().__init__()
         D, H = config.hidden_size, config.num_attention_heads

@@ -31,6 +31,7 @@ class ShortConv(KeepFloat32):
 
 class KDAttention(KeepFloat32):
     FLOAT32 = ("A_log", "dt_bias")
+    MERGED = (("q_proj", "k_proj", "v_proj"), ("f_a_proj", "g_a_proj", "b_proj"))   # one product each (`merged`)
 
     def __init__(self, config, layer_idx: int, chunk_size: int = 16):
         super().__init__()

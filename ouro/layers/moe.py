@@ -18,6 +18,7 @@ from .precision import KeepFloat32
 
 class MLP(nn.Module):
     """The clamped SwiGLU MLP: dense layers, shared experts, and (with biases) the vision blocks."""
+    MERGED = (("gate_proj", "up_proj"),)      # run as one product (`merged.project`), its forms picked with the others
 
     def __init__(self, config, intermediate_size: int, bias: bool = False):
         super().__init__()

@@ -313,3 +313,18 @@ def apply_to(model) -> None:
         m.forms = chosen[key]
         if "packed" in m.forms and hasattr(m, "packed_weights"):
             packed_for(m, m.packed_weights())
+    # the projections a layer runs as one wider product (`MERGED`: `ouro.layers.merged`) are merged on
+    # first use, and the merged weight's forms picked then: timed now, that pick is a cache hit there,
+    # not a timing pass inside the first request's prefill
+    for m in model.modules():
+        for group in getattr(m, "MERGED", ()):
+            parts = [getattr(m, name, None) for name in group]
+            if not all(getattr(p, "forms", None) is not None and getattr(p, "bias", None) is None for p in parts):
+                continue
+            w = parts[0].weight
+            if any(p.weight.shape[1] != w.shape[1] or p.weight.dtype != w.dtype for p in parts):
+                continue
+            shape = (sum(p.weight.shape[0] for p in parts), w.shape[1])
+            key = ("", shape, w.dtype, str(w.device))
+            if key not in chosen:
+                chosen[key] = pick_forms(torch.randn(shape, dtype=w.dtype, device=w.device))

@@ -204,6 +204,35 @@ def test_measured_once_per_shape_and_pinned(monkeypatch, tmp_path):
         gemm_pick.pick_forms(w)
 
 
+def test_merged_projections_are_picked_with_the_model_not_in_its_first_forward(monkeypatch, tmp_path):
+    """A layer's projections merged on first use (`MERGED`: q/k/v, KDA's f_a/g_a/b, MLA's q_a with kv_a,
+    gate/up) have their merged shape picked by `apply_to`, with every other: the first forward times
+    nothing (it did: the first request's prefill ran the merged weights' timing, and the redundancy
+    probe flagged it on a fresh cache)."""
+    monkeypatch.delenv("OURO_GEMM_PICK", raising=False)
+    monkeypatch.setenv("OURO_CACHE", str(tmp_path))
+    monkeypatch.setenv("OURO_BUSY_LIMIT", "1")
+    timed = []
+
+    def fake(form, weight, rows, budget_s=0.03):
+        timed.append(tuple(weight.shape))
+        return {"linear": 1.0}.get(form, 2.0)
+    monkeypatch.setattr(gemm_pick, "time_form", fake)
+    from ouro.layers.merged import merged_module
+    from ouro.models.loader import load_model
+    from ouro.models.resolve import resolve_model
+    model = load_model(resolve_model("tiny"))
+    gemm_pick.apply_to(model)
+    groups = [[getattr(m, n) for n in group] for m in model.modules() for group in getattr(m, "MERGED", ())]
+    assert len(groups) >= 3 and all(isinstance(p, Linear) for g in groups for p in g)
+    before = len(timed)
+    with torch.inference_mode():
+        for g in groups:
+            merged = merged_module(g)
+            assert merged is not None and merged.forms is not None
+    assert len(timed) == before, sorted(set(timed[before:]))
+
+
 def test_pinned_packed_falls_back_where_onednn_cannot_run(monkeypatch):
     monkeypatch.setenv("OURO_GEMM_PICK", "packed")
     monkeypatch.setattr(gemm_pick, "packable", lambda w: False)
