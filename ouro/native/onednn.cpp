@@ -47,7 +47,7 @@ int64_t version_of(const at::Tensor& w) { return w.is_inference() ? 0 : static_c
 
 bool fresh(const Entry& e, const at::Tensor& w) {
     return !e.storage.expired() && e.storage._unsafe_get_target() == w.storage().unsafeGetStorageImpl() &&
-           e.version == version_of(w) && e.dtype == w.scalar_type() && e.shape == w.sizes().vec();
+           e.version == version_of(w) && e.dtype == w.scalar_type() && c10::IntArrayRef(e.shape) == w.sizes();
 }
 
 at::Tensor reorder(const at::Tensor& w) {
@@ -57,10 +57,12 @@ at::Tensor reorder(const at::Tensor& w) {
     return stack.back().toTensor();
 }
 
-// the packed copy of `w` (2-D, contiguous), made on first use and again after an in-place change
-at::Tensor packed_weight(const at::Tensor& w_in) {
-    TORCH_CHECK(w_in.dim() == 2, "packed_weight: the weight must be 2-D [N, K]");
-    const at::Tensor w = w_in.contiguous();
+// the packed copy of `w` (2-D), made on first use and again after an in-place change; a strided view
+// is packed for the call only (its contiguous copy is a temporary: a cache entry for it would expire
+// at once and be made again every call)
+at::Tensor packed_weight(const at::Tensor& w) {
+    TORCH_CHECK(w.dim() == 2, "packed_weight: the weight must be 2-D [N, K]");
+    if (!w.is_contiguous()) return reorder(w.contiguous().detach());
     std::lock_guard<std::mutex> lock(mu);
     auto it = cache.find(w.data_ptr());
     if (it != cache.end() && fresh(it->second, w)) return it->second.packed;

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .kernels import ops, register_fakes, register_product, usable
+from .kernels import load, ops, register_fakes, register_product, usable
 
 FAMILY = "onednn"
 MKLDNN = torch.backends.mkldnn.is_available()       # read once: a graph's trace cannot call it
@@ -20,7 +20,6 @@ def can(*tensors) -> bool:
 def ready(w) -> bool:
     """Whether the op's cache can hold w's packed copy (built here, a CPU float32 or bfloat16 weight);
     unlike `can`, not switched by `eager_only()`: which copy the eager path reads changes no result."""
-    from .kernels import load
     return (w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16) and not torch.compiler.is_compiling()
             and MKLDNN and load(FAMILY))
 

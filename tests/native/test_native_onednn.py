@@ -56,3 +56,17 @@ def test_freed_weights_leave_the_cache_and_the_eager_form_shares_it():
     # the eager packed form takes its copy from the same cache: no new entry for a weight the op has
     gemm_pick.packed_for(owner, [keep])
     assert torch.ops.ouro_native.packed_cache_size() <= base + 2
+
+
+def test_a_strided_weight_is_packed_for_the_call_not_cached():
+    """A transposed view's contiguous copy is a temporary: packing it each call is right, caching it is
+    not (the entry would expire at once). Same result as the eager packed form."""
+    base = torch.randn(32, 48)
+    w = base.t()                    # [48, 32], not contiguous
+    x = torch.randn(5, 32)
+    size = torch.ops.ouro_native.packed_cache_size()
+    with torch.inference_mode():
+        got = onednn.packed_linear(x, w)
+        want = gemm_pick.product(x, w.contiguous(), "packed", gemm_pick.pack(w.contiguous()))
+    assert torch.equal(got, want)
+    assert torch.ops.ouro_native.packed_cache_size() <= size
