@@ -51,15 +51,23 @@ class Indexer(nn.Module):
             return
         seqs, ends, complete = found
         ci = self.cache_index
+        pooled_rows, gate_rows = ctx.cache.index_pooled[ci].view(-1, self.d), ctx.cache.index_gates[ci].view(-1, self.d)
+        keys = mla.cache_storage(ctx.cache.key_rows(ci))
+        if keys is not None and mla.can(gate_rows, pooled_rows, self.index_kpool_compress_ape):
+            # one op: each pool's tokens read in place, its key written (the eager path below: its reference)
+            scratch = ctx.scratch_pool_row(self.kpool) if complete is not None else -1
+            mla.pool_keys_write(pooled_rows, *keys, GROUP, gate_rows, self.index_kpool_compress_ape, ctx.page_table,
+                                seqs, ends, complete, ctx.cache.page_size, scratch)
+            return
         tok = (ends + 1 - self.kpool)[:, None] + torch.arange(self.kpool, device=ends.device)
         rows = cache_rows(ctx, seqs, tok)
         keys = ctx.cache.key_rows(ci)[rows].reshape(-1, self.d)
-        gates = ctx.cache.index_gates[ci].view(-1, self.d)[rows].reshape(-1, self.d)
+        gates = gate_rows[rows].reshape(-1, self.d)
         pooled = pool_keys(keys, gates, self.index_kpool_compress_ape)
         dest = self._pool_rows(ctx, seqs, tok[:, :1])[:, 0]
         if complete is not None:   # a graph compresses every row's pool: unfinished ones go to scratch
             dest = torch.where(complete, dest, ctx.scratch_pool_row(self.kpool))
-        mla.write_rows(ctx.cache.index_pooled[ci].view(-1, self.d), dest, pooled)
+        mla.write_rows(pooled_rows, dest, pooled)
 
     def _pooled(self, ctx, seqs, n_pools: int):
         """Pool keys of the first `n_pools` pools of each sequence in `seqs`: [len(seqs), n_pools, d]."""

@@ -13,6 +13,7 @@ import contextlib
 import hashlib
 import importlib.util
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -24,12 +25,19 @@ from ..machine_cache import cache_lock, cache_root, cpuinfo
 # -fopenmp at compile time only: at::parallel_for then runs on torch's own OpenMP runtime (its GOMP
 # symbols resolve through libtorch at load time); linking -lgomp would load a second runtime
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+# extra flags for every native build, part of its key: `OURO_NATIVE_CFLAGS=-mno-avx512f` builds the
+# AVX2 paths on an AVX-512 machine (how the tests check a narrower path than the CPU's own)
+EXTRA_CFLAGS_ENV = "OURO_NATIVE_CFLAGS"
+
+
+def cflags() -> list[str]:
+    return CFLAGS + shlex.split(os.environ.get(EXTRA_CFLAGS_ENV, ""))
 
 
 def build_key(files: list[Path]) -> str:
     h = hashlib.sha256()
     for part in [f.read_bytes() for f in files] + [cpuinfo("flags", "Features").encode(), torch.__version__.encode(),
-                                                    " ".join(CFLAGS).encode()]:
+                                                    " ".join(cflags()).encode()]:
         h.update(part)
     return h.hexdigest()[:16]
 
@@ -96,7 +104,7 @@ def compile_native(name: str, source: Path, headers: tuple[Path, ...] = (), pyth
                 tmp.replace(copy)
         with _build_lock(directory):
             built = cpp_extension.load(name=library.stem, sources=[str(directory / source.name)],
-                                       extra_cflags=CFLAGS, extra_include_paths=[str(directory)],
+                                       extra_cflags=cflags(), extra_include_paths=[str(directory)],
                                        build_directory=str(directory), verbose=False, is_python_module=python_module)
             (directory / "built").write_text(f"{library.name}\n")
         return (built if python_module else str(library)), None

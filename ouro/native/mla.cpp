@@ -9,6 +9,9 @@
 // index_select_decode: the eager `index_select` row by row: pool scores relu(q.k * scale) weighted
 // over heads, the best `select_k` visible pools (ties to the earlier pool), listed in pool order and
 // expanded to tokens, then the incomplete tail pool in the last kpool-1 columns.
+// pool_keys_write: the indexer's compressed key of each pool the batch completes, from its tokens'
+// keys and gates read in place, written to the pool's row (one call a layer, not a gather, a softmax
+// and a scatter in torch).
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -16,6 +19,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 #include <vector>
@@ -233,6 +237,38 @@ at::Tensor sparse_mla_decode(const at::Tensor& q_in, const at::Tensor& latents, 
     return o;
 }
 
+// A score as an integer that orders as the selection does: higher scores above lower (the float's
+// bits made monotone, -0 as +0), every NaN above everything (as torch.topk ranks it)
+inline uint32_t rank_of(float x) {
+    if (std::isnan(x)) return 0xFFFFFFFFu;
+    x += 0.f;                           // -0 -> +0: they compare equal as floats
+    uint32_t b;
+    std::memcpy(&b, &x, 4);
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+// chosen[p] = 1 for the k (0 < k < n) highest ranks, ties to the earlier p: the k-th highest rank
+// found bit by bit from the top (each step counts the ranks at or above a candidate: a loop the
+// compiler vectorises, no data-dependent branches), then every rank above it and the earliest of
+// those equal to it
+inline void choose_best(const uint32_t* rank, int64_t n, int64_t k, char* chosen) {
+    uint32_t t = 0;
+    for (int bit = 31; bit >= 0; --bit) {
+        const uint32_t cand = t | (1u << bit);
+        uint32_t at_least = 0;          // (32-bit lanes: the count vectorises at full width)
+        for (int64_t p = 0; p < n; ++p) at_least += rank[p] >= cand;
+        if (int64_t(at_least) >= k) t = cand;
+    }
+    int64_t above = 0;
+    for (int64_t p = 0; p < n; ++p) above += rank[p] > t;
+    int64_t room = k - above;           // >= 1: t is the k-th highest
+    for (int64_t p = 0; p < n; ++p) {
+        const bool tie = rank[p] == t && room > 0;
+        room -= tie;
+        chosen[p] = char(rank[p] > t || tie);
+    }
+}
+
 // [n, width] token positions each decode query attends to (see the file's head); pooled: the cache's
 // pool keys [pool rows, d] float32, pool p of a sequence at row (its first token's cache row) / kpool
 at::Tensor index_select_decode(const at::Tensor& q_in, const at::Tensor& w_in, const at::Tensor& pooled,
@@ -262,7 +298,7 @@ at::Tensor index_select_decode(const at::Tensor& q_in, const at::Tensor& w_in, c
     for (int64_t i = 0; i < n; ++i) most = std::max(most, (pp[i] + 1) / kpool);
     at::parallel_for(0, n, grain(most * Hi * d), [&](int64_t i0, int64_t i1) {
         std::vector<float> score(most);
-        std::vector<int64_t> order(most);
+        std::vector<uint32_t> order(most);
         std::vector<char> chosen(most);
         for (int64_t i = i0; i < i1; ++i) {
             const int64_t pos = pp[i], n_vis = (pos + 1) / kpool;
@@ -274,8 +310,8 @@ at::Tensor index_select_decode(const at::Tensor& q_in, const at::Tensor& w_in, c
                 const int64_t* seq_pages = pages.table + sp[i] * pages.stride;
                 const float* qi = qp + i * Hi * d;
                 const float* wi = wp + i * Hi;
-                float dots[8];
-                for (int64_t p0 = 0; p0 < n_vis; p0 += 4) {          // 2 heads x 4 pools per pass
+                float dots[16];
+                for (int64_t p0 = 0; p0 < n_vis; p0 += 4) {          // 4 heads x 4 pools per pass
                     const float* b[4];
                     for (int k = 0; k < 4; ++k) {
                         const int64_t p = std::min(p0 + k, n_vis - 1);
@@ -283,30 +319,18 @@ at::Tensor index_select_decode(const at::Tensor& q_in, const at::Tensor& w_in, c
                         b[k] = kp + (seq_pages[t / page_size] * per_page + (t % page_size) / kpool) * ks;
                     }
                     float acc[4] = {0.f, 0.f, 0.f, 0.f};
-                    for (int64_t h = 0; h < Hi; h += 2) {
-                        const int64_t h1 = std::min(h + 1, Hi - 1);
-                        const float* a[2] = {qi + h * d, qi + h1 * d};
-                        ouro::dot_2x4(a, b, d, dots);
-                        for (int k = 0; k < 4; ++k) {
-                            acc[k] += wi[h] * std::max(dots[k] * sc, 0.f);
-                            if (h1 != h) acc[k] += wi[h1] * std::max(dots[4 + k] * sc, 0.f);
-                        }
+                    for (int64_t h = 0; h < Hi; h += 4) {            // short groups padded with the last head
+                        const float* a[4];
+                        for (int j = 0; j < 4; ++j) a[j] = qi + std::min(h + j, Hi - 1) * d;
+                        ouro::dot_4x4(a, b, d, dots);
+                        for (int j = 0; j < 4 && h + j < Hi; ++j)
+                            for (int k = 0; k < 4; ++k) acc[k] += wi[h + j] * std::max(dots[j * 4 + k] * sc, 0.f);
                     }
                     for (int k = 0; k < 4 && p0 + k < n_vis; ++k) score[p0 + k] = acc[k];
                 }
                 // the select_k best, ties to the earlier pool (NaN ranks first, as in torch.topk)
-                for (int64_t p = 0; p < n_vis; ++p) order[p] = p;
-                auto better = [&](int64_t a, int64_t b) {
-                    const float x = score[a], y = score[b];
-                    const bool xn = std::isnan(x), yn = std::isnan(y);
-                    if (xn != yn) return xn;
-                    if (!xn && x != y) return x > y;
-                    return a < b;
-                };
-                if (select_k > 0) {
-                    std::nth_element(order.begin(), order.begin() + (select_k - 1), order.begin() + n_vis, better);
-                    for (int64_t k = 0; k < select_k; ++k) chosen[order[k]] = 1;
-                }
+                for (int64_t p = 0; p < n_vis; ++p) order[p] = rank_of(score[p]);
+                if (select_k > 0) choose_best(order.data(), n_vis, select_k, chosen.data());
             }
             int64_t* row = op + i * width;
             int64_t col = 0;
@@ -322,6 +346,81 @@ at::Tensor index_select_decode(const at::Tensor& q_in, const at::Tensor& w_in, c
         }
     });
     return out;
+}
+
+// The compressed key of each pool that ends at ends[i] in sequence seq[i] (`ops.dsa.pool_keys`): per
+// channel a softmax over the pool's kpool tokens of gate + ape, weighting their keys; keys (any cache
+// row kind) and gates read in place through the page table, the result written to the pool's row of
+// `pooled` (or to scratch_row where `complete` is given and false: a graph's rows whose pool is not
+// complete yet, tokens before 0 read as token 0).
+void pool_keys_write(at::Tensor pooled, const at::Tensor& keys, const std::string& kind, int64_t group,
+                     const at::Tensor& gates, const at::Tensor& ape_in, const at::Tensor& page_table,
+                     const at::Tensor& seq, const at::Tensor& ends, const c10::optional<at::Tensor>& complete_in,
+                     int64_t page_size, int64_t scratch_row) {
+    TORCH_CHECK(pooled.scalar_type() == at::kFloat && pooled.dim() == 2 && pooled.stride(1) == 1,
+                "pooled must be float32 [pool rows, d]");
+    const int64_t d = pooled.size(1), n = seq.numel();
+    const at::Tensor ape = ape_in.contiguous();
+    TORCH_CHECK(ape.scalar_type() == at::kFloat && ape.dim() == 2 && ape.size(1) == d, "ape must be float32 [kpool, d]");
+    const int64_t kpool = ape.size(0);
+    TORCH_CHECK(kpool >= 1 && page_size % kpool == 0, "page_size must be a multiple of kpool");
+    check_long(seq, n, "seq");
+    check_long(ends, n, "ends");
+    const bool* complete = nullptr;
+    at::Tensor cm;
+    if (complete_in.has_value()) {
+        cm = complete_in->contiguous();
+        TORCH_CHECK(cm.scalar_type() == at::kBool && cm.numel() == n, "complete must be bool [n]");
+        TORCH_CHECK(scratch_row >= 0 && scratch_row < pooled.size(0), "scratch_row outside pooled");
+        complete = cm.data_ptr<bool>();
+    }
+    const Rows k_rows = rows_of(keys, kind, d, group), g_rows = rows_of(gates, "", d, 0);
+    const Pages pages = pages_of(page_table, page_size);
+    const int64_t *sp = seq.data_ptr<int64_t>(), *ep = ends.data_ptr<int64_t>();
+    for (int64_t i = 0; i < n; ++i) {       // checked up front: a bad row throws before anything is written
+        const bool done = complete == nullptr || complete[i];
+        TORCH_CHECK(sp[i] >= 0 && sp[i] < page_table.size(0), "pool ", i, ": sequence ", sp[i], " outside the page table");
+        TORCH_CHECK(ep[i] >= (done ? kpool - 1 : 0) && ep[i] / page_size < pages.width, "pool ", i, ": end ", ep[i],
+                    done ? " is not a complete pool's last token inside the page table" : " outside the page table");
+        TORCH_CHECK(!done || (ep[i] + 1) % kpool == 0, "pool ", i, ": end ", ep[i], " is not a pool's last token");
+    }
+    const float* ap = ape.data_ptr<float>();
+    float* out = pooled.data_ptr<float>();
+    const int64_t per_page = page_size / kpool, ostride = pooled.stride(0);
+    at::parallel_for(0, n, grain(kpool * d * 8), [&](int64_t i0, int64_t i1) {
+        std::vector<float> x(kpool * d), kb(kpool * d), gb(d), m(d), sum(d);
+        std::vector<const float*> k(kpool);
+        for (int64_t i = i0; i < i1; ++i) {
+            const int64_t* seq_pages = pages.table + sp[i] * pages.stride;
+            const int64_t t0 = ep[i] + 1 - kpool;
+            for (int64_t j = 0; j < kpool; ++j) {
+                const int64_t row = pages.row(seq_pages, std::max<int64_t>(t0 + j, 0));
+                k[j] = k_rows.get(row, kb.data() + j * d);
+                const float* g = g_rows.get(row, gb.data());
+                for (int64_t c = 0; c < d; ++c) x[j * d + c] = g[c] + ap[j * d + c];
+            }
+            // softmax over the pool's tokens, channel by channel (a NaN propagates through the max, as torch's)
+            for (int64_t c = 0; c < d; ++c) m[c] = x[c];
+            for (int64_t j = 1; j < kpool; ++j)
+                for (int64_t c = 0; c < d; ++c) {
+                    const float v = x[j * d + c];
+                    m[c] = (v > m[c] || v != v) ? v : m[c];
+                }
+            for (int64_t j = 0; j < kpool; ++j)
+                for (int64_t c = 0; c < d; ++c) x[j * d + c] -= m[c];
+            ouro::exp_nonpos_row(x.data(), x.data(), kpool * d);
+            for (int64_t c = 0; c < d; ++c) sum[c] = x[c];
+            for (int64_t j = 1; j < kpool; ++j)
+                for (int64_t c = 0; c < d; ++c) sum[c] += x[j * d + c];
+            const int64_t dest = complete != nullptr && !complete[i]
+                                     ? scratch_row
+                                     : seq_pages[t0 / page_size] * per_page + (t0 % page_size) / kpool;
+            float* o = out + dest * ostride;
+            for (int64_t c = 0; c < d; ++c) o[c] = x[c] / sum[c] * k[0][c];
+            for (int64_t j = 1; j < kpool; ++j)
+                for (int64_t c = 0; c < d; ++c) o[c] += x[j * d + c] / sum[c] * k[j][c];
+        }
+    });
 }
 
 // dst[rows[i]] = src[i] for the rows of a 2-D cache layer (any element type), in place: a compiled
@@ -354,6 +453,8 @@ TORCH_LIBRARY_FRAGMENT(ouro_native, m) {
     m.def("index_select_decode(Tensor q, Tensor weights, Tensor pooled, Tensor page_table, Tensor seq, "
           "Tensor positions, int page_size, int select_k, int kpool, float scale, int width) -> Tensor");
     m.def("write_rows(Tensor(a!) dst, Tensor rows, Tensor src) -> ()");
+    m.def("pool_keys_write(Tensor(a!) pooled, Tensor keys, str kind, int group, Tensor gates, Tensor ape, "
+          "Tensor page_table, Tensor seq, Tensor ends, Tensor? complete, int page_size, int scratch_row) -> ()");
     m.def("mla_isa(int force_portable) -> str", &mla_isa);
 }
 
@@ -361,4 +462,5 @@ TORCH_LIBRARY_IMPL(ouro_native, CPU, m) {
     m.impl("sparse_mla_decode", &sparse_mla_decode);
     m.impl("index_select_decode", &index_select_decode);
     m.impl("write_rows", &write_rows);
+    m.impl("pool_keys_write", &pool_keys_write);
 }

@@ -42,6 +42,16 @@ def index_select_decode(q, weights, pooled, page_table, seq, positions, page_siz
                                            kpool, scale, width)
 
 
+def pool_keys_write(pooled, keys, kind: str, group: int, gates, ape, page_table, seq, ends, complete=None,
+                    page_size: int = 16, scratch_row: int = -1) -> None:
+    """`ops.dsa.pool_keys` of the pools ending at `ends` [n] of sequences `seq` [n], written in place to
+    their rows of `pooled` [pool rows, d] (float32). keys/kind from `cache_storage` (quantised rows in
+    groups of `group`), gates the cache's gate rows [rows, d], ape [kpool, d]. With `complete` [n] (a
+    graph's every row), a row whose pool is not complete writes to `scratch_row` instead."""
+    ops(FAMILY).pool_keys_write(pooled, keys, kind, group, gates, ape.float(), page_table, seq, ends, complete,
+                                page_size, scratch_row)
+
+
 def write_rows(dst, rows, src) -> None:
     """dst[rows] = src for a 2-D cache layer, in place. Inside a compiled graph's trace it runs as the
     native op (the graph writes the rows where they are, not through a copy of the layer); elsewhere
@@ -55,6 +65,7 @@ def write_rows(dst, rows, src) -> None:
 @register_fakes(FAMILY)
 def _fakes():
     torch.library.register_fake("ouro_native::write_rows")(lambda dst, rows, src: None)
+    torch.library.register_fake("ouro_native::pool_keys_write")(lambda pooled, *rest: None)
     torch.library.register_fake("ouro_native::sparse_mla_decode")(
         lambda q_lat, *rest: q_lat.new_empty(q_lat.shape))
     torch.library.register_fake("ouro_native::index_select_decode")(

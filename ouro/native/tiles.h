@@ -185,35 +185,115 @@ inline void panel_tile(const float* const a[PANEL_ROWS], const float* b, int64_t
         }
 }
 
-// out[r * 4 + k] = sum_i a[r][i] * b[k][i] for r < 2, k < 4: two rows against four, eight
-// independent sums (enough to hide the FMA latency), each row loaded once. Each output is summed in
-// the same order whichever slot it sits in, so a caller that always goes through dot_2x4 (padding a
-// short group with repeats) gets a row's result independent of its neighbours.
+#if defined(OURO_LANES)
+// out[j] = Lanes::sum(acc[j]) for j < 8 (sum_8) or 16 (sum_16), the registers reduced together:
+// a transpose-and-add network whose additions per register are exactly Lanes::sum's (lanes i and
+// i + W/2, then i + W/4, ... down to neighbours), so each result is bit for bit the one-register
+// reduction's, at about a third of its shuffles and adds (which were most of a short dot's cost)
+#if defined(__AVX512F__)
+// 16 lanes: pairs of registers' halves (distance 8), then quarters (4), then inside each quarter
+// (2, 1). Afterwards lane 4c + m of the result holds register 4m + c (sum_16); sum_8's holds
+// register c at lane 4c and 4 + c at lane 4c + 1.
+inline void sum_halves_quarters(const __m512* acc, int nq, __m512* t) {
+    __m512 s[8];
+    for (int m = 0; m < 2 * nq; ++m)
+        s[m] = _mm512_add_ps(_mm512_shuffle_f32x4(acc[2 * m], acc[2 * m + 1], 0x44),
+                             _mm512_shuffle_f32x4(acc[2 * m], acc[2 * m + 1], 0xEE));
+    for (int j = 0; j < nq; ++j)
+        t[j] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * j], s[2 * j + 1], 0x88),
+                             _mm512_shuffle_f32x4(s[2 * j], s[2 * j + 1], 0xDD));
+}
+inline __m512 pairs_then_neighbours(__m512 a, __m512 b, __m512 c, __m512 d) {
+    const __m512 u0 = _mm512_add_ps(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(1, 0, 1, 0)), _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 u1 = _mm512_add_ps(_mm512_shuffle_ps(c, d, _MM_SHUFFLE(1, 0, 1, 0)), _mm512_shuffle_ps(c, d, _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm512_add_ps(_mm512_shuffle_ps(u0, u1, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_ps(u0, u1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+inline void sum_8(const __m512 acc[8], float out[8]) {
+    __m512 t[2];
+    sum_halves_quarters(acc, 2, t);
+    alignas(64) float v[16];
+    _mm512_store_ps(v, pairs_then_neighbours(t[0], t[1], t[0], t[1]));
+    for (int c = 0; c < 4; ++c) {
+        out[c] = v[4 * c];
+        out[4 + c] = v[4 * c + 1];
+    }
+}
+inline void sum_16(const __m512 acc[16], float out[16]) {
+    __m512 t[4];
+    sum_halves_quarters(acc, 4, t);
+    alignas(64) float v[16];
+    _mm512_store_ps(v, pairs_then_neighbours(t[0], t[1], t[2], t[3]));
+    for (int c = 0; c < 4; ++c)
+        for (int m = 0; m < 4; ++m) out[4 * m + c] = v[4 * c + m];
+}
+#else
+// 8 lanes: pairs of registers' halves (distance 4), then inside each half (2, 1); lane order of
+// the result [0, 2, 4, 6, 1, 3, 5, 7]
+inline void sum_8(const __m256 acc[8], float out[8]) {
+    __m256 s[4], t[2];
+    for (int m = 0; m < 4; ++m)
+        s[m] = _mm256_add_ps(_mm256_permute2f128_ps(acc[2 * m], acc[2 * m + 1], 0x20),
+                             _mm256_permute2f128_ps(acc[2 * m], acc[2 * m + 1], 0x31));
+    for (int j = 0; j < 2; ++j)
+        t[j] = _mm256_add_ps(_mm256_shuffle_ps(s[2 * j], s[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm256_shuffle_ps(s[2 * j], s[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    alignas(32) float v[8];
+    _mm256_store_ps(v, _mm256_add_ps(_mm256_shuffle_ps(t[0], t[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                     _mm256_shuffle_ps(t[0], t[1], _MM_SHUFFLE(3, 1, 3, 1))));
+    static constexpr int at[8] = {0, 4, 1, 5, 2, 6, 3, 7};      // register j's lane
+    for (int j = 0; j < 8; ++j) out[j] = v[at[j]];
+}
+inline void sum_16(const __m256 acc[16], float out[16]) {
+    sum_8(acc, out);
+    sum_8(acc + 8, out + 8);
+}
+#endif
+#endif
+
+// out[r * K + k] = sum_i a[r][i] * b[k][i] for r < R, k < 4: R rows (2 or 4) against four, R x 4
+// independent sums (enough to hide the FMA latency), each row loaded once, the registers reduced
+// together (sum_8 / sum_16). Each output is summed in the same order whichever slot it sits in, and
+// in the same order for R = 2 and 4, so a caller that always goes through these (padding a short
+// group with repeats) gets a row's result independent of its neighbours.
 // a's rows may be bfloat16 (`bf16_t`: a bfloat16 model's weights, widened as they are loaded).
-template <typename W>
-inline void dot_2x4(const W* const a[2], const float* const b[4], int64_t n, float out[8]) {
+template <int R, typename W>
+inline void dot_rx4(const W* const a[R], const float* const b[4], int64_t n, float out[R * 4]) {
+    static_assert(R == 2 || R == 4, "two or four rows");
     int64_t i = 0;
-    float s[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    float s[R * 4] = {};
 #if defined(OURO_LANES)
     if (!portable()) {
         using L = Lanes;
-        L::T acc[8];
-        for (int k = 0; k < 8; ++k) acc[k] = L::zero();
+        L::T acc[R * 4];
+        for (int k = 0; k < R * 4; ++k) acc[k] = L::zero();
         for (; i + L::W <= n; i += L::W) {
-            const L::T a0 = L::load(a[0] + i), a1 = L::load(a[1] + i);
+            L::T va[R];
+            for (int r = 0; r < R; ++r) va[r] = L::load(a[r] + i);
             for (int k = 0; k < 4; ++k) {
                 const L::T vb = L::load(b[k] + i);
-                acc[k] = L::fma(a0, vb, acc[k]);
-                acc[4 + k] = L::fma(a1, vb, acc[4 + k]);
+                for (int r = 0; r < R; ++r) acc[r * 4 + k] = L::fma(va[r], vb, acc[r * 4 + k]);
             }
         }
-        for (int k = 0; k < 8; ++k) s[k] = L::sum(acc[k]);
+        if (R == 2)
+            sum_8(acc, s);
+        else
+            sum_16(acc, s);
     }
 #endif
     for (; i < n; ++i)
-        for (int r = 0; r < 2; ++r)
+        for (int r = 0; r < R; ++r)
             for (int k = 0; k < 4; ++k) s[r * 4 + k] = std::fma(to_float(a[r][i]), b[k][i], s[r * 4 + k]);
-    for (int k = 0; k < 8; ++k) out[k] = s[k];
+    for (int k = 0; k < R * 4; ++k) out[k] = s[k];
+}
+
+template <typename W>
+inline void dot_2x4(const W* const a[2], const float* const b[4], int64_t n, float out[8]) {
+    dot_rx4<2>(a, b, n, out);
+}
+
+template <typename W>
+inline void dot_4x4(const W* const a[4], const float* const b[4], int64_t n, float out[16]) {
+    dot_rx4<4>(a, b, n, out);
 }
 
 // y[j][i] = a[j] * y[j][i] + sum_k c[j][k] * x[k][i] for j < 4, k < m, summed in order of k: four

@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from tests.helpers.mla_cases import Paged, decode_case, select_case
+from tests.helpers.mla_cases import Paged, decode_case, latent_cache, select_case
 from tests.helpers.numerics import rel_rms
 from ouro.native import kernels, mla
 from ouro.ops.dsa import absorb_weights, index_select, index_select_naive, pool_keys, sparse_mla, sparse_mla_naive
@@ -250,3 +250,83 @@ def test_write_rows_stores_exactly_the_indexed_store(dtype, strided, n):
     with pytest.raises(RuntimeError, match="outside"):
         kernels.ops("mla").write_rows(dst, torch.tensor([0, dst.shape[0]]), src[:1].expand(2, -1))
     assert torch.equal(dst, want)
+
+
+# ---------------------------------------------------------------------------------------------
+# the indexer's pool keys
+
+
+def pool_keys_case(kind, d, kpool, dtype, seed):
+    """Keys and gates of three sequences on shuffled pages (NaN / 0xFF where nobody wrote), an ape, the
+    pools the batch completes (every complete pool of each sequence) and a NaN pool store."""
+    gen = torch.Generator().manual_seed(seed)
+    paged = Paged([5 * kpool + 1, 3 * kpool, kpool - 1 if kpool > 1 else 2], 4 * kpool, gen)
+    R = paged.n_pages * paged.ps
+    keys, key_view = latent_cache(paged, d, kind, gen)
+    gates = torch.full((R, d), float("nan"), dtype=dtype)
+    for b, L in enumerate(paged.lens):
+        gates[paged.rows(torch.tensor([b]), torch.arange(L)[None])[0]] = (torch.randn(L, d, generator=gen) * 3).to(dtype)
+    ape = torch.randn(kpool, d, generator=gen)
+    seq = torch.cat([torch.full((L // kpool,), b) for b, L in enumerate(paged.lens)])
+    ends = torch.cat([torch.arange(L // kpool) * kpool + kpool - 1 for L in paged.lens])
+    store = torch.full((R // kpool, d), float("nan"))
+    return paged, keys, key_view, gates, ape, seq, ends, store
+
+
+def eager_pools(paged, key_view, gates, ape, seq, ends, kpool):
+    tok = (ends + 1 - kpool)[:, None] + torch.arange(kpool)
+    rows = paged.rows(seq, tok)
+    pooled = pool_keys(key_view[rows.flatten()], gates[rows.flatten()], ape)
+    dest = torch.div(rows[:, 0], kpool, rounding_mode="floor")
+    return dest, pooled
+
+
+# (quantised rows need a width whose scales stay 4-byte aligned: an odd width in float rows only)
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("kind,d,kpool", [(k, d, p) for k in ("", "int8", "fp8_e4m3")
+                                          for d, p in ((64, 4), (40, 2), (16, 1), (24, 16))] + [("", 37, 2)])
+def test_pool_keys_write_equals_eager(path, kind, d, kpool):
+    """Each completed pool's key written to its row (float32 rounding of the eager softmax and sum),
+    nothing else written (the store's other rows stay NaN); the graph's form with a `complete` mask
+    writes the incomplete rows' keys to scratch only."""
+    paged, keys, key_view, gates, ape, seq, ends, store = pool_keys_case(kind, d, kpool, torch.float32, seed=d + kpool)
+    dest, want = eager_pools(paged, key_view, gates, ape, seq, ends, kpool)
+    assert len(dest) > 3 and not want.isnan().any()
+    with on_path(path):
+        mla.pool_keys_write(store, keys, kind, GROUP, gates, ape, paged.table, seq, ends, None, paged.ps)
+    assert rel_rms(store[dest], want) <= 1e-6
+    untouched = torch.ones(store.shape[0], dtype=torch.bool)
+    untouched[dest] = False
+    assert store[untouched].isnan().all()
+    # a graph: every token of the batch names its pool, the incomplete ones go to scratch
+    store2 = torch.full_like(store, float("nan"))
+    scratch = int(untouched.nonzero()[0])
+    tokens = torch.cat([torch.arange(L) for L in paged.lens])
+    seqs = torch.cat([torch.full((L,), b) for b, L in enumerate(paged.lens)])
+    complete = (tokens + 1) % kpool == 0
+    with on_path(path):
+        mla.pool_keys_write(store2, keys, kind, GROUP, gates, ape, paged.table, seqs, tokens, complete, paged.ps, scratch)
+    assert torch.equal(store2[dest], store[dest])
+    others = untouched.clone()
+    others[scratch] = False
+    assert store2[others].isnan().all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pool_keys_write_reads_a_bfloat16_cache_and_propagates_nan(dtype):
+    paged, keys, key_view, gates, ape, seq, ends, store = pool_keys_case("", 32, 4, dtype, seed=3)
+    keys = keys.to(dtype)
+    gates[paged.rows(seq[:1], (ends[:1] - 1)[None])[0]] = float("nan")       # one gate of the first pool
+    dest, want = eager_pools(paged, keys, gates, ape, seq, ends, 4)
+    mla.pool_keys_write(store, keys, "", GROUP, gates, ape, paged.table, seq, ends, None, paged.ps)
+    assert store[dest[0]].isnan().all() and want[0].isnan().all()
+    assert rel_rms(store[dest[1:]], want[1:]) <= 1e-6
+
+
+def test_pool_keys_write_refuses_a_pool_that_does_not_end_a_pool():
+    paged, keys, key_view, gates, ape, seq, ends, store = pool_keys_case("", 16, 4, torch.float32, seed=5)
+    before = store.clone()
+    for bad in (ends + 1, ends.clone().fill_(2), ends.clone().fill_(paged.table.shape[1] * paged.ps + 3)):
+        with pytest.raises(RuntimeError, match="pool"):
+            mla.pool_keys_write(store, keys, "", GROUP, gates, ape, paged.table, seq, bad, None, paged.ps)
+    assert torch.equal(store.isnan(), before.isnan())

@@ -51,6 +51,18 @@ def sparse_mla_decode(name, caller, out, names):
     return [(f"{name}.attention_core", torch.einsum("nhr,hvr->nhv", out, w_uv))]
 
 
+def pool_keys_write(name, caller, out, names):
+    """The pool keys the op wrote, read back from their rows, on their last tokens' rows (as the eager
+    path's `pool_keys` is recorded: `sub_taps.pools_by_token`). A graph's form (every row, a mask) is
+    not probed."""
+    indexer, ctx, seqs, ends = (caller.get(k) for k in ("self", "ctx", "seqs", "ends"))
+    if caller.get("complete") is not None or not isinstance(seqs, torch.Tensor):
+        return []
+    from .sub_taps import pools_by_token
+    dest = indexer._pool_rows(ctx, seqs, (ends + 1 - indexer.kpool)[:, None])[:, 0]
+    return [(f"{name}.pool_keys", pools_by_token(seqs, ends, caller["pooled_rows"][dest], ctx))]
+
+
 # (module, op, emitter, the eager op whose kind the recorded quantity has)
 FUSED_OPS = (
     ("ouro.native.kda", "kda_decode", role("o_norm"), "kda_recurrent_step"),
@@ -65,4 +77,5 @@ FUSED_OPS = (
     ("ouro.native.mhc", "hc_post_pre", hc_post_pre, "mix"),
     ("ouro.native.mla", "sparse_mla_decode", sparse_mla_decode, "sparse_mla"),
     ("ouro.native.mla", "index_select_decode", owner, None),
+    ("ouro.native.mla", "pool_keys_write", pool_keys_write, "pool_keys"),
 )

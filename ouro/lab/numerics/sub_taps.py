@@ -69,7 +69,9 @@ VISION_POINTS = (("VisionAttention", "proj", "attention_core"),
 # attention's products): (layer module, op it calls there, the caller's locals it needs, key suffix
 # under the owner, what the module's output would be from them and the op's output). Recorded while
 # tapping only: the layer computes nothing more.
-DERIVED = (("ouro.layers.dsa", "absorb_weights", ("latent",), "kv_b_proj", "expanded_latent"),)
+DERIVED = (("ouro.layers.dsa", "absorb_weights", ("latent",), "kv_b_proj", "expanded_latent"),
+           # the indexer's compressed pool keys, on their last tokens' rows (no module computes them)
+           ("ouro.layers.dsa", "pool_keys", ("seqs", "ends"), "pool_keys", "pools_by_token"))
 # transformers: modules that run over every cached row; the last rows are this forward's tokens'
 HF_CACHED_ROWS = (".self_attn.kv_b_proj",)
 HF_CONV = ("causal_conv1d_fn", "causal_conv1d_update")   # module-level functions of the reference
@@ -133,11 +135,21 @@ def vision_points(modules: dict) -> list:
     return out
 
 
-def expanded_latent(latent, w_uk, w_uv):
+def expanded_latent(latent, w_uk, w_uv, ctx=None):
     """kv_b_proj's output as MLA's absorbed weights ([H, qk, r], [H, v, r]) make it: per head, the
     latent's key rows then its value rows, [T, H * (qk + v)] in the module's output layout."""
     w = torch.cat([w_uk, w_uv], 1)
     return F.linear(latent, w.reshape(-1, w.shape[-1]).to(latent.dtype))
+
+
+def pools_by_token(seqs, ends, pooled, ctx):
+    """The keys [n, d] of the pools this batch completes (pool i: sequence seqs[i], its last token at
+    position ends[i]) as rows of the batch's tokens [T, d]: each on its last token's row, zeros on the
+    others (every run puts the same pool on the same row)."""
+    match = (ctx.seq_index[None, :] == seqs[:, None]) & (ctx.positions[None, :] == ends[:, None])
+    out = pooled.new_zeros(ctx.positions.shape[0], pooled.shape[-1])
+    out[match.float().argmax(1)] = pooled
+    return out
 
 
 def cached_rows(name: str, t, n: int):

@@ -327,7 +327,7 @@ class OuroTaps:
                 self.rec.kinds.setdefault(key, kind_of_module(key, "Linear"))
                 self.rec.sources[key] = source_of(fn)
                 with torch.no_grad():
-                    self._record(key, derive(*got, *out), ctx)
+                    self._record(key, derive(*got, *(out if isinstance(out, tuple) else (out,)), ctx=ctx), ctx)
             return out
         return wrapped
 

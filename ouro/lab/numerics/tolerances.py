@@ -59,7 +59,7 @@ OP_KINDS = {
     "kda_chunk": "kda_kernel", "kda_recurrent_step": "kda_kernel", "kda_naive": "kda_kernel",
     "causal_conv1d": "conv", "route": "router", "experts_grouped": "experts", "sparse_mla": "attention",
     "sparse_mla_chunk": "attention",
-    "index_select": "selection", "hc_weights": "hc", "clamped_swiglu": "mlp",
+    "index_select": "selection", "pool_keys": "linear", "hc_weights": "hc", "clamped_swiglu": "mlp",
     "forget_gate": "kda_gate", "mix": "hc",     # tapped methods (`sub_taps.METHODS`)
 }
 

@@ -47,6 +47,20 @@ def _index_select_decode(args, out):
     return _n(q) + _n(w) + pools * _n(pooled[0]) + seq.numel() * _n(table[0]) + _n(seq) + _n(positions) + _n(out)
 
 
+def _pool_keys_write(args, out):
+    """Each completed pool's kpool key and gate rows read, its key row written, the ape read once."""
+    pooled, keys, _kind, _group, gates, ape, table, seq, ends = args[:9]
+    n, kpool = float(seq.numel()), ape.shape[0]
+    key_row = keys.stride(0) * keys.element_size()
+    return (n * kpool * (key_row + _n(gates[0])) + n * _n(pooled[0]) + _n(ape) + n * _n(table[0])
+            + _n(seq) + _n(ends))
+
+
+def _write_rows(args, out):
+    dst, rows, src = args[:3]
+    return _n(rows) + 2.0 * _n(src)
+
+
 def _moe_expert_reads(args):
     chosen = float(torch.unique(args[2]).numel())
     return {3: chosen * _n(args[3][0]), 4: chosen * _n(args[4][0])}
@@ -55,7 +69,8 @@ def _moe_expert_reads(args):
 # op name (as the recorder names an op: without namespace and overload) -> bytes(args, out); an op not
 # named reads all of its inputs and writes its outputs
 NATIVE_BYTES = {"moe_experts": _moe_experts, "kda_decode": _kda_decode, "sparse_mla_decode": _sparse_mla_decode,
-                "index_select_decode": _index_select_decode}
+                "index_select_decode": _index_select_decode, "pool_keys_write": _pool_keys_write,
+                "write_rows": _write_rows}
 # op name -> {position of a weight argument: bytes of it the op reads}, where that is not all of it
 NATIVE_WEIGHT_READS = {"moe_experts": _moe_expert_reads}
 

@@ -174,7 +174,8 @@ class OpRecorder(TorchDispatchMode):
         if compute and self.hash_inputs:
             key = (name, self._arg_key(args), tuple(sorted((k, self._arg_key(v)) for k, v in kwargs.items())))
         out = func(*args, **kwargs)
-        if compute and not isinstance(out, torch.Tensor) and not isinstance(out, (tuple, list)):
+        written = _written_args(func, args)      # an op that writes into its arguments and returns nothing
+        if compute and not isinstance(out, torch.Tensor) and not isinstance(out, (tuple, list)) and not written:
             compute, key = False, None          # returns a scalar / nothing: metadata
         if compute and _aliases_input(out, args):   # a view op not in the list
             compute, key = False, None
@@ -189,7 +190,7 @@ class OpRecorder(TorchDispatchMode):
                        self._weight_reads(name, args, kwargs, out) if compute else ())
         if compute:   # views keep their storage's writer; computing ops (in-place ones too) become it
             derived = bool(weight_in) and all(weight_in)
-            for t in _tensors(out):
+            for t in list(_tensors(out)) + written:
                 self._writer[_storage(t)] = index
                 if derived:
                     self._weights.add(_storage(t))
@@ -253,6 +254,16 @@ def _tensors(x):
     elif isinstance(x, dict):
         for v in x.values():
             yield from _tensors(v)
+
+
+def _written_args(func, args) -> list:
+    """The tensor arguments an op's schema marks as written (`Tensor(a!)`), e.g. a native op storing
+    into a cache in place."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return []
+    return [a for a, spec in zip(args, schema.arguments)
+            if isinstance(a, torch.Tensor) and spec.alias_info is not None and spec.alias_info.is_write]
 
 
 def _aliases_input(out, args) -> bool:
