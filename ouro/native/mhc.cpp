@@ -2,7 +2,7 @@
 // Sinkhorn passes among them) on [T, n, n] tensors: dispatch, not arithmetic, is their cost.
 //   hc_pre:      a token's sum of squares, the (2+n)n-wide projection of its streams, scales and
 //                biases, sigmoid gates, softmax + eps, every Sinkhorn pass on its n x n in L1
-//                (four tokens' matrices side by side), and the pre-weighted stream sum: one call.
+//                (a group's matrices side by side), and the pre-weighted stream sum: one call.
 //   hc_post:     the block's output written back: new stream i = post_i * out + sum_j comb[j,i] s_j.
 //   hc_post_pre: hc_post, then the next hyper-connection's hc_pre on the new streams while they are
 //                in cache (attention's mix with the FFN's weights; a layer's last mix with the next
@@ -27,7 +27,8 @@
 namespace {
 
 constexpr int64_t MAX_N = 16;            // streams; the n x n matrix lives on the stack
-constexpr int64_t GROUP = 4;             // tokens projected together (ouro::dot_2x4)
+constexpr int64_t GROUP = 8;             // tokens projected together: each pass over fn (from L2) serves 8
+constexpr int64_t BLOCK = 4;             // fn rows and tokens of one register tile (ouro::dot_4x4)
 constexpr int64_t CHUNK = 512;           // columns of a projection per pass (4 tokens' chunks: 8 KB)
 constexpr int64_t GRAIN_FMAS = 1 << 19;  // ~20 us of work per thread before a second one is woken
 constexpr int64_t SPLIT_FLOATS = 1 << 14; // one group's projection splits over threads from 64 KB of weights
@@ -96,14 +97,13 @@ void finish(const Hc& h, const float* z, const float* const* rows, int64_t count
             float* cp) {
     const int64_t n = h.n, D = h.D;
     float pre[GROUP][MAX_N], m[MAX_N * MAX_N * GROUP];
-    for (int64_t k = 0; k < GROUP; ++k) {
-        const int64_t t = std::min(k, count - 1);
-        const float* zt = z + t * h.K;
-        const float inv = 1.f / std::sqrt(ouro::sumsq(rows[t], n * D) / static_cast<float>(n * D) + h.norm_eps);
+    for (int64_t k = 0; k < count; ++k) {
+        const float* zt = z + k * h.K;
+        const float inv = 1.f / std::sqrt(ouro::sumsq(rows[k], n * D) / static_cast<float>(n * D) + h.norm_eps);
         const float g0 = inv * h.scale[0], g1 = inv * h.scale[1], g2 = inv * h.scale[2];
         for (int64_t i = 0; i < n; ++i) {
             pre[k][i] = ouro::sigmoid(h.base[i] + zt[i] * g0) + h.hc_eps;
-            if (k < count) pp[(t0 + k) * n + i] = 2.f * ouro::sigmoid(h.base[n + i] + zt[n + i] * g1);
+            pp[(t0 + k) * n + i] = 2.f * ouro::sigmoid(h.base[n + i] + zt[n + i] * g1);
         }
         for (int64_t i = 0; i < n; ++i) {   // softmax of each row of the comb logits, + eps
             float row[MAX_N], top = -INFINITY, s = 0.f;
@@ -115,6 +115,8 @@ void finish(const Hc& h, const float* z, const float* const* rows, int64_t count
             for (int64_t j = 0; j < n; ++j) m[(i * n + j) * GROUP + k] = row[j] / s + h.hc_eps;
         }
     }
+    for (int64_t k = count; k < GROUP; ++k)         // a short group's empty lanes: its last token again
+        for (int64_t e = 0; e < n * n; ++e) m[e * GROUP + k] = m[e * GROUP + count - 1];
     sinkhorn(m, n, h.iters, h.hc_eps);
     for (int64_t k = 0; k < count; ++k) {
         float* comb = cp + (t0 + k) * n * n;
@@ -125,24 +127,26 @@ void finish(const Hc& h, const float* z, const float* const* rows, int64_t count
     }
 }
 
-// the projections z [count, K] of `count` <= GROUP tokens' streams (rows of n*D floats), two rows
-// of fn at a time (an odd K's last row is paired with itself), over CHUNK columns at a time so the
-// tokens' chunks stay in L1 while every row of fn passes (the partial sums add in chunk order)
-// Rows r0 .. r1 of z only (r0 even): each row's sums are the same whichever rows run beside it.
+// the projections z [count, K] of `count` <= GROUP tokens' streams (rows of n*D floats): four rows of
+// fn against four tokens at a time (dot_4x4; a short set of rows or tokens padded with repeats), only
+// the token blocks the group has, over CHUNK columns at a time so the tokens' chunks stay in L1 while
+// every row of fn passes (the partial sums add in chunk order). Rows r0 .. r1 of z only (r0 a multiple
+// of BLOCK): each row's sums are the same whichever rows and tokens run beside it.
 void project(const Hc& h, const float* const* rows, int64_t count, float* z, int64_t r0, int64_t r1) {
     const int64_t nD = h.n * h.D;
     for (int64_t k = 0; k < count; ++k) std::fill(z + k * h.K + r0, z + k * h.K + r1, 0.f);
-    float out[2 * GROUP];
+    float out[BLOCK * BLOCK];
     for (int64_t c = 0; c < nD; c += CHUNK) {
         const int64_t len = std::min(CHUNK, nD - c);
-        const float* b[GROUP];
-        for (int64_t k = 0; k < GROUP; ++k) b[k] = rows[std::min(k, count - 1)] + c;
-        for (int64_t r = r0; r < r1; r += 2) {
-            const float* a[2] = {h.fn + r * nD + c, h.fn + std::min(r + 1, h.K - 1) * nD + c};
-            ouro::dot_2x4(a, b, len, out);
-            for (int64_t k = 0; k < count; ++k) {
-                z[k * h.K + r] += out[k];
-                if (r + 1 < r1) z[k * h.K + r + 1] += out[GROUP + k];
+        for (int64_t r = r0; r < r1; r += BLOCK) {
+            const float* a[BLOCK];
+            for (int64_t j = 0; j < BLOCK; ++j) a[j] = h.fn + std::min(r + j, h.K - 1) * nD + c;
+            for (int64_t k0 = 0; k0 < count; k0 += BLOCK) {
+                const float* b[BLOCK];
+                for (int64_t q = 0; q < BLOCK; ++q) b[q] = rows[std::min(k0 + q, count - 1)] + c;
+                ouro::dot_4x4(a, b, len, out);
+                for (int64_t j = 0; j < BLOCK && r + j < r1; ++j)
+                    for (int64_t q = 0; q < BLOCK && k0 + q < count; ++q) z[(k0 + q) * h.K + r + j] += out[j * BLOCK + q];
             }
         }
     }
@@ -250,8 +254,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> weigh(const Hc& h, at::Tensor& s,
             }
         }
         if (split)
-            at::parallel_for(0, (K + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
-                project(h, rows, count, z, 2 * p0, std::min(K, 2 * p1));
+            at::parallel_for(0, (K + BLOCK - 1) / BLOCK, 1, [&](int64_t p0, int64_t p1) {
+                project(h, rows, count, z, BLOCK * p0, std::min(K, BLOCK * p1));
             });
         else
             project(h, rows, count, z, 0, K);
@@ -260,7 +264,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> weigh(const Hc& h, at::Tensor& s,
     };
     const int64_t scratch_floats = wide ? 0 : GROUP * (n + 1) * D;
     if (groups == 1 && K * n * D >= SPLIT_FLOATS && at::get_num_threads() > 1) {
-        // one group (a decode step of up to 4 tokens): its projection's rows split over the threads.
+        // one group (a decode step of up to GROUP tokens): its projection's rows split over the threads.
         // Its weights come from memory, not cache, where one thread streams ~8 GB/s and two ~13-20
         // (`small`: 196 KB a hyper-connection, 25 us a call on one thread, AVX2 Zen 3)
         std::vector<float> scratch(scratch_floats);

@@ -267,12 +267,19 @@ inline void dot_rx4(const W* const a[R], const float* const b[4], int64_t n, flo
         L::T acc[R * 4];
         for (int k = 0; k < R * 4; ++k) acc[k] = L::zero();
         for (; i + L::W <= n; i += L::W) {
-            L::T va[R];
-            for (int r = 0; r < R; ++r) va[r] = L::load(a[r] + i);
-            for (int k = 0; k < 4; ++k) {
-                const L::T vb = L::load(b[k] + i);
-                for (int r = 0; r < R; ++r) acc[r * 4 + k] = L::fma(va[r], vb, acc[r * 4 + k]);
+            // every row in a register for all its products: left to itself, GCC folds one side's loads
+            // into the FMAs (each row loaded for each product), and the loads, not the FMAs, set the pace
+            L::T va[R], vb[4];
+            for (int r = 0; r < R; ++r) {
+                va[r] = L::load(a[r] + i);
+                asm("" : "+v"(va[r]));
             }
+            for (int k = 0; k < 4; ++k) {
+                vb[k] = L::load(b[k] + i);
+                asm("" : "+v"(vb[k]));
+            }
+            for (int k = 0; k < 4; ++k)
+                for (int r = 0; r < R; ++r) acc[r * 4 + k] = L::fma(va[r], vb[k], acc[r * 4 + k]);
         }
         if (R == 2)
             sum_8(acc, s);
