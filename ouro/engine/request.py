@@ -17,7 +17,7 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)     # one request is one object: compared (`in`, `remove`) by identity, not field by field
 class Request:
     request_id: str
     prompt_ids: list[int]

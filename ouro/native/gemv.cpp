@@ -40,19 +40,32 @@ inline void tile(const float* w, int64_t K, const float* const* x, float* const*
         for (int m = 0; m < MB; ++m) acc[r][m] = Lanes::zero();
     int64_t i = 0;
     for (; i + Lanes::W <= K; i += Lanes::W) {
+        // each row in a register for all its products (`asm`: else GCC may fold one side's loads
+        // into every FMA, and the loads, not the FMAs, set the pace)
         Lanes::T xv[MB];
-        for (int m = 0; m < MB; ++m) xv[m] = Lanes::load(x[m] + i);
+        for (int m = 0; m < MB; ++m) {
+            xv[m] = Lanes::load(x[m] + i);
+            asm("" : "+v"(xv[m]));
+        }
         for (int r = 0; r < R; ++r) {
             _mm_prefetch(reinterpret_cast<const char*>(w + r * K + i + PREFETCH), _MM_HINT_T0);   // never faults
-            const Lanes::T wv = Lanes::load(w + r * K + i);
+            Lanes::T wv = Lanes::load(w + r * K + i);
+            asm("" : "+v"(wv));
             for (int m = 0; m < MB; ++m) acc[r][m] = Lanes::fma(wv, xv[m], acc[r][m]);
         }
     }
+    float s[R * MB];
+    if constexpr (R * MB == 16)           // the registers reduced together, each as Lanes::sum would
+        ouro::sum_16(&acc[0][0], s);
+    else if constexpr (R * MB == 8)
+        ouro::sum_8(&acc[0][0], s);
+    else
+        for (int k = 0; k < R * MB; ++k) s[k] = Lanes::sum(acc[k / MB][k % MB]);
     for (int r = 0; r < R; ++r)
         for (int m = 0; m < MB; ++m) {
-            float s = Lanes::sum(acc[r][m]);
-            for (int64_t j = i; j < K; ++j) s = std::fma(w[r * K + j], x[m][j], s);
-            y[m][n + r] = s;
+            float v = s[r * MB + m];
+            for (int64_t j = i; j < K; ++j) v = std::fma(w[r * K + j], x[m][j], v);
+            y[m][n + r] = v;
         }
 }
 
@@ -60,7 +73,8 @@ inline void tile(const float* w, int64_t K, const float* const* x, float* const*
 // (R * MB <= 8 accumulators), a short last block one channel at a time
 template <int MB>
 void block_lanes(const float* w, int64_t K, const float* const* x, float* const* y, int64_t n0, int64_t n1) {
-    constexpr int R = MB == 1 ? 8 : MB == 2 ? 4 : 2;
+    // R * MB accumulators: 8, or 16 at four rows where 32 registers hold them (AVX-512)
+    constexpr int R = MB == 1 ? 8 : MB == 2 ? 4 : MB == 4 && Lanes::W == 16 ? 4 : 2;
     int64_t n = n0;
     if (n1 - n0 == BLOCK)
         for (; n < n1; n += R) tile<R, MB>(w + n * K, K, x, y, n);
