@@ -72,6 +72,8 @@ struct Conv {
     }
 };
 
+constexpr int64_t PREFETCH_TOKENS = 2;     // how far ahead a sequence's next rows are fetched
+
 // the rows [W][n] of a channel-major window [n][W] (or weights [n][K])
 void window_to_rows(const float* win, int64_t n, int64_t W, float* rows) {
     for (int64_t j = 0; j < n; ++j)
@@ -158,6 +160,15 @@ at::Tensor kda_sequences(const at::Tensor& mixed, const at::Tensor& f, const at:
               conv[p] = Conv{hist.data() + p * W * dk, wt.data() + c0, dk, W, C3};
           }
           for (int64_t t = t0; t < t1; ++t) {
+            // a later token's rows of this head, fetched ahead: a task walks its tokens at the rows'
+            // stride (kilobytes apart, six streams), where the hardware's prefetch fell behind
+            if (t + PREFETCH_TOKENS < t1) {
+                const int64_t a = t + PREFETCH_TOKENS;
+                for (int p = 0; p < 3; ++p) ouro::prefetch(xp + a * xs + p * C + h * dk, dk * 4);
+                ouro::prefetch(fp + a * fs + h * dk, dk * 4);
+                ouro::prefetch(gp + a * gs + h * dv, dv * 4);
+                ouro::prefetch(bp + a * bs + h, 4);
+            }
             // conv step of this head's q, k and v channels, then SiLU
             float* parts[3] = {q, k, v};
             for (int p = 0; p < 3; ++p) {
