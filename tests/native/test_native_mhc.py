@@ -80,7 +80,8 @@ def check(got, ref32, ref64, tol=1e-6):
         assert rel_rms(g, r64) <= 2 * rel_rms(r32, r64) + 5e-7, (rel_rms(g, r64), rel_rms(r32, r64))
 
 
-SHAPES = [(n, D, T, iters) for n in (1, 2, 4) for D in (7, 64, 96) for T in (1, 3, 16, 64) for iters in (1, 2, 20)]
+# T: one token, a short group, a full group of 8 and a short one after it (11), several groups
+SHAPES = [(n, D, T, iters) for n in (1, 2, 4) for D in (7, 64, 96) for T in (1, 3, 11, 16, 64) for iters in (1, 2, 20)]
 
 
 @pytest.mark.parametrize("n,D,T,iters", SHAPES)
@@ -142,9 +143,9 @@ def test_a_token_alone_equals_it_in_a_batch(path, batch, n, D):
             assert torch.equal(w[t:t + 1], one)
 
 
-@pytest.mark.parametrize("T", [1, 2, 4])
+@pytest.mark.parametrize("T", [1, 2, 4, 7, 8])
 def test_a_few_tokens_split_over_threads_equal_one_thread_and_a_batch(path, T):
-    """Up to 4 tokens with a projection of 64 KB or more (`small`'s 196 KB) split its rows over the
+    """Up to 8 tokens (one group) with a projection of 64 KB or more (`small`'s 196 KB) split its rows over the
     threads (`SPLIT_FLOATS`): bit-identical to one thread and to the same tokens in a batch of 16,
     for the weights alone and after a mix; within eager's tolerance."""
     n, D = 4, 512
