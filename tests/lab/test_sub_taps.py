@@ -65,3 +65,21 @@ def test_fault_found_at_its_sub_computation(runs, name):
     s = score(found, fault.localised, {3})
     assert s["detected"] and s["localised"], s["top"]
     assert f"first divergence at {NAMED[name]} " in s["top"]["summary"], s["top"]["summary"]
+
+
+def test_pool_keys_stand_on_their_last_tokens_rows_and_a_neighbours_pools_are_left_out():
+    """`pools_by_token`: each pool's key on the row of its last token; a pool a context-parallel rank
+    computes for a neighbour (its last token not among this rank's rows) is not written anywhere
+    (it once landed on row 0: cp=1 against cp=2 diverged there in a clean run)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from ouro.lab.numerics.sub_taps import pools_by_token
+    ctx = SimpleNamespace(seq_index=torch.tensor([0, 0, 0, 0, 1, 1]), positions=torch.tensor([4, 5, 6, 7, 2, 3]))
+    seqs, ends = torch.tensor([0, 1, 0]), torch.tensor([7, 3, 11])      # the third ends on another rank
+    pooled = torch.arange(1.0, 7.0).view(3, 2)
+    out = pools_by_token(seqs, ends, pooled, ctx)
+    want = torch.zeros(6, 2)
+    want[3], want[5] = pooled[0], pooled[1]
+    assert torch.equal(out, want)

@@ -145,10 +145,13 @@ def expanded_latent(latent, w_uk, w_uv, ctx=None):
 def pools_by_token(seqs, ends, pooled, ctx):
     """The keys [n, d] of the pools this batch completes (pool i: sequence seqs[i], its last token at
     position ends[i]) as rows of the batch's tokens [T, d]: each on its last token's row, zeros on the
-    others (every run puts the same pool on the same row)."""
+    others (every run puts the same pool on the same row; a pool whose last token is not among the
+    batch's rows, one a context-parallel rank computes for its neighbours, is left out)."""
     match = (ctx.seq_index[None, :] == seqs[:, None]) & (ctx.positions[None, :] == ends[:, None])
     out = pooled.new_zeros(ctx.positions.shape[0], pooled.shape[-1])
-    out[match.float().argmax(1)] = pooled
+    # a context-parallel rank computes every pool of the batch, some ending in other ranks' rows
+    mine = match.any(1)
+    out[match.float().argmax(1)[mine]] = pooled[mine]
     return out
 
 
