@@ -212,3 +212,15 @@ def test_builds_side_by_side_leave_each_built_and_a_failing_one_to_its_caller(tm
     assert all(is_built(*b) for b in good) and not is_built("bad", bad)
     built, why = compile_native("bad", bad, python_module=False)
     assert built is None and "undefined_name" in why
+
+
+def test_extra_build_flags_are_part_of_the_build_key(tmp_path, monkeypatch):
+    """`OURO_NATIVE_CFLAGS` (e.g. -mno-avx512f for the AVX2 paths) builds apart from the default:
+    a build keyed without its flags would load the other path's library."""
+    from ouro.native import build
+    src = tmp_path / "k.cpp"
+    src.write_text("int f() { return 1; }\n")
+    monkeypatch.delenv(build.EXTRA_CFLAGS_ENV, raising=False)
+    plain = build.build_key([src])
+    monkeypatch.setenv(build.EXTRA_CFLAGS_ENV, "-mno-avx512f")
+    assert build.cflags()[-1] == "-mno-avx512f" and build.build_key([src]) != plain
