@@ -42,8 +42,8 @@ def index_select_decode(q, weights, pooled, page_table, seq, positions, page_siz
                                            kpool, scale, width)
 
 
-def pool_keys_write(pooled, keys, kind: str, group: int, gates, ape, page_table, seq, ends, complete=None,
-                    page_size: int = 16, scratch_row: int = -1) -> None:
+def pool_keys_write(pooled, keys, kind: str, group: int, gates, ape, page_table, seq, ends, complete, page_size: int,
+                    scratch_row: int = -1) -> None:
     """`ops.dsa.pool_keys` of the pools ending at `ends` [n] of sequences `seq` [n], written in place to
     their rows of `pooled` [pool rows, d] (float32). keys/kind from `cache_storage` (quantised rows in
     groups of `group`), gates the cache's gate rows [rows, d], ape [kpool, d]. With `complete` [n] (a
