@@ -81,7 +81,7 @@ def check(got, ref32, ref64, tol=1e-6):
 
 
 # T: one token, a short group, a full group of 8 and a short one after it (11), several groups
-SHAPES = [(n, D, T, iters) for n in (1, 2, 4) for D in (7, 64, 96) for T in (1, 3, 11, 16, 64) for iters in (1, 2, 20)]
+SHAPES = [(n, D, T, iters) for n in (1, 2, 3, 4) for D in (7, 64, 96) for T in (1, 3, 11, 16, 64) for iters in (1, 2, 20)]
 
 
 @pytest.mark.parametrize("n,D,T,iters", SHAPES)
