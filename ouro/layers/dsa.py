@@ -52,11 +52,11 @@ class Indexer(nn.Module):
         seqs, ends, complete = found
         ci = self.cache_index
         pooled_rows, gate_rows = ctx.cache.index_pooled[ci].view(-1, self.d), ctx.cache.index_gates[ci].view(-1, self.d)
-        keys = mla.cache_storage(ctx.cache.key_rows(ci))
-        if keys is not None and mla.can(gate_rows, pooled_rows, self.index_kpool_compress_ape):
+        key_storage = mla.cache_storage(ctx.cache.key_rows(ci))
+        if key_storage is not None and mla.can(gate_rows, pooled_rows, self.index_kpool_compress_ape):
             # one op: each pool's tokens read in place, its key written (the eager path below: its reference)
             scratch = ctx.scratch_pool_row(self.kpool) if complete is not None else -1
-            mla.pool_keys_write(pooled_rows, *keys, GROUP, gate_rows, self.index_kpool_compress_ape, ctx.page_table,
+            mla.pool_keys_write(pooled_rows, *key_storage, GROUP, gate_rows, self.index_kpool_compress_ape, ctx.page_table,
                                 seqs, ends, complete, ctx.cache.page_size, scratch)
             return
         tok = (ends + 1 - self.kpool)[:, None] + torch.arange(self.kpool, device=ends.device)

@@ -114,6 +114,8 @@ struct Pages {
     int64_t row(const int64_t* seq_pages, int64_t tok) const {
         return seq_pages[tok / page_size] * page_size + tok % page_size;
     }
+    // the pool-key row of the pool starting at token `first` (a multiple of kpool, which divides page_size)
+    int64_t pool_row(const int64_t* seq_pages, int64_t first, int64_t kpool) const { return row(seq_pages, first) / kpool; }
 };
 
 Pages pages_of(const at::Tensor& table, int64_t page_size) {
@@ -292,7 +294,7 @@ at::Tensor index_select_decode(const at::Tensor& q_in, const at::Tensor& w_in, c
     const float *qp = q.data_ptr<float>(), *wp = w.data_ptr<float>(), *kp = pooled.data_ptr<float>();
     const int64_t *sp = seq.data_ptr<int64_t>(), *pp = positions.data_ptr<int64_t>();
     int64_t* op = out.data_ptr<int64_t>();
-    const int64_t ks = pooled.stride(0), per_page = page_size / kpool;
+    const int64_t ks = pooled.stride(0);
     const float sc = static_cast<float>(scale);
     int64_t most = 0;
     for (int64_t i = 0; i < n; ++i) most = std::max(most, (pp[i] + 1) / kpool);
@@ -316,7 +318,7 @@ at::Tensor index_select_decode(const at::Tensor& q_in, const at::Tensor& w_in, c
                     for (int k = 0; k < 4; ++k) {
                         const int64_t p = std::min(p0 + k, n_vis - 1);
                         const int64_t t = p * kpool;       // the pool's first token
-                        b[k] = kp + (seq_pages[t / page_size] * per_page + (t % page_size) / kpool) * ks;
+                        b[k] = kp + pages.pool_row(seq_pages, t, kpool) * ks;
                     }
                     float acc[4] = {0.f, 0.f, 0.f, 0.f};
                     for (int64_t h = 0; h < Hi; h += 4) {            // short groups padded with the last head
@@ -386,7 +388,7 @@ void pool_keys_write(at::Tensor pooled, const at::Tensor& keys, const std::strin
     }
     const float* ap = ape.data_ptr<float>();
     float* out = pooled.data_ptr<float>();
-    const int64_t per_page = page_size / kpool, ostride = pooled.stride(0);
+    const int64_t ostride = pooled.stride(0);
     at::parallel_for(0, n, grain(kpool * d * 8), [&](int64_t i0, int64_t i1) {
         std::vector<float> x(kpool * d), kb(kpool * d), gb(d), m(d), sum(d);
         std::vector<const float*> k(kpool);
@@ -414,7 +416,7 @@ void pool_keys_write(at::Tensor pooled, const at::Tensor& keys, const std::strin
                 for (int64_t c = 0; c < d; ++c) sum[c] += x[j * d + c];
             const int64_t dest = complete != nullptr && !complete[i]
                                      ? scratch_row
-                                     : seq_pages[t0 / page_size] * per_page + (t0 % page_size) / kpool;
+                                     : pages.pool_row(seq_pages, t0, kpool);
             float* o = out + dest * ostride;
             for (int64_t c = 0; c < d; ++c) o[c] = x[c] / sum[c] * k[0][c];
             for (int64_t j = 1; j < kpool; ++j)

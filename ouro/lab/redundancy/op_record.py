@@ -174,9 +174,11 @@ class OpRecorder(TorchDispatchMode):
         if compute and self.hash_inputs:
             key = (name, self._arg_key(args), tuple(sorted((k, self._arg_key(v)) for k, v in kwargs.items())))
         out = func(*args, **kwargs)
-        written = _written_args(func, args)      # an op that writes into its arguments and returns nothing
-        if compute and not isinstance(out, torch.Tensor) and not isinstance(out, (tuple, list)) and not written:
-            compute, key = False, None          # returns a scalar / nothing: metadata
+        written = []
+        if compute and not isinstance(out, torch.Tensor) and not isinstance(out, (tuple, list)):
+            written = _written_args(func, args)      # an op that writes into its arguments and returns nothing
+            if not written:
+                compute, key = False, None          # returns a scalar / nothing: metadata
         if compute and _aliases_input(out, args):   # a view op not in the list
             compute, key = False, None
         flops, mm_flops = _flops(func, name, args, kwargs, out) if compute else (0.0, 0.0)
