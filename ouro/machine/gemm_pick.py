@@ -38,9 +38,10 @@ GAIN = 1.15
 ROWS = (1, 4, 16, 64, 512)
 GEMV_ROWS = native_gemv.MAX_ROWS     # the gemv form is offered (and timed) only up to this many rows
 FILE = "gemm_pick.json"
-FORMAT = 7          # bumped when the forms, rows or timing change: older cache entries are measured again
-                    # (7: kept only when timed on a quiet machine, `load.keep`)
+FORMAT = 8          # bumped when the forms, rows or timing change: older cache entries are measured again
+                    # (7: kept only when timed on a quiet machine, `load.keep`; 8: up to 512 copies)
 ROUNDS = 2          # interleaved rounds of timing per choice
+NATIVE_FORMS = {"gemv": "gemv", "packed": "onednn"}     # form -> the native family that runs it
 
 
 def _count_packed_flops():
@@ -190,9 +191,11 @@ def product(x, weight, form: str, packed=None):
 # timed over distinct copies of the weight adding up to this many bytes: more than a CPU's last-level
 # cache, as in a real step (a model's weights stream from memory). With one hot copy, F.linear's
 # one-row product read a 1 MB weight from cache in 24 us against packed's 103 us; over 64 copies it
-# took 128 us against 80.
+# took 128 us against 80. Small weights need many copies: with 64, a [136, 512] weight's copies (18 MB)
+# stayed in a Zen 4's L3, where F.linear's one thread read them in 10 us against gemv's 7; over 512
+# copies, as cold as in a step, 29 us against 15 (and the compiled batch-1 step ran 2.6% faster).
 STREAM_BYTES = 64 << 20
-MAX_COPIES = 64
+MAX_COPIES = 512
 
 
 def stream_copies(weight) -> int:
@@ -270,7 +273,12 @@ def pick_forms(weight, timer=None, label: str = "") -> list[str]:
         if pinned not in FORMS:
             raise ValueError(f"OURO_GEMM_PICK must be one of {', '.join(FORMS)}, got {pinned!r}")
         return [pinned if pinned in forms and offers(pinned, r) else "linear" for r in ROWS]
-    key = f"{machine_key(str(weight.device))}|{label}{tuple(weight.shape)}|{weight.dtype}"
+    # keyed by the native forms' builds too: a pick timed on another build of gemv or the packed op
+    # is timed again (the stale picks of an older, slower gemv kept F.linear for [320, 512] at one
+    # row, 62 us against the new gemv's 17; the compiled batch-1 step ran 6.6% slower for it)
+    builds = ",".join(f"{family} {native_kernels.build_id(family)}" for form, family in NATIVE_FORMS.items()
+                      if form in forms)
+    key = f"{machine_key(str(weight.device))}|{label}{tuple(weight.shape)}|{weight.dtype}|{builds}"
     with one_at_a_time(FILE):
         hit = machine_cache.read(FILE).get(key, {})
         if hit.get("format") == FORMAT and hit.get("rows") == list(ROWS) and len(hit.get("forms", [])) == len(ROWS) \

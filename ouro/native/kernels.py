@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from ..machine_cache import switched_off
-from .build import build_side_by_side, compile_native
+from .build import build_key, build_side_by_side, compile_native
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +79,12 @@ def ops(family: str):
         raise RuntimeError(f"ouro's fused {family} kernels are not available here ({_LOADED[family]}); "
                            "check `usable(...)` first and take the eager path")
     return torch.ops.ouro_native
+
+
+def build_id(family: str) -> str:
+    """`family`'s build key (its sources and headers, the CPU's flags, torch, the flags): a choice
+    timed on another build of a kernel is timed again (`machine.gemm_pick` keys its picks by it)."""
+    return build_key([HERE / f"{family}.cpp", *HEADERS])
 
 
 def why_not(family: str) -> str | None:

@@ -204,6 +204,30 @@ def test_measured_once_per_shape_and_pinned(monkeypatch, tmp_path):
         gemm_pick.pick_forms(w)
 
 
+def test_a_pick_is_timed_again_when_a_native_form_is_rebuilt(monkeypatch, tmp_path):
+    """Picks are keyed by the builds of the native forms they timed (gemv, the packed op): a pick
+    kept from an older, slower gemv chose F.linear for [320, 512] at one row at a quarter of gemv's
+    speed, and nothing timed it again."""
+    monkeypatch.delenv("OURO_GEMM_PICK", raising=False)
+    monkeypatch.setenv("OURO_CACHE", str(tmp_path))
+    monkeypatch.setenv("OURO_BUSY_LIMIT", "1")
+    monkeypatch.setattr(gemm_pick, "packable", lambda w: True)
+    monkeypatch.setattr(gemm_pick, "gemv_runs", lambda w: True)
+    builds = {"gemv": "old", "onednn": "same"}
+    monkeypatch.setattr(gemm_pick.native_kernels, "build_id", lambda family: builds[family])
+    speed = {"linear": 1.0, "transposed": 2.0, "packed": 2.0, "gemv": 2.0}
+    monkeypatch.setattr(gemm_pick, "time_form", lambda form, weight, rows, budget_s=0.03: speed[form])
+    w = torch.zeros(64, 8)
+    assert gemm_pick.pick_forms(w)[0] == "linear"
+    speed["gemv"] = 0.1                                # the same build: the cached pick stands
+    assert gemm_pick.pick_forms(w)[0] == "linear"
+    builds["gemv"] = "new"                             # rebuilt: timed again
+    assert gemm_pick.pick_forms(w)[0] == "gemv"
+    speed["packed"] = 0.01
+    builds["onednn"] = "other"                         # the packed op rebuilt
+    assert gemm_pick.pick_forms(w)[0] == "packed"
+
+
 def test_merged_projections_are_picked_with_the_model_not_in_its_first_forward(monkeypatch, tmp_path):
     """A layer's projections merged on first use (`MERGED`: q/k/v, KDA's f_a/g_a/b, MLA's q_a with kv_a,
     gate/up) have their merged shape picked by `apply_to`, with every other: the first forward times
@@ -255,7 +279,11 @@ def test_engine_takes_the_measured_forms_on_every_projection(monkeypatch, tmp_pa
 
 def test_timing_streams_more_than_a_cache_of_weights():
     # one hot copy would time a cache read, not the stream from memory a model step does
-    assert gemm_pick.stream_copies(torch.zeros(512, 512)) == gemm_pick.MAX_COPIES
+    assert gemm_pick.stream_copies(torch.zeros(512, 512)) * 512 * 512 * 4 == gemm_pick.STREAM_BYTES
+    # a small weight's copies must outgrow a last-level cache too (32 MB on a Zen 4 chiplet): with 64
+    # copies a [136, 512] weight's stayed in it and F.linear's one thread won at one row, not gemv
+    small = torch.zeros(136, 512)
+    assert gemm_pick.stream_copies(small) * small.numel() * 4 > 32 << 20
     assert gemm_pick.stream_copies(torch.zeros(32000, 512)) == 1
     mid = torch.zeros(2048, 2048)                      # 16 MiB: four copies make 64 MiB
     assert gemm_pick.stream_copies(mid) * mid.numel() * 4 >= gemm_pick.STREAM_BYTES
