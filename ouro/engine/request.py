@@ -106,7 +106,8 @@ def token_id_list(ids) -> list[int]:
     """A list (or tuple) of integer token ids, taken as is: no coercion of strings or floats."""
     if not isinstance(ids, (list, tuple)):
         raise ValueError(f"prompt_token_ids must be a list of integers, got {type(ids).__name__}")
-    bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
+    # `type(t) is int` first: the abstract-class check alone took ~1.2 us a token (10 ms for 16 x 512)
+    bad = [t for t in ids if type(t) is not int and (isinstance(t, bool) or not isinstance(t, numbers.Integral))]
     if bad:
         raise ValueError(f"prompt_token_ids must be integers; got {bad[0]!r} ({type(bad[0]).__name__})")
     return [int(t) for t in ids]

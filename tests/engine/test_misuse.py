@@ -200,7 +200,8 @@ def test_n_with_seed_gives_distinct_reproducible_samples(llm):
 
 
 @pytest.mark.parametrize("prompt", [{"prompt_token_ids": "567"}, {"prompt_token_ids": [5.0, 6]},
-                                    {"prompt_token_ids": None}, {"prompt_token_ids": [True, 3]}, None, 5, 3.5,
+                                    {"prompt_token_ids": None}, {"prompt_token_ids": [True, 3]}, {"prompt_token_ids": [3, False]},
+                                    None, 5, 3.5,
                                     {"prompt_token_ids": 7}, {"tokens": [1]}, [1, "2"]])
 def test_prompt_token_ids_are_not_coerced(llm, prompt):
     with pytest.raises(ValueError, match="prompt"):

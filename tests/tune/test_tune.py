@@ -7,6 +7,7 @@ candidate is journaled and a rerun resumes from the journal without running anyt
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -298,3 +299,32 @@ def test_the_prefill_breakdown_splits_an_engine_prefill_by_part():
     assert sum(r["ms"] for r in b["rows"]) == pytest.approx(b["hooked_step_ms"], rel=1e-6)
     text = format_breakdown(b)
     assert text.startswith("prefill of 2 x 20 tokens (2 engine steps)") and "over target" in text
+
+
+def test_the_breakdown_charges_the_engine_apart_from_the_models_glue(monkeypatch):
+    """The engine's work outside the model's forward (here a scheduler slowed by 30 ms a step) is
+    its own row, with no floor; the model's forward outside its timed modules (the streams' copy)
+    is another, with the streams' bytes as its floor. One row held both."""
+    from ouro.config import EngineConfig
+    from ouro.engine.llm_engine import LLMEngine
+    from ouro.engine.sampling import SamplingParams
+    from ouro.measure.roofline import Roofline
+    from ouro.measure.step_breakdown import ENGINE, GLUE, format_breakdown, prefill_breakdown
+    from ouro.models.loader import load_model
+    eng = LLMEngine(load_model(resolve_model("tiny")), None,
+                    EngineConfig(max_memory=32 << 20, page_size=16, max_num_seqs=3, max_num_batched_tokens=32),
+                    verbose=False)
+    schedule = eng.scheduler.schedule
+
+    def slow(*a, **k):
+        time.sleep(0.03)
+        return schedule(*a, **k)
+    monkeypatch.setattr(eng.scheduler, "schedule", slow)
+    sets = [[[s + 3 + i for i in range(20)], [s + 5 + i for i in range(20)]] for s in range(4)]
+    b = prefill_breakdown(eng, sets, Roofline(flops_per_s=1e10, bytes_per_s=1e10),
+                          SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    rows = {r["part"]: r for r in b["rows"]}
+    assert b["steps"] == 2
+    assert rows[ENGINE]["ms"] >= 2 * 30 and rows[ENGINE]["floor_ms"] == 0
+    assert 0 < rows[GLUE]["ms"] < 30 and rows[GLUE]["floor_ms"] > 0
+    assert "no floor (the engine's own work)" in format_breakdown(b)
