@@ -22,7 +22,17 @@ PAD_ROWS = 32
 # beyond that while the padding at most doubles the work (E * busiest <= PAD_WASTE * T * k). Measured on `small`, 7 layers, 2 threads:
 # 41 / 54 / 87 / 527 ms against 53 / 94 / 148 / 552 ms for the previous choice at T = 16 / 64 /
 # 256 / 2048 (pad to T for T <= 32, else one matmul per expert).
+# That was float32 (MKL: a product per expert pays a fixed cost that padding saves). bfloat16 products
+# run oneDNN's kernels, whose batched matmul is ~1.13x its per-expert loop, so padding pays only while
+# it adds little: a 16 x 512 bfloat16 prefill of `small` (Zen 4, 2 threads, real routing padding the
+# busiest expert 1.4-1.8x the mean) took 2,144 ms at 1.15 against 2,344 at 2.0, alternating runs.
 PAD_WASTE = 2.0
+PAD_WASTE_16BIT = 1.15
+
+
+def pad_waste(dtype) -> float:
+    """How much padding the batched matmul may add (E * busiest <= this * T * k) for `dtype`."""
+    return PAD_WASTE if dtype in (torch.float32, torch.float64) else PAD_WASTE_16BIT
 
 
 def experts_grouped(x, weights, experts, gate_up, down, limit: float):
@@ -33,8 +43,8 @@ def experts_grouped(x, weights, experts, gate_up, down, limit: float):
     device-to-host read. Otherwise every expert's tokens are padded to a common row count and all
     experts run as one batched matmul (one pass over the weights, no per-expert Python):
     - on a CPU (`reads_host`) the count is the busiest expert's, up to PAD_ROWS tokens always and
-      beyond while that at most doubles the work; past that (prefill with routing piled onto a
-      few experts) one matmul per active expert;
+      beyond while that at most doubles the work (float32; `pad_waste`: 1.15x for 16-bit); past
+      that (prefill with routing piled onto a few experts) one matmul per active expert;
     - where the step must stay capturable (an accelerator, a compiled graph) the count is T, a
       bound known on the host (a token picks an expert at most once), while the padded matmul
       stays memory-bound (T <= PAD_ROWS) or the padding is at most 4x (T*k <= 4E, E <= 4k);
@@ -49,7 +59,7 @@ def experts_grouped(x, weights, experts, gate_up, down, limit: float):
     rows = None
     if reads_host(counts):
         busiest = int(counts.max())
-        rows = busiest if T <= PAD_ROWS or E * busiest <= PAD_WASTE * T * k else None
+        rows = busiest if T <= PAD_ROWS or E * busiest <= pad_waste(x.dtype) * T * k else None
     elif T <= PAD_ROWS or (T * k <= 4 * E and E <= 4 * k):   # an expert holds at most T rows: pad to T
         rows = T
     if rows is not None:
