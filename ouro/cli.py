@@ -12,9 +12,18 @@ import sys
 # ouro.cli` has imported torch, through the ouro package, before this line runs). Where ouro set it
 # rather than the user, OURO_SET_OMP_WAIT_POLICY says so: `bench --baseline` runs both sides as a
 # user's own `ouro bench` would run (PASSIVE made both 1.6-1.8x slower there).
+# A thread still spins briefly before it sleeps (GOMP_SPINCOUNT, ~50 us here): with no spin at all
+# every parallel region of a step woke a sleeping thread, and `ouro serve`'s engine process ran a
+# compiled batch-1 step in 12.0 ms against 8.2 with the spin (its batch-8 inter-token latency 27.3
+# against 24.2 ms); the spin costs a sleeping process ~50 us of CPU per idle gap, not the ~5 ms of
+# libgomp's default spin.
+SPIN_COUNT = "1000"
 if "OMP_WAIT_POLICY" not in os.environ:
     os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
     os.environ["OURO_SET_OMP_WAIT_POLICY"] = "1"
+    if "GOMP_SPINCOUNT" not in os.environ:
+        os.environ["GOMP_SPINCOUNT"] = SPIN_COUNT
+        os.environ["OURO_SET_GOMP_SPINCOUNT"] = "1"
 
 from .config.flags import (MAX_MEMORY_HELP, add_compile_flag, add_determinism_flag, add_kv_cache_flags,  # noqa: E402
                            add_media_flags, add_parallel_flags, add_quantization_flag, add_speculative_flags)

@@ -53,8 +53,9 @@ def side_env(tree: Path, own_cache: str | None = None) -> dict:
     the user had it (not the PASSIVE the CLI sets for the processes it starts); for the baseline,
     its own choice cache and none of this tree's pins."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
-    if env.pop("OURO_SET_OMP_WAIT_POLICY", None):
-        env.pop("OMP_WAIT_POLICY", None)
+    for marker, name in (("OURO_SET_OMP_WAIT_POLICY", "OMP_WAIT_POLICY"), ("OURO_SET_GOMP_SPINCOUNT", "GOMP_SPINCOUNT")):
+        if env.pop(marker, None):
+            env.pop(name, None)
     if own_cache is not None:
         env["OURO_CACHE"] = own_cache
         env.pop("OURO_GEMM_PICK", None)
