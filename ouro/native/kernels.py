@@ -83,8 +83,10 @@ def ops(family: str):
 
 def build_id(family: str) -> str:
     """`family`'s build key (its sources and headers, the CPU's flags, torch, the flags): a choice
-    timed on another build of a kernel is timed again (`machine.gemm_pick` keys its picks by it)."""
-    return build_key([HERE / f"{family}.cpp", *HEADERS])
+    timed on another build of a kernel is timed again (`machine.gemm_pick` keys its picks by it);
+    'no source' where the sources are not there (then nothing of the family is built either)."""
+    files = [HERE / f"{family}.cpp", *HEADERS]
+    return build_key(files) if all(f.is_file() for f in files) else "no source"
 
 
 def why_not(family: str) -> str | None:

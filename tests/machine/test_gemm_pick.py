@@ -213,6 +213,8 @@ def test_a_pick_is_timed_again_when_a_native_form_is_rebuilt(monkeypatch, tmp_pa
     monkeypatch.setenv("OURO_BUSY_LIMIT", "1")
     monkeypatch.setattr(gemm_pick, "packable", lambda w: True)
     monkeypatch.setattr(gemm_pick, "gemv_runs", lambda w: True)
+    real = gemm_pick.native_kernels.build_id
+    assert real("gemv") != real("onednn") and real("gemv") == real("gemv") and real("no_such_family") == "no source"
     builds = {"gemv": "old", "onednn": "same"}
     monkeypatch.setattr(gemm_pick.native_kernels, "build_id", lambda family: builds[family])
     speed = {"linear": 1.0, "transposed": 2.0, "packed": 2.0, "gemv": 2.0}
