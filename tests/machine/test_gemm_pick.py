@@ -286,6 +286,8 @@ def test_timing_streams_more_than_a_cache_of_weights():
     # copies a [136, 512] weight's stayed in it and F.linear's one thread won at one row, not gemv
     small = torch.zeros(136, 512)
     assert gemm_pick.stream_copies(small) * small.numel() * 4 > 32 << 20
+    # past a few rows the product is compute-bound: fewer copies, a shorter first start
+    assert gemm_pick.stream_copies(small, rows=64) == gemm_pick.COMPUTE_BOUND_COPIES < gemm_pick.stream_copies(small)
     assert gemm_pick.stream_copies(torch.zeros(32000, 512)) == 1
     mid = torch.zeros(2048, 2048)                      # 16 MiB: four copies make 64 MiB
     assert gemm_pick.stream_copies(mid) * mid.numel() * 4 >= gemm_pick.STREAM_BYTES
