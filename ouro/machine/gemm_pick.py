@@ -270,7 +270,30 @@ def available_forms(weight) -> tuple[str, ...]:
                                                         form_runs(f, weight.dtype, str(weight.device)) is None))
 
 
-def pick_forms(weight, timer=None, label: str = "") -> list[str]:
+class MeasureBar:
+    """A progress bar over the shapes `apply_to` times, shown from the first shape that is not in
+    the cache (a first start on a machine times every shape: a minute or more for `small`)."""
+
+    def __init__(self, show: bool = True):
+        self.show, self.bar = show, None
+
+    def start(self, name: str) -> None:
+        if self.show and self.bar is None:
+            from tqdm import tqdm
+            self.bar = tqdm(desc="timing each product's forms on this machine (once)", unit=" shapes", leave=False)
+        if self.bar is not None:
+            self.bar.set_postfix_str(name)
+
+    def done(self) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def pick_forms(weight, timer=None, label: str = "", bar: MeasureBar | None = None) -> list[str]:
     """One form per row count in ROWS, measured once per machine and weight shape. `timer(form,
     rows)`: seconds of a whole module's forward in that form, for modules whose choice is more
     than one product (`label` keeps their cache entries apart); default: `time_form`."""
@@ -292,6 +315,8 @@ def pick_forms(weight, timer=None, label: str = "") -> list[str]:
         if hit.get("format") == FORMAT and hit.get("rows") == list(ROWS) and len(hit.get("forms", [])) == len(ROWS) \
                 and set(hit["forms"]) <= set(forms) and settled(hit):
             return hit["forms"]
+        if bar is not None:
+            bar.start(f"{label}{tuple(weight.shape)} {str(weight.dtype).removeprefix('torch.')}")
         timer = timer or (lambda f, r: time_form(f, weight, r))
         # rounds of every form at every row count, interleaved, best kept: a burst of load on a shared
         # machine then slows one round of all forms, not one form (measured all of one form first, the
@@ -307,15 +332,27 @@ def pick_forms(weight, timer=None, label: str = "") -> list[str]:
         entry = {"forms": choose(times),
                  "ms": {f: [None if math.isinf(t) else round(1e3 * t, 3) for t in v] for f, v in times.items()},
                  "rows": list(ROWS), "format": FORMAT}
-        return keep(FILE, key, entry, others)["forms"]
+        kept = keep(FILE, key, entry, others)["forms"]
+        if bar is not None:
+            bar.done()
+        return kept
 
 
-def apply_to(model) -> None:
+def apply_to(model, progress: bool = True) -> None:
     """Set the measured forms on every module of `model` that takes them (a `forms` attribute:
     `ouro.layers.linear.Linear`, and the routed experts, which time their own forward in each form
     (`time_form(form, rows)`) and key the result by the weight `pick_weight()` names): one
     measurement per module kind and weight shape. Modules that will run the packed
-    form get their packed copies now (`packed_weights()`), not inside the first request."""
+    form get their packed copies now (`packed_weights()`), not inside the first request. `progress`:
+    a bar while shapes not in the cache are timed."""
+    bar = MeasureBar(progress)
+    try:
+        _apply(model, bar)
+    finally:
+        bar.close()
+
+
+def _apply(model, bar: MeasureBar) -> None:
     chosen = {}
     for m in model.modules():
         if not hasattr(m, "forms") or getattr(m, "bias", None) is not None:
@@ -325,7 +362,7 @@ def apply_to(model) -> None:
         label = type(m).__name__ if timer else ""
         key = (label, tuple(weight.shape), weight.dtype, str(weight.device))
         if key not in chosen:
-            chosen[key] = pick_forms(weight, timer, label)
+            chosen[key] = pick_forms(weight, timer, label, bar)
         m.forms = chosen[key]
         if "packed" in m.forms and hasattr(m, "packed_weights"):
             packed_for(m, m.packed_weights())
@@ -343,4 +380,4 @@ def apply_to(model) -> None:
             shape = (sum(p.weight.shape[0] for p in parts), w.shape[1])
             key = ("", shape, w.dtype, str(w.device))
             if key not in chosen:
-                chosen[key] = pick_forms(torch.randn(shape, dtype=w.dtype, device=w.device))
+                chosen[key] = pick_forms(torch.randn(shape, dtype=w.dtype, device=w.device), bar=bar)

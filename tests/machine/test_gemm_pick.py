@@ -302,3 +302,22 @@ def test_packed_rows_run_at_few_distinct_bucketed_counts():
     assert all(b >= m and b <= max(m, 1.125 * m + 1) for m, b in zip(range(1, 4097), buckets))
     assert all(a <= b for a, b in zip(buckets, buckets[1:]))
     assert len(set(buckets)) <= gemm_pick.EXACT_ROWS + 8 * 9
+
+
+def test_a_first_start_shows_a_bar_while_it_times_and_a_cached_one_does_not(monkeypatch, tmp_path, capsys):
+    """Timing every shape takes a minute or more on a first start: a progress bar says so; a start
+    that finds every shape in the cache, or runs pinned forms, shows none."""
+    monkeypatch.delenv("OURO_GEMM_PICK", raising=False)
+    monkeypatch.setenv("OURO_CACHE", str(tmp_path))
+    monkeypatch.setenv("OURO_BUSY_LIMIT", "1")
+    monkeypatch.setattr(gemm_pick, "time_form", lambda form, weight, rows, budget_s=0.03: {"linear": 1.0}.get(form, 2.0))
+    from ouro.models.loader import load_model
+    from ouro.models.resolve import resolve_model
+    model = load_model(resolve_model("tiny"))
+    gemm_pick.apply_to(model)
+    assert "timing each product's forms on this machine" in capsys.readouterr().err
+    gemm_pick.apply_to(model)                                  # every shape cached now
+    assert "timing each product" not in capsys.readouterr().err
+    monkeypatch.setenv("OURO_GEMM_PICK", "linear")
+    gemm_pick.apply_to(model)
+    assert "timing each product" not in capsys.readouterr().err
