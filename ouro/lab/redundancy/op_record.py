@@ -233,7 +233,7 @@ class OpRecorder(TorchDispatchMode):
 
     def _packed_source(self, t):
         if id(t) not in self._packs:     # packed since the last look (packs are made on first use)
-            from ...machine.gemm_pick import _PACKS
+            from ...machine.packs import _PACKS
             for key, packs in list(_PACKS.values()):
                 i = 0
                 for ptr, _version, dtype, shape in key:
