@@ -111,7 +111,9 @@ Rows rows_of(const at::Tensor& t, const std::string& kind, int64_t r, int64_t gr
 struct Pages {
     const int64_t* table;
     int64_t stride, width, page_size;
+    int shift;                          // log2(page_size) where a power of two (a shift, not a division a row), else -1
     int64_t row(const int64_t* seq_pages, int64_t tok) const {
+        if (shift >= 0) return seq_pages[tok >> shift] * page_size + (tok & (page_size - 1));
         return seq_pages[tok / page_size] * page_size + tok % page_size;
     }
     // the pool-key row of the pool starting at token `first` (a multiple of kpool, which divides page_size)
@@ -122,7 +124,8 @@ Pages pages_of(const at::Tensor& table, int64_t page_size) {
     TORCH_CHECK(table.scalar_type() == at::kLong && table.dim() == 2 && table.stride(1) == 1,
                 "page_table must be int64 [B, pages]");
     TORCH_CHECK(page_size > 0, "page_size must be positive");
-    return {table.data_ptr<int64_t>(), table.stride(0), table.size(1), page_size};
+    const int shift = (page_size & (page_size - 1)) == 0 ? __builtin_ctzll(uint64_t(page_size)) : -1;
+    return {table.data_ptr<int64_t>(), table.stride(0), table.size(1), page_size, shift};
 }
 
 void check_long(const at::Tensor& t, int64_t n, const char* what) {
@@ -302,6 +305,7 @@ at::Tensor index_select_decode(const at::Tensor& q_in, const at::Tensor& w_in, c
         std::vector<float> score(most);
         std::vector<uint32_t> order(most);
         std::vector<char> chosen(most);
+        std::vector<const float*> key(most);
         for (int64_t i = i0; i < i1; ++i) {
             const int64_t pos = pp[i], n_vis = (pos + 1) / kpool;
             TORCH_CHECK(pos >= 0 && sp[i] >= 0 && sp[i] < page_table.size(0), "bad position or sequence of row ", i);
@@ -312,14 +316,17 @@ at::Tensor index_select_decode(const at::Tensor& q_in, const at::Tensor& w_in, c
                 const int64_t* seq_pages = pages.table + sp[i] * pages.stride;
                 const float* qi = qp + i * Hi * d;
                 const float* wi = wp + i * Hi;
+                // each visible pool's key row, a page at a time (a page holds page_size / kpool
+                // consecutive pools: no division a pool)
+                const int64_t per_page = page_size / kpool;
+                for (int64_t p = 0, pg = 0; p < n_vis; ++pg) {
+                    const float* base = kp + seq_pages[pg] * per_page * ks;
+                    for (int64_t j = 0; j < per_page && p < n_vis; ++j, ++p) key[p] = base + j * ks;
+                }
                 float dots[16];
                 for (int64_t p0 = 0; p0 < n_vis; p0 += 4) {          // 4 heads x 4 pools per pass
                     const float* b[4];
-                    for (int k = 0; k < 4; ++k) {
-                        const int64_t p = std::min(p0 + k, n_vis - 1);
-                        const int64_t t = p * kpool;       // the pool's first token
-                        b[k] = kp + pages.pool_row(seq_pages, t, kpool) * ks;
-                    }
+                    for (int k = 0; k < 4; ++k) b[k] = key[std::min(p0 + k, n_vis - 1)];
                     float acc[4] = {0.f, 0.f, 0.f, 0.f};
                     for (int64_t h = 0; h < Hi; h += 4) {            // short groups padded with the last head
                         const float* a[4];

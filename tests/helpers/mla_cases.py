@@ -40,11 +40,11 @@ def latent_cache(paged, r, kind, gen):
     return store, view
 
 
-def decode_case(n, H, r, W, kind, seed):
+def decode_case(n, H, r, W, kind, seed, ps=8):
     gen = torch.Generator().manual_seed(seed)
     B = max(1, n // 2)
     lens = [int(x) for x in torch.randint(1, 3 * W, (B,), generator=gen)]
-    paged = Paged(lens, 8, gen)
+    paged = Paged(lens, ps, gen)
     store, view = latent_cache(paged, r, kind, gen)
     seq = torch.arange(n) % B
     tokens = torch.full((n, W), -1, dtype=torch.long)
@@ -72,12 +72,12 @@ def pool_cache(paged, kpool, d, gen, dup=False):
     return store
 
 
-def select_case(n, Hi, d, kpool, topk, seed, dup=False, zero_q=False):
+def select_case(n, Hi, d, kpool, topk, seed, dup=False, zero_q=False, pools_a_page=4):
     gen = torch.Generator().manual_seed(seed)
     B = max(1, n // 2)
     lens = [int(x) for x in torch.randint(1, 3 * topk + 2 * kpool, (B,), generator=gen)]
     lens[0] = 3 * topk + 2 * kpool          # one context surely longer than the selection keeps
-    paged = Paged(lens, 4 * kpool, gen)
+    paged = Paged(lens, pools_a_page * kpool, gen)
     pooled = pool_cache(paged, kpool, d, gen, dup)
     seq = torch.arange(n) % B
     # the last token of each context, or an earlier one (a speculative verification row)

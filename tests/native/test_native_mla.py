@@ -42,7 +42,9 @@ def fused_attend(q, store, kind, tokens, paged, seq, w_uk, w_uv, scale):
 @pytest.mark.parametrize("n,H,r,W", [(1, 1, 16, 5), (3, 3, 40, 37), (16, 8, 64, 70), (64, 3, 16, 9), (7, 8, 40, 33),
                                      (4, 3, 40, 150)])
 def test_sparse_mla_decode_equals_eager_and_float64(path, kind, n, H, r, W):
-    paged, store, view, seq, tokens, q, kv_b, qk, v = decode_case(n, H, r, W, kind, seed=n * 100 + H * 10 + r)
+    # pages of 8 rows (a power of two: the kernel shifts) and of 6 (it divides)
+    paged, store, view, seq, tokens, q, kv_b, qk, v = decode_case(n, H, r, W, kind, seed=n * 100 + H * 10 + r,
+                                                                  ps=8 if (n + H) % 2 == 0 else 6)
     w_uk, w_uv = absorb_weights(kv_b, H, qk, v)
     scale = qk ** -0.5
     rows = paged.rows(seq, tokens)
@@ -122,8 +124,9 @@ def test_index_select_decode_equals_eager(path, n, Hi, d, kpool, topk, ties):
     """Bit-equal to the eager selection; with pools of identical keys, to the rule itself: the eager
     einsum rounds identical columns differently (its vector body and remainder), so it can rank a later
     copy of a pool above an earlier one by an ulp."""
+    # pages of 4 pools (a power of two where kpool is one) and of 3
     paged, pooled, seq, positions, q, w = select_case(n, Hi, d, kpool, topk, seed=n + Hi + d, dup=ties == "dup",
-                                                      zero_q=ties == "zero")
+                                                      zero_q=ties == "zero", pools_a_page=3 if Hi % 2 else 4)
     args = (topk // kpool, kpool, d ** -0.5, topk + kpool - 1)
     with on_path(path):
         got = mla.index_select_decode(q, w, pooled, paged.table, seq, positions, paged.ps, *args)
