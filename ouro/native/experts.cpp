@@ -179,9 +179,8 @@ void tiled(const Step<W>& s) {
         [&](int64_t r) { return s.x + s.order->token[r] * D; },
         [&](const float* c, int64_t r, int64_t n, int64_t p) {
             const int64_t j0 = p * half, m = std::min(half, I - j0);
-            float sig[PANEL];
             for (int64_t i = 0; i < n; ++i)
-                ouro::clamped_swiglu_row(s.h + (r + i) * I + j0, c + i * PANEL, c + i * PANEL + half, m, s.lim, sig);
+                ouro::clamped_swiglu_row(s.h + (r + i) * I + j0, c + i * PANEL, c + i * PANEL + half, m, s.lim);
         });
     // down: panel p holds output channels p*PANEL ..
     tiled_product(s, I, (D + PANEL - 1) / PANEL,

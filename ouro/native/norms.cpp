@@ -86,10 +86,7 @@ at::Tensor clamped_swiglu_f32(const at::Tensor& gate, const at::Tensor& up, doub
     float* yp = y.data_ptr<float>();
     const float lim = static_cast<float>(limit);
     at::parallel_for(0, T, grain(I), [&](int64_t r0, int64_t r1) {
-        std::vector<float> sig(I);
-        for (int64_t r = r0; r < r1; ++r) {
-            ouro::clamped_swiglu_row(yp + r * I, gp + r * gs, up_ + r * us, I, lim, sig.data());
-        }
+        for (int64_t r = r0; r < r1; ++r) ouro::clamped_swiglu_row(yp + r * I, gp + r * gs, up_ + r * us, I, lim);
     });
     return y;
 }

@@ -266,41 +266,66 @@ inline __m512 exp_nonpos512(__m512 x) {
 }
 #endif
 
-// y[i] = sigmoid(x[i]) (y may be x), as e / (1 + e) or 1 / (1 + e) with e = e^-|x|: no overflow
+// sigmoid of a register's lanes as e / (1 + e) or 1 / (1 + e) with e = e^-|x|: no overflow
+#if defined(__AVX512F__)
+inline __m512 sigmoid512(__m512 v) {
+    const __m512 one = _mm512_set1_ps(1.f);
+    const __m512 e = exp_nonpos512(_mm512_castsi512_ps(
+        _mm512_or_si512(_mm512_castps_si512(v), _mm512_set1_epi32(int(0x80000000u)))));
+    const __m512 pos = _mm512_div_ps(one, _mm512_add_ps(one, e));
+    const __mmask16 ge = _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_GE_OQ);   // NaN: not >= 0
+    return _mm512_mask_blend_ps(ge, _mm512_mul_ps(e, pos), pos);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+inline __m256 sigmoid256(__m256 v) {
+    const __m256 one = _mm256_set1_ps(1.f);
+    const __m256 e = exp_nonpos256(_mm256_or_ps(v, _mm256_set1_ps(-0.f)));
+    const __m256 pos = _mm256_div_ps(one, _mm256_add_ps(one, e));
+    const __m256 ge = _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_GE_OQ);         // NaN: not >= 0
+    return _mm256_blendv_ps(_mm256_mul_ps(e, pos), pos, ge);
+}
+#endif
+
+// y[i] = sigmoid(x[i]) (y may be x): whole registers through sigmoid512 / sigmoid256, the tail scalar
 inline void sigmoid_row(float* y, const float* x, int64_t n) {
     int64_t i = 0;
     if (!portable()) {
 #if defined(__AVX512F__)
-        const __m512 one = _mm512_set1_ps(1.f);
-        for (; i + 16 <= n; i += 16) {
-            const __m512 v = _mm512_loadu_ps(x + i);
-            const __m512 e = exp_nonpos512(_mm512_castsi512_ps(
-                _mm512_or_si512(_mm512_castps_si512(v), _mm512_set1_epi32(int(0x80000000u)))));
-            const __m512 pos = _mm512_div_ps(one, _mm512_add_ps(one, e));
-            const __mmask16 ge = _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_GE_OQ);   // NaN: not >= 0
-            _mm512_storeu_ps(y + i, _mm512_mask_blend_ps(ge, _mm512_mul_ps(e, pos), pos));
-        }
+        for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, sigmoid512(_mm512_loadu_ps(x + i)));
 #elif defined(__AVX2__) && defined(__FMA__)
-        const __m256 one = _mm256_set1_ps(1.f);
-        for (; i + 8 <= n; i += 8) {
-            const __m256 v = _mm256_loadu_ps(x + i);
-            const __m256 e = exp_nonpos256(_mm256_or_ps(v, _mm256_set1_ps(-0.f)));
-            const __m256 pos = _mm256_div_ps(one, _mm256_add_ps(one, e));
-            const __m256 ge = _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_GE_OQ);         // NaN: not >= 0
-            _mm256_storeu_ps(y + i, _mm256_blendv_ps(_mm256_mul_ps(e, pos), pos, ge));
-        }
+        for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, sigmoid256(_mm256_loadu_ps(x + i)));
 #endif
     }
     for (; i < n; ++i) y[i] = sigmoid(x[i]);
 }
 
 // out[i] = silu(min(gate[i], lim)) * clamp(up[i], -lim, lim) (ouro.ops.moe.clamped_swiglu; out may not
-// alias gate or up), silu as x * sigmoid(x) through sigmoid_row; `sig`: n floats of scratch.
-// std::min / std::max return their first argument when it is NaN: NaN stays NaN, as in torch's clamp
-inline void clamped_swiglu_row(float* out, const float* gate, const float* up, int64_t n, float lim, float* sig) {
-    for (int64_t i = 0; i < n; ++i) out[i] = std::min(gate[i], lim);
-    sigmoid_row(sig, out, n);
-    for (int64_t i = 0; i < n; ++i) out[i] = out[i] * sig[i] * std::min(std::max(up[i], -lim), lim);
+// alias gate or up), silu as x * sigmoid(x), sigmoid_row's arithmetic lane for lane, in one pass over
+// the row (three before: ~1.5 cycles an element at 256 wide). std::min / std::max return their first
+// argument when it is NaN, and min_ps / max_ps their second: NaN stays NaN, as in torch's clamp
+inline void clamped_swiglu_row(float* out, const float* gate, const float* up, int64_t n, float lim) {
+    int64_t i = 0;
+    if (!portable()) {
+#if defined(__AVX512F__)
+        const __m512 hi = _mm512_set1_ps(lim), lo = _mm512_set1_ps(-lim);
+        for (; i + 16 <= n; i += 16) {
+            const __m512 g = _mm512_min_ps(hi, _mm512_loadu_ps(gate + i));
+            const __m512 u = _mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_loadu_ps(up + i)));
+            _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_mul_ps(g, sigmoid512(g)), u));
+        }
+#elif defined(__AVX2__) && defined(__FMA__)
+        const __m256 hi = _mm256_set1_ps(lim), lo = _mm256_set1_ps(-lim);
+        for (; i + 8 <= n; i += 8) {
+            const __m256 g = _mm256_min_ps(hi, _mm256_loadu_ps(gate + i));
+            const __m256 u = _mm256_min_ps(hi, _mm256_max_ps(lo, _mm256_loadu_ps(up + i)));
+            _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(g, sigmoid256(g)), u));
+        }
+#endif
+    }
+    for (; i < n; ++i) {
+        const float g = std::min(gate[i], lim);
+        out[i] = g * sigmoid(g) * std::min(std::max(up[i], -lim), lim);
+    }
 }
 
 // y[i] = e^x[i] for x[i] <= 0 (softmax weights once the max is subtracted; y may be x): exp_nonpos's
