@@ -127,7 +127,10 @@ std::tuple<at::Tensor, at::Tensor> route_f32(const at::Tensor& x, const at::Tens
     const int64_t per = E / n_group;
     TORCH_CHECK(top_k >= 1 && top_k <= topk_group * per, "route: top_k ", top_k, " exceeds the experts the groups keep");
     TORCH_CHECK(n_group == 1 || per >= 2, "route: a group needs two experts to score");
-    const at::Tensor score = at::sigmoid(at::mm(x, weight.t())).contiguous();   // as `x @ W.T` then `.sigmoid()`
+    // as `x @ W.T` then `.sigmoid()`: the same strides reach torch's product (one as_strided, not t's
+    // three dispatches); the sigmoid out of place, as the deterministic mode's override replaces it
+    const at::Tensor score =
+        at::sigmoid(at::mm(x, weight.as_strided({weight.size(1), E}, {weight.stride(1), weight.stride(0)}))).contiguous();
     const at::Tensor bias = bias_in.contiguous();
     at::Tensor weights = at::empty({T, top_k}, x.options());
     at::Tensor experts = at::empty({T, top_k}, x.options().dtype(at::kLong));
