@@ -143,7 +143,12 @@ def plan_memory(config: ModelConfig, budget_bytes: int, page_size: int, max_num_
 
     def pages_for(n_ckpt: int) -> int:
         rest = budget_bytes - (n_slots + n_ckpt) * slot_bytes
-        n = max(0, rest // page_bytes) if page_bytes else 0
+        if not page_bytes:
+            # no layer keeps per-token rows (every layer linear attention): pages cost nothing, and
+            # as many as max_num_seqs sequences of the longest context use are planned
+            longest = max_model_len or config.max_position_embeddings
+            return page_cap if page_cap is not None else max_num_seqs * -(-longest // page_size)
+        n = max(0, rest // page_bytes)
         return n if page_cap is None else min(n, page_cap)
 
     n_ckpt = 0

@@ -42,7 +42,7 @@ class HyperConnection(KeepFloat32):
         """The block's output written back: new stream i = post_i * block_out + sum_j comb[j, i] *
         stream j. A method of the hyper-connection, so each mix is tapped under its own name
         (`layers.N.attn_hc.mix`, `layers.N.ffn_hc.mix`)."""
-        if fused.can(block_out, streams, post, comb) and not watched(self):
+        if fused.can(streams, block_out, post, comb) and not watched(self):
             return fused.hc_post(block_out, streams, post, comb)
         dt = streams.dtype
         return post.to(dt).unsqueeze(-1) * block_out.unsqueeze(1) + comb.to(dt).transpose(-1, -2) @ streams
@@ -52,7 +52,7 @@ class HyperConnection(KeepFloat32):
         cache (`hc_post_pre`): where the fused kernels apply and neither hyper-connection is watched
         (a tap on either sees it run as written). Returns (new streams, nxt's output), or (new
         streams, None): then the caller runs nxt itself, as a module."""
-        if fused.can(block_out, streams, post, comb, nxt.fn, nxt.base, nxt.scale) and not watched(self, nxt):
+        if fused.can(streams, block_out, post, comb, nxt.fn, nxt.base, nxt.scale) and not watched(self, nxt):
             streams, *weights = fused.hc_post_pre(block_out, streams, post, comb, *nxt._weights())
             return streams, tuple(weights)
         return self.mix(block_out, streams, post, comb), None

@@ -145,8 +145,15 @@ class MoE(nn.Module):
         super().__init__()
         self.gate = Router(config)
         self.experts = Experts(config)
-        self.shared_experts = MLP(config, config.moe_intermediate_size * config.n_shared_experts)
+        # none where n_shared_experts is 0 (a checkpoint's zero-width shared tensors hold nothing)
+        self.shared_experts = MLP(config, config.moe_intermediate_size * config.n_shared_experts) \
+            if config.n_shared_experts else None
 
     def forward(self, x):
         weights, experts = self.gate(x)
-        return self.experts(x, weights, experts) + self.shared_experts(x)
+        return with_shared(self, self.experts(x, weights, experts), x)
+
+
+def with_shared(moe, routed, x):
+    """The routed experts' output plus the shared experts' (where the layer has them)."""
+    return routed if moe.shared_experts is None else routed + moe.shared_experts(x)

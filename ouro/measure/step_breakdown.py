@@ -49,8 +49,9 @@ def parts(model):
                 out.append((a.indexer, "DSA indexer"))
         m = layer.mlp
         if hasattr(m, "experts"):
-            out += [(m, "MoE combine"), (m.gate, "router"), (m.experts, "routed experts"),
-                    (m.shared_experts, "shared expert + dense MLP")]
+            out += [(m, "MoE combine"), (m.gate, "router"), (m.experts, "routed experts")]
+            if m.shared_experts is not None:
+                out.append((m.shared_experts, "shared expert + dense MLP"))
         else:
             out.append((m, "shared expert + dense MLP"))
     return out

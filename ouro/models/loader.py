@@ -165,6 +165,8 @@ def check_checkpoint(model: torch.nn.Module, directory: str | Path, partial: boo
             problems.append(f"MTP tensor {name} has shape {list(shapes[name])}, expected {list(mtp_heads[name])}")
         elif kind:
             ignored[kind] += 1
+        elif 0 in shapes[name] and name.split(".")[-3] == "shared_experts":
+            pass            # n_shared_experts 0: transformers saves the zero-width shared MLP (no values)
         else:
             problems.append(f"unexpected tensor {name} with shape {list(shapes[name])}")
     if not partial and config.has_mtp and ignored["mtp"] and not mtp_heads.keys() <= shapes.keys():

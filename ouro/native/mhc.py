@@ -11,8 +11,12 @@ from .kernels import ops, register_fakes, usable
 FAMILY = "mhc"
 
 
-def can(*tensors) -> bool:
-    return usable(FAMILY, *tensors)
+MAX_STREAMS = 16      # mhc.cpp's MAX_N: an n x n mixing matrix lives on the stack
+
+
+def can(streams, *tensors) -> bool:
+    """The fused ops run `streams` [..., n, D] (and the other tensors): n up to MAX_STREAMS."""
+    return streams.dim() >= 2 and streams.shape[-2] <= MAX_STREAMS and usable(FAMILY, streams, *tensors)
 
 
 def hc_pre(streams, fn, base, scale, norm_eps: float, hc_eps: float, iters: int):

@@ -26,7 +26,7 @@ from torch import nn
 from ..layers.linear import Linear
 from ..measure.spans import span
 from ..ops.opaque import call_opaque
-from ..layers.moe import MoE
+from ..layers.moe import MoE, with_shared
 
 
 # seconds this process spent inside the collectives, by kind: what a TP run's time breakdown reads
@@ -220,7 +220,7 @@ class ShardedMoE(MoE):
                       else self.eager(x, weights, experts))
         else:            # every expert's channel slice: the experts module as it is (its measured or quantised form)
             routed = e(x, weights, experts)
-        return all_reduce(routed + self.shared_experts(x), self.group, self.group_key)
+        return all_reduce(with_shared(self, routed, x), self.group, self.group_key)
 
     def eager(self, x, weights, experts):
         return local_experts(x, weights, experts, self.experts, self.first_expert, self.local_experts)

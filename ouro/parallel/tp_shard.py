@@ -103,7 +103,8 @@ def _shard_mlp(m: MLP, rank, size, group, reduce: bool = True) -> None:
 
 
 def _shard_moe(m: MoE, rank, size, group, ep: bool) -> None:
-    _shard_mlp(m.shared_experts, rank, size, group, reduce=False)    # summed with the experts' partials
+    if m.shared_experts is not None:
+        _shard_mlp(m.shared_experts, rank, size, group, reduce=False)    # summed with the experts' partials
     e = m.experts
     E, two_i, _ = e.gate_up_proj.shape
     if ep:

@@ -271,3 +271,18 @@ def test_a_watched_module_runs_as_written(monkeypatch, where):
     generate(model, PROMPTS[1:], 0)
     handle.remove()
     assert len(calls) == 2 * L - 1
+
+
+@pytest.mark.parametrize("n", [fused.MAX_STREAMS, fused.MAX_STREAMS + 1])
+def test_more_streams_than_the_kernel_holds_run_the_eager_code(n):
+    """The kernel keeps an n x n matrix on the stack (n <= MAX_STREAMS): a model with more streams
+    (a config transformers runs) takes the eager path at every call instead of failing in the op."""
+    m, T, D = hc(n, 8, 3, seed=n), 5, 8
+    streams = torch.randn(T, n, D, generator=torch.Generator().manual_seed(n))
+    assert fused.can(streams, m.fn, m.base, m.scale) == (n <= fused.MAX_STREAMS)
+    got = m(streams)
+    post, comb = got[1], got[2]
+    mixed = m.mix(got[0], streams, post, comb)
+    ref = eager(lambda: m(streams))
+    assert all(rel_rms(a, b) <= 1e-6 for a, b in zip(got, ref))
+    assert rel_rms(mixed, eager(lambda: m.mix(got[0], streams, post, comb))) <= 1e-6
