@@ -35,9 +35,12 @@ _FAKES: dict[str, object] = {}           # family -> function registering its fa
 
 
 def register_fakes(family: str):
-    """Decorator: the function registering `family`'s fake implementations, run once after its load."""
+    """Decorator: the function registering `family`'s fake implementations, run once after its load
+    (at once where the family was loaded before its module was imported: `load_all()` first)."""
     def wrap(fn):
         _FAKES[family] = fn
+        if _LOADED.get(family, "not loaded") is None:
+            fn()
         return fn
     return wrap
 

@@ -224,3 +224,26 @@ def test_extra_build_flags_are_part_of_the_build_key(tmp_path, monkeypatch):
     plain = build.build_key([src])
     monkeypatch.setenv(build.EXTRA_CFLAGS_ENV, "-mno-avx512f")
     assert build.cflags()[-1] == "-mno-avx512f" and build.build_key([src]) != plain
+
+
+def test_fakes_register_when_the_families_load_before_their_modules():
+    """`kernels.load_all()` (what a loader's error tells a caller to run before compiling) in a fresh
+    interpreter before any layer imported `ouro.native.mhc`: the op still has its fake, so a compiled
+    graph can hold it (a fake registered only at load time was never registered)."""
+    code = textwrap.dedent("""
+        import sys
+        import torch
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from ouro.native import kernels
+        assert "ouro.native.mhc" not in sys.modules
+        assert kernels.load_all()["mhc"]
+        from ouro.native import mhc
+        with FakeTensorMode():
+            x, post, comb = mhc.hc_pre(torch.empty(3, 2, 8), torch.empty(8, 16), torch.empty(8), torch.empty(3),
+                                       1e-6, 1e-6, 2)
+        assert x.shape == (3, 8) and post.shape == (3, 2) and comb.shape == (3, 2, 2)
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
