@@ -108,6 +108,13 @@ class ModelConfig:
         first_dsa = next((i for i, t in enumerate(self.layer_types) if t == "indexed_attention"), None)
         if first_dsa is not None and self.indexer_types[first_dsa] == "shared":
             raise CheckpointError(f"config: layer {first_dsa} is the first DSA layer but its indexer is 'shared'")
+        # the reference hands a full indexer layer's selection to the next layer only
+        for i, (kind, indexer) in enumerate(zip(self.layer_types, self.indexer_types)):
+            if kind == "indexed_attention" and indexer == "shared" and i != first_dsa and not (
+                    self.layer_types[i - 1] == "indexed_attention" and self.indexer_types[i - 1] == "full"):
+                raise CheckpointError(
+                    f"config: layer {i}'s indexer is 'shared' but layer {i - 1} is not a DSA layer with a 'full' "
+                    "indexer (a shared layer reuses the selection of the full DSA layer right before it)")
         lb = self.linear_lower_bound
         if lb is not None and (isinstance(lb, bool) or not isinstance(lb, (int, float)) or lb > 0):
             raise CheckpointError(

@@ -104,6 +104,26 @@ def test_a_layer_kind_ouro_cannot_build_is_refused_naming_the_key(key, value):
         ModelConfig.from_dict({"num_hidden_layers": 4, key: value})
 
 
+K, D = "linear_attention", "indexed_attention"
+
+
+@pytest.mark.parametrize("layers,indexers,bad", [
+    ([D, D, D, D], ["full", "shared", "shared", "full"], 2),        # shared after shared
+    ([D, K, D, K], ["full", "full", "shared", "full"], 2),          # shared after a KDA layer
+    ([K, D, K, D], ["full", "full", "full", "shared"], 3),
+    ([D, D, K, D], ["full", "shared", "full", "full"], None),       # each shared layer right after a full one
+    ([K, K, K, K], ["full", "shared", "shared", "full"], None)])    # (a KDA layer's indexer type means nothing)
+def test_a_shared_indexer_must_follow_a_full_dsa_layer(layers, indexers, bad):
+    """transformers hands a full DSA layer's selection to the next layer only (and refuses anything
+    else at its first forward): ouro refuses those layouts when it reads the config, naming the layer."""
+    text = {"num_hidden_layers": 4, "layer_types": layers, "indexer_types": indexers}
+    if bad is None:
+        assert ModelConfig.from_dict(text).indexer_types == tuple(indexers)
+    else:
+        with pytest.raises(CheckpointError, match=f"layer {bad}'s indexer is 'shared'"):
+            ModelConfig.from_dict(text)
+
+
 @pytest.mark.parametrize("key,value", [("index_kpool_compress", False), ("scoring_func", "softmax")])
 def test_a_glm_key_naming_another_model_is_refused(key, value):
     text = {**PRESETS["tiny"].to_hf_dict()["text_config"], key: value}
