@@ -61,8 +61,9 @@ class Place:
 
 class Guard:
     """Pure ASGI middleware (so streaming and disconnects pass straight through): the API key,
-    then for generation routes the overload and body-size limits, decided before the body is
-    parsed. The body is read here with a cap (Content-Length or chunked alike) and replayed."""
+    then for generation routes the overload limits and for every POST the body-size limit, decided
+    before the body is parsed. A POST body is read here with a cap (Content-Length or chunked alike)
+    and replayed."""
 
     def __init__(self, app, state):
         self.app, self.state = app, state
@@ -74,23 +75,25 @@ class Guard:
         path = scope["path"]
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         refuse = None
+        generate = scope["method"] == "POST" and path in GENERATE_ROUTES
+        length = headers.get("content-length")
         if st.api_key is not None and path != "/health" and headers.get("authorization", "") != f"Bearer {st.api_key}":
             refuse = (401, "invalid or missing API key: send 'Authorization: Bearer <key>'")
-        elif scope["method"] == "POST" and path in GENERATE_ROUTES:
-            length = headers.get("content-length")
-            if st.draining:
-                refuse = (503, "the server is draining (shutting down); retry elsewhere")
-            elif not st.client.healthy:
-                refuse = (503, st.client.dead_reason or "the engine is still loading; retry shortly")
-            elif st.in_flight >= st.max_num_seqs + st.max_queued_requests:
-                refuse = (429, f"too many requests in flight ({st.in_flight}); the waiting queue is full "
-                               f"(--max-queued-requests {st.max_queued_requests}); retry later")
-            elif length is not None and (not length.isdigit() or int(length) > st.max_body_bytes):
-                refuse = (413, f"request body over {st.max_body_bytes} bytes")
+        elif generate and st.draining:
+            refuse = (503, "the server is draining (shutting down); retry elsewhere")
+        elif generate and not st.client.healthy:
+            refuse = (503, st.client.dead_reason or "the engine is still loading; retry shortly")
+        elif generate and st.in_flight >= st.max_num_seqs + st.max_queued_requests:
+            refuse = (429, f"too many requests in flight ({st.in_flight}); the waiting queue is full "
+                           f"(--max-queued-requests {st.max_queued_requests}); retry later")
+        elif scope["method"] == "POST" and length is not None and (not length.isdigit() or
+                                                                   int(length) > st.max_body_bytes):
+            # every POST body is capped (/tokenize's work grows with its body as a generation's does)
+            refuse = (413, f"request body over {st.max_body_bytes} bytes")
         if refuse is not None:
             m.reject(refuse[0])
             return await error(*refuse)(scope, receive, send)
-        if not (scope["method"] == "POST" and path in GENERATE_ROUTES):
+        if scope["method"] != "POST":
             return await self.app(scope, receive, send)
         body, more = b"", True
         while more:
@@ -110,6 +113,8 @@ class Guard:
                 replayed = True
                 return {"type": "http.request", "body": body, "more_body": False}
             return await receive()
+        if not generate:
+            return await self.app(scope, replay, send)
         # the request holds an in-flight place from here; the handler takes it over (and gives it
         # back when its response ends), or it is given back below if the handler never ran
         st.in_flight += 1

@@ -27,6 +27,9 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
 from ..engine.sampling import MAX_LOGPROBS
 from .chat_template import TEMPLATE_VARIABLES
 
+# stop strings a request may name: each is matched against the new text at every token, on the
+# server's event loop (180k of them held /health for 19 s); lm-eval's `until` lists a few. OpenAI takes 4
+MAX_STOPS, MAX_STOP_IDS = 64, 1024
 BOUND = "x-ouro-bound"   # kinds: token_id, prompt_tokens, max_tokens, model (filled in by openapi.py)
 
 
@@ -215,8 +218,9 @@ class _Sampling(Body):
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     seed: integer(ge=-(1 << 63), lt=1 << 64) | None = None
     n: integer(ge=1, le=128) = 1
-    stop: str | list[str] | None = None
-    stop_token_ids: list[integer(ge=0)] | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOPS)] | None = Field(
+        None, description=f"at most {MAX_STOPS} strings (each is checked against the text at every token)")
+    stop_token_ids: Annotated[list[integer(ge=0)], Field(max_length=MAX_STOP_IDS)] | None = None
     ignore_eos: bool = False
     return_tokens_as_token_ids: bool = Field(False, description="logprobs name each token 'token_id:N' (vLLM's "
                                              "extension: exact where a token's text is not unique)")

@@ -76,6 +76,11 @@ async def responses(request: Request, body: ResponsesRequest):
     return StreamingResponse(sse_events(body, out.body_iterator, state.model_name), media_type="text/event-stream")
 
 
+def _prepare(state, body, chat: bool) -> list:
+    with spans.span("prepare", cat="request"):
+        return request_jobs.chat_jobs(state, body) if chat else request_jobs.completion_jobs(state, body)
+
+
 async def _serve(request: Request, body, chat: bool):
     """One generation request: prompts prepared and checked, the engine's generations started,
     then the whole answer or its SSE stream; every generation aborted however it ends."""
@@ -83,8 +88,9 @@ async def _serve(request: Request, body, chat: bool):
     place = request.state.place
     place.trace_t0 = spans.now_ns()
     check_model(state, body.model)
-    with spans.span("prepare", cat="request"):   # template, tokenize, check
-        jobs = request_jobs.chat_jobs(state, body) if chat else request_jobs.completion_jobs(state, body)
+    # template, tokenize, check: on a worker thread, so a long prompt's tokenization (seconds for a few
+    # MB) holds no other request, nor /health, on the event loop
+    jobs = await asyncio.to_thread(_prepare, state, body, chat)
     for j in jobs:
         _check_length(state, j.prompt_ids, body)
     await structured_request.check(jobs[0].child_params[0].structured)     # a 400 if its grammar does not build

@@ -14,6 +14,7 @@ name other than the served one is a 404."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Any
@@ -78,23 +79,7 @@ def add_tokenize_routes(app, state) -> None:
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
         check_model(state, body.model)
-        if (body.prompt is None) == (body.messages is None):
-            raise ServeError(400, "give either prompt (text) or messages (a chat)")
-        if body.prompt is not None:
-            ids = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens).ids
-        else:
-            if state.chat is None:
-                raise ServeError(400, "this checkpoint has no chat template; tokenize a prompt instead")
-            chat = _ChatBody(body)
-            try:
-                text = state.chat.render(chat).text
-            except ValueError as e:
-                raise ServeError(400, f"cannot apply the chat template: {e}") from None
-            ids = state.tokenizer.encode(text, add_special_tokens=False).ids
-        out = {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}
-        if body.return_token_strs:
-            out["token_strs"] = [state.tokenizer.id_to_token(i) for i in ids]
-        return out
+        return await asyncio.to_thread(_tokenize, state, body)   # off the event loop, as a generation's prompt
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
@@ -102,8 +87,29 @@ def add_tokenize_routes(app, state) -> None:
         bad = [t for t in body.tokens if t >= state.vocab_size]
         if bad:
             raise ServeError(400, f"token ids out of range [0, {state.vocab_size}): {bad[:5]}")
-        text = state.tokenizer.decode(body.tokens, skip_special_tokens=False)
+        text = await asyncio.to_thread(state.tokenizer.decode, body.tokens, skip_special_tokens=False)
         return {"prompt": text, "text": text}
+
+
+def _tokenize(state, body: TokenizeRequest) -> dict:
+    """/tokenize's work: a prompt's ids, or a chat's through the checkpoint's template."""
+    if (body.prompt is None) == (body.messages is None):
+        raise ServeError(400, "give either prompt (text) or messages (a chat)")
+    if body.prompt is not None:
+        ids = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens).ids
+    else:
+        if state.chat is None:
+            raise ServeError(400, "this checkpoint has no chat template; tokenize a prompt instead")
+        chat = _ChatBody(body)
+        try:
+            text = state.chat.render(chat).text
+        except ValueError as e:
+            raise ServeError(400, f"cannot apply the chat template: {e}") from None
+        ids = state.tokenizer.encode(text, add_special_tokens=False).ids
+    out = {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}
+    if body.return_token_strs:
+        out["token_strs"] = [state.tokenizer.id_to_token(i) for i in ids]
+    return out
 
 
 class _ChatBody:

@@ -213,6 +213,60 @@ def test_body_over_the_limit_is_refused_before_parsing(server):
     assert r.status_code == 413
 
 
+def test_every_post_body_is_capped_not_only_generation(server):
+    """/tokenize and /detokenize read their bodies under the same cap: a large body's tokenizing
+    held the event loop (a 48 MB one blocked /health for 109 s)."""
+    for path, body in (("/tokenize", {"prompt": "x" * 300_000}), ("/detokenize", {"tokens": [1] * 80_000})):
+        r = post(server, path, None, raw=json.dumps(body).encode())
+        assert r.status_code == 413 and "body" in r.json()["message"], path
+    assert post(server, "/tokenize", {"prompt": "hi"}).status_code == 200
+
+
+def test_tokenizing_runs_off_the_event_loop(model_dir):
+    """/tokenize and /detokenize encode and decode on a worker thread (a few MB of prompt took
+    seconds, and held /health on the event loop): the real tokenizer, its calls' threads recorded."""
+    import asyncio
+    import threading
+    import types
+
+    from fastapi import FastAPI
+
+    from ouro.models.resolve import load_tokenizer
+    from ouro.serve.tokenize_routes import add_tokenize_routes
+    real, seen = load_tokenizer(model_dir), []
+
+    class Recording:
+        def encode(self, *a, **k):
+            seen.append(threading.current_thread())
+            return real.encode(*a, **k)
+
+        def decode(self, *a, **k):
+            seen.append(threading.current_thread())
+            return real.decode(*a, **k)
+    app = FastAPI()
+    state = types.SimpleNamespace(tokenizer=Recording(), chat=None, vocab_size=real.get_vocab_size(),
+                                  max_model_len=64, model_name="m", tokenizer_info={})
+    add_tokenize_routes(app, state)
+
+    async def calls():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            ids = (await c.post("/tokenize", json={"prompt": "hello there"})).json()["tokens"]
+            text = (await c.post("/detokenize", json={"tokens": ids})).json()["text"]
+            return ids, text, threading.current_thread()
+    ids, text, loop_thread = asyncio.run(calls())
+    assert ids == real.encode("hello there").ids and text == real.decode(ids, skip_special_tokens=False)
+    assert len(seen) == 2 and all(t is not loop_thread for t in seen)
+
+
+@pytest.mark.parametrize("field,n,ok", [("stop", 64, True), ("stop", 65, False), ("stop_token_ids", 1025, False)])
+def test_stop_lists_are_bounded(server, field, n, ok):
+    value = [f"s{i}" for i in range(n)] if field == "stop" else list(range(n))
+    r = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, field: value})
+    assert (r.status_code == 200) == ok, r.text
+    if not ok:
+        assert r.status_code == 400 and field in r.json()["message"]
+
+
 def test_openapi_matches_the_routes(server):
     spec = httpx.get(server.base + "/openapi.json", headers=server.headers()).json()
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"} <= set(spec["paths"])
