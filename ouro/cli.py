@@ -126,7 +126,7 @@ def add_serve_parser(sub) -> None:
     sv.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per engine step at most")
     sv.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     sv.add_argument("--max-queued-requests", type=int, default=256,
-                    help="requests waiting beyond --max-num-seqs before new ones get 429")
+                    help="sequences (prompts x n) waiting beyond --max-num-seqs before new requests get 429")
     sv.add_argument("--max-memory", "--kv-cache-memory-bytes", dest="max_memory", type=int, default=None,
                     help=MAX_MEMORY_HELP + "; --disagg's engine workers share it too")
     sv.add_argument("--mem-fraction-static", type=float, default=0.5,

@@ -14,7 +14,7 @@ from __future__ import annotations
 from fastapi.responses import JSONResponse, Response
 from starlette.routing import Match
 
-from .protocol import error_body
+from .protocol import ServeError, error_body
 from .routes import error
 from .state import GENERATE_ROUTES
 
@@ -48,15 +48,32 @@ class Methods:
 
 
 class Place:
-    """One request's place among the in-flight requests; released exactly once."""
+    """One request's places among the in-flight sequences (one until the handler knows its prompts x
+    n, `hold`); released exactly once."""
 
     def __init__(self, state):
-        self.state, self.owned, self.released = state, False, False
+        self.state, self.owned, self.released, self.held = state, False, False, 1
+
+    def hold(self, sequences: int) -> None:
+        """The request's prompts x n choices, counted against --max-num-seqs + --max-queued-requests:
+        a 400 where it alone is more than the server takes, a 429 where the others leave no room."""
+        st = self.state
+        limit = st.max_num_seqs + st.max_queued_requests
+        if sequences > limit:
+            raise ServeError(400, f"this request asks for {sequences} sequences (prompts x n) and the server takes "
+                                  f"{limit} at once (--max-num-seqs {st.max_num_seqs} + --max-queued-requests "
+                                  f"{st.max_queued_requests}); split it")
+        if st.in_flight - self.held + sequences > limit:
+            raise ServeError(429, f"too many sequences in flight ({st.in_flight}) for this request's {sequences}; "
+                                  f"the waiting queue is full (--max-queued-requests {st.max_queued_requests}); "
+                                  "retry later")
+        st.in_flight += sequences - self.held
+        self.held = sequences
 
     def release(self) -> None:
         if not self.released:
             self.released = True
-            self.state.in_flight -= 1
+            self.state.in_flight -= self.held
 
 
 class Guard:
@@ -84,7 +101,7 @@ class Guard:
         elif generate and not st.client.healthy:
             refuse = (503, st.client.dead_reason or "the engine is still loading; retry shortly")
         elif generate and st.in_flight >= st.max_num_seqs + st.max_queued_requests:
-            refuse = (429, f"too many requests in flight ({st.in_flight}); the waiting queue is full "
+            refuse = (429, f"too many sequences in flight ({st.in_flight}); the waiting queue is full "
                            f"(--max-queued-requests {st.max_queued_requests}); retry later")
         elif scope["method"] == "POST" and length is not None and (not length.isdigit() or
                                                                    int(length) > st.max_body_bytes):

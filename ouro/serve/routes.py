@@ -93,6 +93,7 @@ async def _serve(request: Request, body, chat: bool):
     jobs = await asyncio.to_thread(_prepare, state, body, chat)
     for j in jobs:
         _check_length(state, j.prompt_ids, body)
+    place.hold(sum(len(j.child_params) for j in jobs))        # its sequences, not one place, count
     await structured_request.check(jobs[0].child_params[0].structured)     # a 400 if its grammar does not build
     gens = [Generation(state.client, state.metrics, state.tokenizer, j.prompt_ids, j.child_params, j.stop,
                        j.skip_special_tokens, images=j.images) for j in jobs]

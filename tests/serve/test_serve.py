@@ -267,6 +267,22 @@ def test_stop_lists_are_bounded(server, field, n, ok):
         assert r.status_code == 400 and field in r.json()["message"]
 
 
+def test_the_queue_limit_counts_sequences_not_requests(server):
+    """--max-num-seqs 8 + --max-queued-requests 110: 118 sequences (prompts x n) at once. One request
+    of 150 prompts x n 128 had been admitted as one place and held every other client for minutes."""
+    r = post(server, "/v1/completions", {"prompt": ["ab"] * 12, "n": 10, "max_tokens": 1})
+    assert r.status_code == 400 and "120 sequences" in r.json()["message"] and "--max-queued-requests" in r.json()["message"]
+    body = {"prompt": ["ab cd"] * 10, "n": 10, "max_tokens": 1000, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", server.base + "/v1/completions", json=body, headers=server.headers(), timeout=60) as big:
+        assert big.status_code == 200
+        lines = big.iter_lines()        # (kept: a dropped iterator closes the stream)
+        next(lines)                                             # its 100 sequences are in flight
+        r = post(server, "/v1/completions", {"prompt": ["ab", "cd"], "n": 10, "max_tokens": 1})
+        assert r.status_code == 429 and "sequences in flight" in r.json()["message"]
+    assert idle(server)                                        # the stream's places given back when it closed
+    assert post(server, "/v1/completions", {"prompt": ["ab", "cd"], "n": 10, "max_tokens": 1}).status_code == 200
+
+
 def test_openapi_matches_the_routes(server):
     spec = httpx.get(server.base + "/openapi.json", headers=server.headers()).json()
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"} <= set(spec["paths"])
