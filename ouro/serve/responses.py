@@ -226,85 +226,112 @@ def to_response(body: ResponsesRequest, chat: dict) -> dict:
 
 
 class EventStream:
-    """Chat chunks in, Responses events out (`feed` per chunk, `close` at the end)."""
+    """Chat chunks in, Responses events out (`feed` per chunk, `close` at the end). Items are numbered
+    in the order they open (reasoning, then the message, then each call, as the model writes them),
+    and the final response's `output` is the same items at the same indices: an item the stream
+    never opened (the empty message of a reply with nothing else) opens and closes at the end."""
 
     def __init__(self, body: ResponsesRequest, model: str):
         self.body, self.seq = body, 0
         self.rid = "resp_" + uuid.uuid4().hex
         self.resp = _envelope(body, self.rid, int(time.time()), model)
-        self.text, self.reasoning, self.calls = "", "", {}      # calls: index -> {id, name, arguments}
-        self.msg_open, self.finish, self.usage = False, None, None
+        self.items: list[dict] = []     # opened items in output order: {"kind", "id", "text" / call fields}
+        self.open: dict = {}            # "reasoning" / "message" / ("call", k) -> its entry in items
+        self.finish, self.usage = None, None
 
     def _event(self, kind: str, **fields) -> dict:
         self.seq += 1
         return {"type": kind, "sequence_number": self.seq - 1, **fields}
+
+    def _opened(self, key, entry: dict, out: list) -> dict:
+        """The item under `key`, opened now (its output index the next one) when it is new."""
+        if key not in self.open:
+            entry["index"] = len(self.items)
+            self.items.append(entry)
+            self.open[key] = entry
+            out.append(self._event("response.output_item.added", output_index=entry["index"],
+                                   item=_item(entry, "in_progress")))
+            if entry["kind"] != "function_call":
+                out.append(self._event("response.content_part.added", item_id=entry["id"],
+                                       output_index=entry["index"], content_index=0, part=_part(entry, "")))
+        return self.open[key]
 
     def start(self) -> list[dict]:
         return [self._event("response.created", response=dict(self.resp)),
                 self._event("response.in_progress", response=dict(self.resp))]
 
     def feed(self, chunk: dict) -> list[dict]:
-        out = []
+        out, rid = [], self.rid[5:]
         if chunk.get("usage"):
             self.usage = chunk["usage"]
         for ch in chunk.get("choices") or []:
             d = ch.get("delta") or {}
-            if d.get("reasoning_content"):
-                self.reasoning += d["reasoning_content"]
-            if d.get("content"):
-                if not self.msg_open:
-                    self.msg_open = True
-                    out.append(self._event("response.output_item.added", output_index=0, item={
-                        "type": "message", "id": f"msg_{self.rid[5:]}", "status": "in_progress", "role": "assistant",
-                        "content": []}))
-                    out.append(self._event("response.content_part.added", item_id=f"msg_{self.rid[5:]}",
-                                           output_index=0, content_index=0,
-                                           part={"type": "output_text", "text": "", "annotations": []}))
-                self.text += d["content"]
-                out.append(self._event("response.output_text.delta", item_id=f"msg_{self.rid[5:]}", output_index=0,
-                                       content_index=0, delta=d["content"]))
+            for kind, field in (("reasoning", "reasoning_content"), ("message", "content")):
+                if d.get(field):
+                    e = self._opened(kind, {"kind": kind, "id": f"{_PREFIX[kind]}{rid}", "text": ""}, out)
+                    e["text"] += d[field]
+                    out.append(self._event(_DELTA[kind], item_id=e["id"], output_index=e["index"], content_index=0,
+                                           delta=d[field]))
             for tc in d.get("tool_calls") or []:
-                k = tc.get("index", 0)
-                call = self.calls.setdefault(k, {"id": None, "name": None, "arguments": ""})
-                fn = tc.get("function") or {}
+                k, fn = tc.get("index", 0), tc.get("function") or {}
+                call = self.open.get(("call", k)) or {"kind": "function_call", "id": None, "name": None,
+                                                      "arguments": ""}
                 if tc.get("id"):
                     call["id"] = tc["id"]
                 if fn.get("name"):
                     call["name"] = fn["name"]
-                    out.append(self._event("response.output_item.added", output_index=1 + k, item={
-                        "type": "function_call", "id": f"fc_{call['id']}", "call_id": call["id"], "name": call["name"],
-                        "arguments": "", "status": "in_progress"}))
+                    call = self._opened(("call", k), call, out)
                 if fn.get("arguments"):
                     call["arguments"] += fn["arguments"]
-                    out.append(self._event("response.function_call_arguments.delta", item_id=f"fc_{call['id']}",
-                                           output_index=1 + k, delta=fn["arguments"]))
+                    if ("call", k) in self.open:
+                        out.append(self._event("response.function_call_arguments.delta", item_id=f"fc_{call['id']}",
+                                               output_index=call["index"], delta=fn["arguments"]))
             if ch.get("finish_reason"):
                 self.finish = ch["finish_reason"]
         return out
 
     def close(self) -> list[dict]:
-        out, mid = [], f"msg_{self.rid[5:]}"
-        if self.msg_open:
-            part = {"type": "output_text", "text": self.text, "annotations": []}
-            out.append(self._event("response.output_text.done", item_id=mid, output_index=0, content_index=0,
-                                   text=self.text))
-            out.append(self._event("response.content_part.done", item_id=mid, output_index=0, content_index=0, part=part))
-            out.append(self._event("response.output_item.done", output_index=0, item={
-                "type": "message", "id": mid, "status": "completed", "role": "assistant", "content": [part]}))
-        for k, call in sorted(self.calls.items()):
-            item = {"type": "function_call", "id": f"fc_{call['id']}", "call_id": call["id"], "name": call["name"],
-                    "arguments": call["arguments"], "status": "completed"}
-            out.append(self._event("response.function_call_arguments.done", item_id=item["id"], output_index=1 + k,
-                                   arguments=call["arguments"]))
-            out.append(self._event("response.output_item.done", output_index=1 + k, item=item))
-        message = {"content": self.text, "reasoning_content": self.reasoning or None,
-                   "tool_calls": [{"id": c["id"], "function": {"name": c["name"], "arguments": c["arguments"]}}
-                                  for _, c in sorted(self.calls.items())]}
-        resp = dict(self.resp, output=_items(message, self.rid[5:]), usage=_usage(self.usage))
+        out = []
+        if not any(e["kind"] in ("message", "function_call") for e in self.items):    # as `_items` answers it
+            self._opened("message", {"kind": "message", "id": f"msg_{self.rid[5:]}", "text": ""}, out)
+        for e in self.items:
+            if e["kind"] == "function_call":
+                out.append(self._event("response.function_call_arguments.done", item_id=f"fc_{e['id']}",
+                                       output_index=e["index"], arguments=e["arguments"]))
+            else:
+                out.append(self._event(_DONE[e["kind"]], item_id=e["id"], output_index=e["index"], content_index=0,
+                                       text=e["text"]))
+                out.append(self._event("response.content_part.done", item_id=e["id"], output_index=e["index"],
+                                       content_index=0, part=_part(e, e["text"])))
+            out.append(self._event("response.output_item.done", output_index=e["index"], item=_item(e, "completed")))
+        resp = dict(self.resp, output=[_item(e, "completed") for e in self.items], usage=_usage(self.usage))
         _finish(resp, self.finish)
         kind = "response.completed" if resp["status"] == "completed" else "response.incomplete"
         out.append(self._event(kind, response=resp))
         return out
+
+
+_PREFIX = {"reasoning": "rs_", "message": "msg_"}
+_DELTA = {"reasoning": "response.reasoning_text.delta", "message": "response.output_text.delta"}
+_DONE = {"reasoning": "response.reasoning_text.done", "message": "response.output_text.done"}
+
+
+def _part(e: dict, text: str) -> dict:
+    if e["kind"] == "reasoning":
+        return {"type": "reasoning_text", "text": text}
+    return {"type": "output_text", "text": text, "annotations": []}
+
+
+def _item(e: dict, status: str) -> dict:
+    """An opened item as the response lists it (`_items`' shapes), `status` while in progress."""
+    if e["kind"] == "function_call":
+        return {"type": "function_call", "id": f"fc_{e['id']}", "call_id": e["id"], "name": e["name"],
+                "arguments": e["arguments"] if status == "completed" else "", "status": status}
+    text = e["text"] if status == "completed" else None
+    if e["kind"] == "reasoning":
+        return {"type": "reasoning", "id": e["id"], "summary": [], "content": [] if text is None else [_part(e, text)]}
+    return {"type": "message", "id": e["id"], "status": status, "role": "assistant",
+            "content": [] if text is None else [_part(e, text)]}
 
 
 async def sse_events(body: ResponsesRequest, chat_stream, model: str):

@@ -169,6 +169,44 @@ def test_responses_api_whole_streamed_with_tools_and_format(client, server):
 
 
 @pytest.mark.processes
+@pytest.mark.parametrize("case", ["reasoning and text", "forced call", "text"])
+def test_responses_stream_announces_the_items_the_response_lists(client, case):
+    """Each streamed item opens (output_item.added) at the index the final response lists it at, with
+    its deltas under that index, and the final output equals the non-streamed one: the stream had
+    numbered the message 0 and calls 1 + k while the response put reasoning first (and never
+    streamed the reasoning)."""
+    tools = [{"type": "function", "name": "get_weather", "strict": True, "parameters": SCHEMA}]
+    kw = {"reasoning and text": dict(input="hi", max_output_tokens=40),
+          "forced call": dict(input="weather?", tools=tools, tool_choice="required", max_output_tokens=200,
+                              reasoning={"effort": "none"}),
+          "text": dict(input="hello", max_output_tokens=12, reasoning={"effort": "none"})}[case]
+    kw.update(model=None, temperature=0)
+    whole = client.responses.create(**kw)
+    events = list(client.responses.create(**kw, stream=True))
+    final = events[-1].response.output
+    added = {e.output_index: e.item for e in events if e.type == "response.output_item.added"}
+    done = {e.output_index: e.item for e in events if e.type == "response.output_item.done"}
+    assert sorted(added) == sorted(done) == list(range(len(final)))
+    for i, item in enumerate(final):
+        assert added[i].type == done[i].type == item.type and added[i].id == done[i].id == item.id
+        assert done[i].model_dump() == item.model_dump()
+    for e in events:        # every delta under its own item's index
+        if e.type.endswith(".delta"):
+            assert added[e.output_index].id == e.item_id
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    thought = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    def same(o):       # ids differ between two responses
+        return {k: v for k, v in o.model_dump().items() if k not in ("id", "call_id")}
+    assert [same(o) for o in final] == [same(o) for o in whole.output]
+    assert text == whole.output_text
+    kinds = [o.type for o in final]
+    if case == "reasoning and text":
+        assert kinds[0] == "reasoning" and thought == final[0].content[0].text != ""
+    if case == "forced call":
+        assert "function_call" in kinds
+
+
+@pytest.mark.processes
 def test_a_strict_call_streams_the_arguments_it_returns_whole(client):
     """A strict call's string values drop the grammar's formatting blanks, streamed as whole: the
     argument deltas concatenate to the non-streamed arguments, which validate."""
