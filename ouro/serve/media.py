@@ -90,6 +90,23 @@ def image_size(raw: bytes, where: str) -> tuple[int, int]:
 IMAGE_PARTS = ("image_url", "input_image", "image")
 
 
+VIDEO_PARTS = ("video_url", "video", "input_video")
+
+
+def check_parts(messages: list[dict]) -> None:
+    """A content part ouro cannot read (audio, files, an unknown type) is a 400 naming it: refused,
+    never dropped from the prompt unseen. Text and images are read."""
+    for i, m in enumerate(messages):
+        content = m.get("content")
+        for j, p in enumerate(content if isinstance(content, list) else ()):
+            kind = p.get("type") if isinstance(p, dict) else None
+            if kind in VIDEO_PARTS:
+                raise ServeError(400, f"messages[{i}].content[{j}]: video input is not supported; send frames as images")
+            if kind not in ("text", *IMAGE_PARTS):
+                raise ServeError(400, f"messages[{i}].content[{j}]: content parts of type {kind!r} are not supported; "
+                                      f"ouro reads 'text' and image parts ({', '.join(IMAGE_PARTS)})")
+
+
 def has_images(messages: list[dict]) -> bool:
     return any(isinstance(p, dict) and p.get("type") in IMAGE_PARTS
                for m in messages if isinstance(m.get("content"), list) for p in m["content"])
@@ -106,8 +123,6 @@ def collect_images(messages: list[dict], limits: MediaLimits) -> tuple[list[dict
         parts = []
         for j, p in enumerate(content):
             kind = p.get("type") if isinstance(p, dict) else None
-            if kind in ("video_url", "video", "input_video"):
-                raise ServeError(400, f"messages[{i}].content[{j}]: video input is not supported; send frames as images")
             if kind in IMAGE_PARTS:
                 where = f"messages[{i}].content[{j}]"
                 if len(images) >= limits.max_images:

@@ -81,8 +81,9 @@ def completion_jobs(state, body) -> list[Job]:
 def chat_jobs(state, body) -> list[Job]:
     if state.chat is None:
         raise ServeError(400, "this checkpoint has no chat template; use /v1/completions")
-    from .media import collect_images, has_images
+    from .media import check_parts, collect_images, has_images
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
+    check_parts(messages)
     if state.images is None and has_images(messages):
         raise ServeError(400, "this model takes text only: it has no vision tower")
     messages, images = collect_images(messages, state.media) if state.media is not None else (messages, [])

@@ -283,6 +283,16 @@ def test_the_queue_limit_counts_sequences_not_requests(server):
     assert post(server, "/v1/completions", {"prompt": ["ab", "cd"], "n": 10, "max_tokens": 1}).status_code == 200
 
 
+@pytest.mark.parametrize("part", [{"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
+                                  {"type": "file", "file": {"file_data": "x"}}, {"type": "banana"},
+                                  {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}])
+def test_a_part_a_text_model_cannot_read_is_refused_not_dropped(server, part):
+    """It had answered 200 with the prompt of an empty message: the model never saw the input."""
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, part]}], "max_tokens": 1}
+    r = post(server, "/v1/chat/completions", body)
+    assert r.status_code == 400 and "messages[0].content[1]" in r.json()["message"], r.text
+
+
 def test_openapi_matches_the_routes(server):
     spec = httpx.get(server.base + "/openapi.json", headers=server.headers()).json()
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"} <= set(spec["paths"])

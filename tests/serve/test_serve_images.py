@@ -53,7 +53,11 @@ def test_image_chat_equals_offline_generation(server, media):
     ({"type": "image_url", "image_url": {"url": data_uri(png(500, 500, seed=2))}}, 400, "pixels"),
     ({"type": "image_url"}, 400, "image_url.url"),
     ({"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}, 400, "video input is not supported"),
-], ids=["http", "outside", "bad base64", "not an image", "too many pixels", "no url", "video"])
+    ({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}, 400, "'input_audio' are not supported"),
+    ({"type": "file", "file": {"file_data": "data:application/pdf;base64,AAAA"}}, 400, "'file' are not supported"),
+    ({"type": "banana"}, 400, "'banana' are not supported"),
+], ids=["http", "outside", "bad base64", "not an image", "too many pixels", "no url", "video", "audio", "file",
+        "unknown"])
 def test_bad_images_are_400s_that_cost_nothing(server, part, status, says):
     body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, part]}], "max_tokens": 2}
     r = post(server, "/v1/chat/completions", body)
