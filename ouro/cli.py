@@ -26,7 +26,8 @@ if "OMP_WAIT_POLICY" not in os.environ:
         os.environ["OURO_SET_GOMP_SPINCOUNT"] = "1"
 
 from .config.flags import (MAX_MEMORY_HELP, add_compile_flag, add_determinism_flag, add_kv_cache_flags,  # noqa: E402
-                           add_media_flags, add_parallel_flags, add_quantization_flag, add_speculative_flags)
+                           add_media_flags, add_parallel_flags, add_quantization_flag, add_speculative_flags,
+                           float_at_least, int_in, non_empty)
 from .models.resolve import BENCH_MODEL, DEFAULT_MODEL  # noqa: E402  (after the OpenMP policy)
 
 
@@ -116,16 +117,16 @@ def add_serve_parser(sub) -> None:
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default: the trained tiny-py model on 127.0.0.1:8000)")
     sv.add_argument("--model", default=DEFAULT_MODEL,
                     help=f"checkpoint directory or preset name (default: {DEFAULT_MODEL})")
-    sv.add_argument("--served-model-name", default=None, help="model name in the API (default: preset or dir name)")
+    sv.add_argument("--served-model-name", type=non_empty, default=None, help="model name in the API (default: preset or dir name)")
     sv.add_argument("--host", default="127.0.0.1")
-    sv.add_argument("--port", type=int, default=8000)
-    sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health")
+    sv.add_argument("--port", type=int_in(0, 65535), default=8000)
+    sv.add_argument("--api-key", type=non_empty, default=None, help="require 'Authorization: Bearer KEY' on every route but /health")
     sv.add_argument("--device", default="cpu")
     sv.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     sv.add_argument("--max-num-seqs", type=int, default=64, help="requests in the running batch at most")
     sv.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per engine step at most")
     sv.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    sv.add_argument("--max-queued-requests", type=int, default=256,
+    sv.add_argument("--max-queued-requests", type=int_in(0), default=256,
                     help="sequences (prompts x n) waiting beyond --max-num-seqs before new requests get 429")
     sv.add_argument("--max-memory", "--kv-cache-memory-bytes", dest="max_memory", type=int, default=None,
                     help=MAX_MEMORY_HELP + "; --disagg's engine workers share it too")
@@ -151,9 +152,9 @@ def add_serve_parser(sub) -> None:
                     help="with --cp N: LayerSplit, each helper rank keeps its own block of DSA layers' rows; a layer's "
                          "earlier rows come by broadcast from its owner before use (see --cp-chunk-size)")
     sv.add_argument("--prefix-checkpoint-interval", type=int, default=1, help="pages between KDA checkpoints")
-    sv.add_argument("--shutdown-timeout", type=float, default=30.0,
+    sv.add_argument("--shutdown-timeout", type=float_at_least(0.0), default=30.0,
                     help="seconds in-flight requests get to finish after SIGTERM")
-    sv.add_argument("--max-request-body-bytes", type=int, default=4 << 20)
+    sv.add_argument("--max-request-body-bytes", type=int_in(1), default=4 << 20)
     add_media_flags(sv)
     sv.add_argument("--logits-processors", nargs="*", default=[],
                     help="'module:Class' logits processors, each built with the checkpoint directory")

@@ -6,6 +6,41 @@ from __future__ import annotations
 import argparse
 
 
+def int_in(low: int, high: int | None = None):
+    """An argparse type: an integer in [low, high] (no upper bound with high None), refused by argparse
+    with one line naming the flag before anything loads."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            v = None
+        if v is None or v < low or (high is not None and v > high):
+            raise argparse.ArgumentTypeError(f"must be an integer {f'in {low}..{high}' if high is not None else f'>= {low}'}"
+                                             f", got {text!r}")
+        return v
+    return parse
+
+
+def float_at_least(low: float):
+    """An argparse type: a finite number >= low."""
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            v = float("nan")
+        if not (low <= v < float("inf")):
+            raise argparse.ArgumentTypeError(f"must be a number >= {low}, got {text!r}")
+        return v
+    return parse
+
+
+def non_empty(text: str) -> str:
+    """An argparse type: a string that is not empty (an empty API key or model name matches nothing)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
+
+
 def add_compile_flag(p) -> None:
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
                    help="run decode steps as one torch.compile'd graph at padded batch-size buckets (CUDA graphs on "
