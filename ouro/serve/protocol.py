@@ -30,6 +30,7 @@ from .chat_template import TEMPLATE_VARIABLES
 # stop strings a request may name: each is matched against the new text at every token, on the
 # server's event loop (180k of them held /health for 19 s); lm-eval's `until` lists a few. OpenAI takes 4
 MAX_STOPS, MAX_STOP_IDS = 64, 1024
+REASONING_EFFORT = Literal["none", "minimal", "low", "medium", "high"]     # OpenAI's values (Responses' too)
 BOUND = "x-ouro-bound"   # kinds: token_id, prompt_tokens, max_tokens, model (filled in by openapi.py)
 
 
@@ -207,6 +208,8 @@ class _Sampling(Body):
     def _prompt_logprobs_whole(self):                # NOT_STREAMED, as vLLM
         if self.stream and self.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs is not available with stream: true")
+        if self.stream_options is not None and not self.stream:       # as OpenAI and vLLM refuse it
+            raise ValueError("stream_options is only for stream: true")
         return self
     model: str | None = Field(None, json_schema_extra=bound("model"))
     stream: bool = False
@@ -342,5 +345,5 @@ class ChatCompletionRequest(_Sampling):
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, json_schema_extra={"propertyNames": {"not": {"enum": list(TEMPLATE_VARIABLES)}}})
-    reasoning_effort: str | None = None
+    reasoning_effort: REASONING_EFFORT | None = None
     add_generation_prompt: bool = True

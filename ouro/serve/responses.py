@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import ConfigDict, Field, WithJsonSchema, model_validator
 
-from .protocol import ARGUMENTS_TEXT, Body, ChatCompletionRequest, ServeError, Text, bound, only, rule
+from .protocol import ARGUMENTS_TEXT, REASONING_EFFORT, Body, ChatCompletionRequest, ServeError, Text, bound, only, rule
 
 
 class ResponseTool(Body):
@@ -95,7 +95,7 @@ class TextConfig(Body):
 
 
 class ReasoningConfig(Body):
-    effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    effort: REASONING_EFFORT | None = None
     summary: str | None = None
 
 
@@ -105,7 +105,7 @@ class ResponsesRequest(Body):
         {"tool_choice": {"anyOf": [{"const": "required"}, {"type": "object"}]}},
         {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]}))
     model: str | None = Field(None, json_schema_extra=bound("model"))
-    input: Union[str, Annotated[list[Union[MessageItem, FunctionCallItem, FunctionCallOutputItem]], Field(min_length=1)]]
+    input: Union[Text, Annotated[list[Union[MessageItem, FunctionCallItem, FunctionCallOutputItem]], Field(min_length=1)]]
     instructions: str | None = None
     tools: list[ResponseTool] | None = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedResponseTool, None] = None

@@ -177,7 +177,8 @@ def _check_length(state: ServerState, ids: list[int], body) -> None:
         raise ServeError(400, f"This model's maximum context length is {state.max_model_len} tokens. However, you "
                             f"requested {len(ids) + want} tokens ({len(ids)} in the messages, {want} in the "
                             "completion). Please reduce the length of the messages or completion.")
-    if len(ids) >= min(state.max_model_len, state.capacity_tokens):
+    room = min(state.max_model_len, state.capacity_tokens)
+    if len(ids) > room or (len(ids) == room and want != 0):     # max_tokens 0 scores a prompt of the full context
         raise ServeError(400, f"This model's maximum context length is {state.max_model_len} tokens "
                             f"(cache capacity {state.capacity_tokens} tokens). However, your prompt has {len(ids)} "
                             "tokens. Please reduce the length of the messages.")

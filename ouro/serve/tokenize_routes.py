@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import ConfigDict, Field
 
@@ -31,7 +31,7 @@ class TokenizeRequest(Body):
         {"properties": {"messages": {"type": "array"}}, "required": ["messages"]}]})
     model: str | None = Field(None, json_schema_extra=bound("model"))
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     add_generation_prompt: bool = True
     add_special_tokens: bool = True
     return_token_strs: bool = False

@@ -293,6 +293,29 @@ def test_a_part_a_text_model_cannot_read_is_refused_not_dropped(server, part):
     assert r.status_code == 400 and "messages[0].content[1]" in r.json()["message"], r.text
 
 
+@pytest.mark.parametrize("path,body,says", [
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 1, "stream_options": {"include_usage": True}}, "stream_options"),
+    ("/v1/responses", {"input": "", "max_output_tokens": 1}, "input"),
+    ("/tokenize", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "banana"},
+     "reasoning_effort")])
+def test_requests_other_servers_refuse_are_refused(server, path, body, says):
+    r = post(server, path, body)
+    assert r.status_code == 400 and says in r.json()["message"], r.text
+
+
+def test_a_prompt_of_the_whole_context_is_scored_with_max_tokens_0(server):
+    """lm-eval's loglikelihood of a full-context window: nothing is generated, so it fits."""
+    n = post(server, "/tokenize", {"prompt": "x"}).json()["max_model_len"]
+    ids = [random.Random(5).randrange(3, 500) for _ in range(n)]
+    r = post(server, "/v1/completions", {"prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 1})
+    assert r.status_code == 200, r.text
+    lp = r.json()["choices"][0]["logprobs"]["token_logprobs"]
+    assert len(lp) == n and lp[0] is None and all(isinstance(x, float) for x in lp[1:])
+    r = post(server, "/v1/completions", {"prompt": ids, "max_tokens": 1})
+    assert r.status_code == 400 and "maximum context length" in r.json()["message"]
+
+
 def test_openapi_matches_the_routes(server):
     spec = httpx.get(server.base + "/openapi.json", headers=server.headers()).json()
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"} <= set(spec["paths"])
