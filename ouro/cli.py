@@ -117,10 +117,12 @@ def add_serve_parser(sub) -> None:
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default: the trained tiny-py model on 127.0.0.1:8000)")
     sv.add_argument("--model", default=DEFAULT_MODEL,
                     help=f"checkpoint directory or preset name (default: {DEFAULT_MODEL})")
-    sv.add_argument("--served-model-name", type=non_empty, default=None, help="model name in the API (default: preset or dir name)")
+    sv.add_argument("--served-model-name", type=non_empty, default=None,
+                    help="model name in the API (default: preset or dir name)")
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int_in(0, 65535), default=8000)
-    sv.add_argument("--api-key", type=non_empty, default=None, help="require 'Authorization: Bearer KEY' on every route but /health")
+    sv.add_argument("--api-key", type=non_empty, default=None,
+                    help="require 'Authorization: Bearer KEY' on every route but /health")
     sv.add_argument("--device", default="cpu")
     sv.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     sv.add_argument("--max-num-seqs", type=int, default=64, help="requests in the running batch at most")

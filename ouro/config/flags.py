@@ -15,8 +15,8 @@ def int_in(low: int, high: int | None = None):
         except ValueError:
             v = None
         if v is None or v < low or (high is not None and v > high):
-            raise argparse.ArgumentTypeError(f"must be an integer {f'in {low}..{high}' if high is not None else f'>= {low}'}"
-                                             f", got {text!r}")
+            bound = f"in {low}..{high}" if high is not None else f">= {low}"
+            raise argparse.ArgumentTypeError(f"must be an integer {bound}, got {text!r}")
         return v
     return parse
 
