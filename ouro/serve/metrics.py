@@ -30,7 +30,7 @@ class Metrics:
         self.slots_used = g("ouro:state_slots_used", "KDA state slots in use")
         self.slots_total = g("ouro:state_slots_total", "KDA state slots")
         self.prefix_hit_rate = g("ouro:prefix_cache_hit_rate", "Prefix-cache lookups that hit (0..1)")
-        self.in_flight = g("ouro:num_requests_in_flight", "Requests admitted by the frontend and not finished")
+        self.in_flight = g("ouro:num_requests_in_flight", "Sequences (a request's prompts x n) admitted by the frontend and not finished")
         h = lambda name, doc: Histogram(name, doc, lbl, buckets=LATENCY_BUCKETS, registry=r).labels(model_name)
         self.ttft = h("ouro:time_to_first_token_seconds", "Time to first token")
         self.itl = h("ouro:inter_token_latency_seconds", "Time between consecutive output tokens")
