@@ -139,6 +139,8 @@ class LLM:
         jobs = [(p, sp.child(k)) for p, sp in zip(prompts, plist) for k in range(sp.n)]
         for p, child in jobs:                      # every request checked before any is queued
             self.engine.check_request(p, child)
+        if not jobs:                               # no prompts: no results (as vLLM answers it)
+            return []
         ids = []
         while not ids or any(r in self.engine.requests for r in ids):   # names nobody else holds
             self._calls += 1

@@ -22,6 +22,19 @@ def test_generate_text_and_token_prompts(llm):
     assert again.token_ids == text.token_ids
 
 
+def test_no_prompts_give_no_results(llm):
+    """generate([]) had looped forever naming request ids for no requests (run on a thread, so a
+    regression fails here instead of hanging the suite)."""
+    import threading
+    got = []
+    worker = threading.Thread(target=lambda: got.append((llm.generate([], SamplingParams(max_tokens=4)),
+                                                         llm.generate([], []))), daemon=True)
+    worker.start()
+    worker.join(30)
+    assert not worker.is_alive() and got == [([], [])]
+    assert len(llm.generate(["a"], SamplingParams(max_tokens=1))) == 1      # still serving
+
+
 def test_n_and_logprobs(llm):
     p = SamplingParams(temperature=1.0, n=3, seed=7, max_tokens=5, logprobs=2, ignore_eos=True)
     (res,) = llm.generate("abc", p)
