@@ -237,11 +237,11 @@ def _add_bench_parser(sub) -> None:
     bench.add_argument("kind", choices=["offline", "prefill", "serve"])
     bench.add_argument("--model", default=None, help=f"checkpoint directory or preset name (default: {BENCH_MODEL}); "
                        "serve: the model name sent (default: the server's first in /v1/models)")
-    bench.add_argument("--input-len", "--random-input-len", dest="input_len", type=int, default=256)
-    bench.add_argument("--output-len", "--random-output-len", dest="output_len", type=int, default=64)
-    bench.add_argument("--num-prompts", type=int, default=64)
-    bench.add_argument("--max-concurrency", type=int, default=32)
-    bench.add_argument("--repeats", type=int, default=3)
+    bench.add_argument("--input-len", "--random-input-len", dest="input_len", type=int_in(1), default=256)
+    bench.add_argument("--output-len", "--random-output-len", dest="output_len", type=int_in(1), default=64)
+    bench.add_argument("--num-prompts", type=int_in(1), default=64)
+    bench.add_argument("--max-concurrency", type=int_in(1), default=32)
+    bench.add_argument("--repeats", type=int_in(1), default=3)
     from .bench.command import add_bench_prefill_options, add_bench_serve_options, run_bench
     add_bench_prefill_options(bench)
     add_compile_flag(bench)

@@ -26,7 +26,7 @@ def generate_cli(args) -> int:
               enable_deterministic_inference=bool(getattr(args, "enable_deterministic_inference", False)),
               tensor_parallel_size=tp_args(args)["tensor_parallel_size"], enable_expert_parallel=tp_args(args)["expert_parallel"])
     engine = llm.engine
-    if args.prompt_token_ids:
+    if args.prompt_token_ids is not None:
         try:
             prompt = {"prompt_token_ids": [int(x) for x in args.prompt_token_ids.split(",")]}
         except ValueError:

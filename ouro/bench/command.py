@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from ..config.flags import rate
+
 
 def add_bench_prefill_options(bench) -> None:
     bench.add_argument("--cp", type=int, default=1, help="prefill: context-parallel ranks, timed against one "
@@ -21,7 +23,7 @@ def add_bench_serve_options(bench) -> None:
                    help="chat requests (/v1/chat/completions) each with new random images of this size, e.g. 224x224")
     g.add_argument("--images-per-request", type=int, default=1, help="with --image-size")
     g.add_argument("--api-key", default=None)
-    g.add_argument("--request-rate", type=float, default=float("inf"),
+    g.add_argument("--request-rate", type=rate, default=float("inf"),
                    help="requests/s, Poisson (default inf: all at once)")
     g.add_argument("--seed", type=int, default=0, help="prompts and arrival times")
     g.add_argument("--vocab-range", default=None, help="LO,HI for the random prompt ids (default: from "

@@ -33,6 +33,10 @@ def load_config_file(path) -> dict:
         raise ValueError(f"config file {p} does not exist") from None
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"config file {p} is not valid TOML: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"config file {p} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except OSError as e:          # a directory, no permission, ...
+        raise ValueError(f"config file {p} cannot be read: {e.strerror or e}") from None
     # a key outside the two tables (`compile = true` on the file's first lines, a misspelt table) would
     # otherwise be dropped without a word, and the engine run without it
     stray = sorted(k for k in doc if k not in ("engine", "tune") or not isinstance(doc[k], dict))

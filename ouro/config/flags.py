@@ -34,6 +34,17 @@ def float_at_least(low: float):
     return parse
 
 
+def rate(text: str) -> float:
+    """An argparse type: requests per second, > 0 (inf: all at once)."""
+    try:
+        v = float(text)
+    except ValueError:
+        v = float("nan")
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be a number > 0 (inf: all at once), got {text!r}")
+    return v
+
+
 def non_empty(text: str) -> str:
     """An argparse type: a string that is not empty (an empty API key or model name matches nothing)."""
     if not text.strip():

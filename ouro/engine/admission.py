@@ -36,8 +36,11 @@ def checked_request(self, prompt, params, request_id):
     if total > self.plan.max_tokens:
         raise ValueError(f"prompt + max_tokens = {total} tokens exceeds the cache's total capacity "
                          f"{self.plan.max_tokens} tokens; raise --max-memory or lower max_tokens")
-    if params.forced_prefix_ids and max(params.forced_prefix_ids) >= self.model.config.vocab_size:
-        raise ValueError(f"forced_prefix_ids out of range [0, {self.model.config.vocab_size})")
+    for name in ("forced_prefix_ids", "stop_token_ids"):      # an id past the vocabulary could never be sampled
+        ids_ = getattr(params, name, None) or ()
+        if ids_ and max(ids_) >= self.model.config.vocab_size:
+            raise ValueError(f"{name} out of range [0, {self.model.config.vocab_size}): "
+                             f"{[t for t in ids_ if t >= self.model.config.vocab_size][:5]}")
     if self.tokenizer is None and params.stop_list:
         raise ValueError("stop strings need a tokenizer; this checkpoint has none (use stop_token_ids)")
     return ids, params, images

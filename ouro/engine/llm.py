@@ -122,6 +122,8 @@ class LLM:
         """One result per prompt. The whole call is validated before anything is queued, and on
         any exception (a bad prompt, a failing step, KeyboardInterrupt) this call's requests are
         aborted, so the engine stays usable and correct for the next call."""
+        if isinstance(prompts, (bytes, bytearray)):
+            raise TypeError("prompts must be text (str), a dict or a list of them, got bytes: decode them first")
         single = isinstance(prompts, (str, dict))
         prompts = [prompts] if single else list(prompts)
         params = SamplingParams() if params is None else params

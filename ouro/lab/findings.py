@@ -146,5 +146,11 @@ def write_json(findings: list[Finding], path: str, extra: dict | None = None) ->
 
 
 def read_json(path: str) -> list[Finding]:
-    with open(path) as fh:
-        return [Finding(**d) for d in json.load(fh)["findings"]]
+    """A findings file (`--json`'s output); a ValueError naming the file where it is not one."""
+    try:
+        with open(path) as fh:
+            return [Finding(**d) for d in json.load(fh)["findings"]]
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read it ({e.strerror or e})") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path} is not a findings file (from --json): {e}") from None

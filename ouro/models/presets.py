@@ -169,7 +169,10 @@ def make_model(preset: str, directory: str | Path, seed: int = 0, progress: bool
         raise ValueError(f"{directory} exists and is not a directory; choose another path")
     if (directory / "config.json").exists() and not overwrite:
         raise ValueError(f"{directory} already holds a checkpoint (config.json); pass --overwrite to replace it")
-    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as e:        # a parent that is a file, no permission, ...
+        raise ValueError(f"cannot create {directory}: {e.strerror or e}") from None
     tower_config = VISION_PRESETS.get(preset)
     # text presets: a tiny vision tower config (no weights) so transformers can build the full model class
     vision = tower_config.to_hf_dict() if tower_config else {

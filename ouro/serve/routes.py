@@ -173,6 +173,9 @@ def _check_length(state: ServerState, ids: list[int], body) -> None:
     bad = [t for t in ids if not 0 <= t < state.vocab_size]
     if bad:
         raise ServeError(400, f"prompt token ids out of range [0, {state.vocab_size}): {bad[:5]}")
+    bad = [t for t in body.stop_token_ids or () if t >= state.vocab_size]
+    if bad:
+        raise ServeError(400, f"stop_token_ids out of range [0, {state.vocab_size}): {bad[:5]}")
     if want is not None and len(ids) + want > state.max_model_len:
         raise ServeError(400, f"This model's maximum context length is {state.max_model_len} tokens. However, you "
                             f"requested {len(ids) + want} tokens ({len(ids)} in the messages, {want} in the "

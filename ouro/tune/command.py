@@ -6,6 +6,8 @@ import json
 import sys
 from pathlib import Path
 
+from ..config.flags import int_in, rate
+
 
 def add_tune_parser(sub) -> None:
     t = sub.add_parser("tune", help="search this machine's fastest serving configuration, each step verified; "
@@ -21,17 +23,17 @@ def add_tune_parser(sub) -> None:
     t.add_argument("--output", default="tuned.toml", help="the winning configuration, for ouro serve --config")
     t.add_argument("--journal", default=None, help="every candidate, one JSON line each; a rerun resumes from it "
                                                    "(default: OUTPUT with .journal.jsonl)")
-    t.add_argument("--num-prompts", type=int, default=8)
-    t.add_argument("--input-len", type=int, default=64)
-    t.add_argument("--output-len", type=int, default=32)
-    t.add_argument("--max-concurrency", type=int, default=8)
-    t.add_argument("--request-rate", type=float, default=float("inf"),
+    t.add_argument("--num-prompts", type=int_in(1), default=8)
+    t.add_argument("--input-len", type=int_in(1), default=64)
+    t.add_argument("--output-len", type=int_in(1), default=32)
+    t.add_argument("--max-concurrency", type=int_in(1), default=8)
+    t.add_argument("--request-rate", type=rate, default=float("inf"),
                    help="serve: requests per second (Poisson arrivals); inf sends them all at once")
     t.add_argument("--objective", default="throughput", choices=["throughput", "ttft"],
                    help="what a candidate must improve to be kept: the workload's time (throughput), or with "
                         "--workload serve the clients' median time to first token (ttft)")
-    t.add_argument("--max-memory", type=int, default=512 << 20, help="cache bytes of every candidate")
-    t.add_argument("--rounds", type=int, default=3, help="A/B rounds per candidate (each runs both sides)")
+    t.add_argument("--max-memory", type=int_in(1), default=512 << 20, help="cache bytes of every candidate")
+    t.add_argument("--rounds", type=int_in(1), default=3, help="A/B rounds per candidate (each runs both sides)")
     t.add_argument("--no-ablation", action="store_true", help="skip removing each kept option from the winner")
     t.add_argument("--no-gap", action="store_true", help="skip the winner's decode step part by part against its floor")
     t.add_argument("--json", default=None, metavar="FILE", help="write the journal and the ablation as JSON")
@@ -41,9 +43,12 @@ def add_tune_parser(sub) -> None:
 def _budget(text: str) -> float:
     t = text.strip()
     try:
-        return float(t[:-1]) / 100 if t.endswith("%") else float(t)
+        v = float(t[:-1]) / 100 if t.endswith("%") else float(t)
     except ValueError:
-        raise ValueError(f"--quality-budget takes a fraction or a percentage (0.007 or 0.7%), got {text!r}") from None
+        v = float("nan")
+    if not 0 <= v < float("inf"):
+        raise ValueError(f"--quality-budget takes a fraction or a percentage >= 0 (0.007 or 0.7%), got {text!r}")
+    return v
 
 
 def quality_model(model_dir: Path, given) -> Path:
@@ -63,6 +68,9 @@ def run_tune(args) -> int:
     from .report import format_ablation, format_journal, motivations
     from .search import Tuner, Workload
     budget = _budget(args.quality_budget)
+    for path in (args.output, args.journal):
+        if path and not Path(path).resolve().parent.is_dir():
+            raise ValueError(f"{path}: its directory {Path(path).resolve().parent} does not exist")
     model_dir = resolve_model(args.model, progress=True)
     if args.workload != "serve" and args.request_rate != float("inf"):
         raise ValueError("--request-rate is for --workload serve (the offline workload queues every prompt at once)")

@@ -35,6 +35,14 @@ def test_no_prompts_give_no_results(llm):
     assert len(llm.generate(["a"], SamplingParams(max_tokens=1))) == 1      # still serving
 
 
+def test_bytes_and_stop_ids_past_the_vocabulary_are_refused(llm):
+    with pytest.raises(TypeError, match="got bytes"):
+        llm.generate(b"abc", SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match="stop_token_ids out of range"):
+        llm.generate("abc", SamplingParams(max_tokens=1, stop_token_ids=[3, 10 ** 9]))
+    assert len(llm.generate("abc", SamplingParams(max_tokens=1, stop_token_ids=[3]))) == 1
+
+
 def test_n_and_logprobs(llm):
     p = SamplingParams(temperature=1.0, n=3, seed=7, max_tokens=5, logprobs=2, ignore_eos=True)
     (res,) = llm.generate("abc", p)

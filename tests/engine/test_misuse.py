@@ -294,6 +294,17 @@ def run_ouro(*args):
     (["serve", "--model", "tiny", "--shutdown-timeout", "-5"], "--shutdown-timeout"),
     (["serve", "--model", "tiny", "--served-model-name", " "], "--served-model-name: must not be empty"),
     (["serve", "--model", "tiny", "--api-key", ""], "--api-key: must not be empty"),
+    (["make-model", "tiny", "{file}/x"], "cannot create"),
+    (["bench", "offline", "--model", "tiny", "--num-prompts", "0"], "--num-prompts: must be an integer >= 1"),
+    (["bench", "prefill", "--model", "tiny", "--input-len", "0"], "--input-len"),
+    (["bench", "serve", "--request-rate", "-1"], "--request-rate"),
+    (["bench", "offline", "--model", "tiny", "--config", "{dir}"], "cannot be read"),
+    (["tune", "--model", "tiny", "--num-prompts", "-3"], "--num-prompts"),
+    (["tune", "--model", "tiny", "--rounds", "0"], "--rounds"),
+    (["tune", "--model", "tiny", "--quality-budget=-1%"], "--quality-budget"),
+    (["tune", "--model", "tiny", "--output", "{file}/t.toml"], "does not exist"),
+    (["probe", "leaks", "--model", "tiny", "--baseline", "{dir}/none.json"], "cannot read it"),
+    (["generate", "{tiny}", "--prompt-token-ids="], "comma-separated integers"),
     (["make-model", "tiny", "{file}"], "not a directory"),
     (["make-model", "tiny", "{tiny}"], "--overwrite"),
 ] + ([] if torch.cuda.is_available() else [(["generate", "{tiny}", "--device", "cuda"], "no CUDA"),
@@ -301,6 +312,6 @@ def run_ouro(*args):
 def test_cli_errors_are_one_line_not_tracebacks(tiny_dir, tmp_path, args, message):
     f = tmp_path / "a_file"
     f.write_text("x")
-    r = run_ouro(*[a.format(tiny=tiny_dir, file=f) for a in args])
+    r = run_ouro(*[a.format(tiny=tiny_dir, file=f, dir=tmp_path) for a in args])
     assert r.returncode == 2, r.stderr
     assert message in r.stderr and "Traceback" not in r.stderr

@@ -258,6 +258,11 @@ def test_tokenizing_runs_off_the_event_loop(model_dir):
     assert len(seen) == 2 and all(t is not loop_thread for t in seen)
 
 
+def test_a_stop_id_past_the_vocabulary_is_refused(server):
+    r = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "stop_token_ids": [3, 10 ** 9]})
+    assert r.status_code == 400 and "stop_token_ids out of range" in r.json()["message"], r.text
+
+
 @pytest.mark.parametrize("field,n,ok", [("stop", 64, True), ("stop", 65, False), ("stop_token_ids", 1025, False)])
 def test_stop_lists_are_bounded(server, field, n, ok):
     value = [f"s{i}" for i in range(n)] if field == "stop" else list(range(n))
