@@ -17,6 +17,8 @@ def add_bench_prefill_options(bench) -> None:
 
 def add_bench_serve_options(bench) -> None:
     g = bench.add_argument_group("serve", "`ouro bench serve`: load an OpenAI-compatible server")
+    # (flag, dest, default) of this group: given to `bench offline` or `prefill` they did nothing, unsaid
+    bench.set_defaults(serve_only=lambda: [(a.option_strings[0], a.dest, a.default) for a in g._group_actions])
     g.add_argument("--base-url", default="http://127.0.0.1:8000")
     g.add_argument("--endpoint", default="/v1/completions")
     g.add_argument("--image-size", default=None, metavar="HxW",
@@ -61,6 +63,10 @@ def run_bench(args) -> int:
     from ..config import EngineConfig, speculative_args
     from ..models.resolve import BENCH_MODEL, resolve_model
     EngineConfig(device=args.device, dtype=args.dtype).check_device()
+    if args.kind != "serve":
+        given = [flag for flag, dest, default in args.serve_only() if getattr(args, dest) != default]
+        if given:
+            raise ValueError(f"{', '.join(given)}: for `ouro bench serve` only; `bench {args.kind}` does not read them")
     if args.kind == "serve" and args.compare_base_url:
         from .serve_compare import compare_serve, format_compare
         r = compare_serve(args)

@@ -298,6 +298,8 @@ def run_ouro(*args):
     (["bench", "offline", "--model", "tiny", "--num-prompts", "0"], "--num-prompts: must be an integer >= 1"),
     (["bench", "prefill", "--model", "tiny", "--input-len", "0"], "--input-len"),
     (["bench", "serve", "--request-rate", "-1"], "--request-rate"),
+    (["bench", "offline", "--model", "tiny", "--offline-page-size", "0"], "for `ouro bench serve` only"),
+    (["bench", "prefill", "--model", "tiny", "--vocab-range", "0", "--seed", "3"], "--seed, --vocab-range"),
     (["bench", "offline", "--model", "tiny", "--config", "{dir}"], "cannot be read"),
     (["tune", "--model", "tiny", "--num-prompts", "-3"], "--num-prompts"),
     (["tune", "--model", "tiny", "--rounds", "0"], "--rounds"),
