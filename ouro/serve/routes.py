@@ -19,7 +19,8 @@ from .generation import Generation
 from .openapi import STREAMED
 from .protocol import ChatCompletionRequest, CompletionRequest, ServeError, check_model, error_body
 from .response_view import ResponseView
-from .responses import ResponsesRequest, sse_events, to_chat, to_response
+from .responses import ResponsesRequest, to_chat, to_response
+from .responses_stream import sse_events
 from .state import ServerState
 
 router = APIRouter()
