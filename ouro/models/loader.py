@@ -159,14 +159,12 @@ def check_checkpoint(model: torch.nn.Module, directory: str | Path, partial: boo
     for name in sorted(expected.keys() - shapes.keys()):
         problems.append(f"missing tensor {name} (expected shape {list(expected[name])})")
     mtp_heads = mtp_head_shapes(config)
-    for name in sorted(shapes.keys() - expected.keys()) if not partial else ():
-        kind = _ignored_kind(name, config)
+    extra = [n for n in shapes.keys() - expected.keys() if 0 not in shapes[n]]    # zero-size: nothing (no shared MLP)
+    for name in sorted(extra) if not partial else ():
         if name in mtp_heads and shapes[name] != mtp_heads[name]:
             problems.append(f"MTP tensor {name} has shape {list(shapes[name])}, expected {list(mtp_heads[name])}")
-        elif kind:
+        elif kind := _ignored_kind(name, config):
             ignored[kind] += 1
-        elif 0 in shapes[name] and name.split(".")[-3] == "shared_experts":
-            pass            # n_shared_experts 0: transformers saves the zero-width shared MLP (no values)
         else:
             problems.append(f"unexpected tensor {name} with shape {list(shapes[name])}")
     if not partial and config.has_mtp and ignored["mtp"] and not mtp_heads.keys() <= shapes.keys():
