@@ -58,7 +58,7 @@ class Place:
         """The request's prompts x n choices, counted against --max-num-seqs + --max-queued-requests:
         a 400 where it alone is more than the server takes, a 429 where the others leave no room."""
         st = self.state
-        limit = st.max_num_seqs + st.max_queued_requests
+        limit = st.sequence_limit
         if sequences > limit:
             raise ServeError(400, f"this request asks for {sequences} sequences (prompts x n) and the server takes "
                                   f"{limit} at once (--max-num-seqs {st.max_num_seqs} + --max-queued-requests "
@@ -100,7 +100,7 @@ class Guard:
             refuse = (503, "the server is draining (shutting down); retry elsewhere")
         elif generate and not st.client.healthy:
             refuse = (503, st.client.dead_reason or "the engine is still loading; retry shortly")
-        elif generate and st.in_flight >= st.max_num_seqs + st.max_queued_requests:
+        elif generate and st.in_flight >= st.sequence_limit:
             refuse = (429, f"too many sequences in flight ({st.in_flight}); the waiting queue is full "
                            f"(--max-queued-requests {st.max_queued_requests}); retry later")
         elif scope["method"] == "POST" and length is not None and (not length.isdigit() or

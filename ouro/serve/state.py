@@ -42,3 +42,8 @@ class ServerState:
     tokenizer_info: dict = field(default_factory=dict)   # GET /tokenizer_info (tokenize_routes.tokenizer_info)
     metrics: Metrics = field(default=None)
     created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def sequence_limit(self) -> int:
+        """Sequences (prompts x n) in flight at most: the running batch and the waiting queue."""
+        return self.max_num_seqs + self.max_queued_requests
