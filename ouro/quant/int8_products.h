@@ -260,6 +260,15 @@ constexpr int TR = 4, TB = 4;
 constexpr int TR = 4, TB = 2;
 #endif
 
+// A chunk of at most this many rows (a decode step's rows of one expert, or of a small batch) runs
+// one channel block at a time: each thread then reads its weights as one sequential stream, which
+// the hardware prefetcher follows. Four blocks at once (four streams 4 KB apart, with the software
+// prefetch below) read ~20 GB/s of weights on the Zen 4 VM, where a plain read runs ~30: the routed
+// experts of a 16-token step (7 layers, 79 MB) took 5.7 -> 3.4 ms (medians; 0.96 -> 0.65-0.74 ms at
+// one token; the AVX2 path built on the same machine: 4.4-5.0 -> 3.1-3.3 ms); at 4 rows and more the
+// wide tiles' reuse of each load wins again. The sums are the same integers either way.
+constexpr int64_t FEW_ROWS = 3;
+
 // rows [r0, r1) of X against channel blocks [nbA, nbB) of one packed weight P;
 // emit(m, n0, acc, count): the int32 sums of channels n0 .. n0 + count (count <= 8, n0 + count <= N)
 template <typename Emit>
@@ -276,6 +285,23 @@ void packed_rows(const XT* X, int64_t xs, const int8_t* P, int64_t KGN, int64_t 
     for (int64_t c0 = r0; c0 < r1; c0 += ROW_CHUNK) {
         const int64_t c1 = std::min(r1, c0 + ROW_CHUNK);
         int64_t nb = nbA;
+        if (c1 - c0 <= FEW_ROWS) {
+            int32_t few[2][1][LANES];
+            for (; nb < nbB; ++nb) {
+                const int64_t n0 = nb * LANES, count = std::min<int64_t>(LANES, N - n0);
+                int64_t m = c0;
+                for (; m + 2 <= c1; m += 2) {
+                    packed_tile<2, 1>(X + m * xs, xs, P, KGN, nb, few);
+                    emit(m, n0, few[0][0], count);
+                    emit(m + 1, n0, few[1][0], count);
+                }
+                if (m < c1) {
+                    packed_tile<1, 1>(X + m * xs, xs, P, KGN, nb, few);
+                    emit(m, n0, few[0][0], count);
+                }
+            }
+            continue;
+        }
         for (; nb + TB <= nbB; nb += TB) {
             // the next tile's blocks requested while this one is summed (streamed weights: measured on
             // the float experts, 1.2-1.35x a cold 16-token step's routed experts)
