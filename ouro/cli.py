@@ -252,6 +252,7 @@ def _add_bench_parser(sub) -> None:
     bench.add_argument("--compare", nargs="?", const="transformers", choices=["transformers", "none"],
                        default="none", help="also run transformers on the same work (--compare transformers)")
     bench.add_argument("--output-json", default=None)
+    bench.add_argument("--disable-tqdm", action="store_true", help="no progress bars (every kind)")
     bench.add_argument("--device", default="cpu", help="offline: cpu or cuda (both systems run there)")
     bench.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="offline: auto (the fastest native GEMM dtype of this machine, timed once and cached)")
     add_quantization_flag(bench)

@@ -30,7 +30,6 @@ def add_bench_serve_options(bench) -> None:
     g.add_argument("--seed", type=int, default=0, help="prompts and arrival times")
     g.add_argument("--vocab-range", default=None, help="LO,HI for the random prompt ids (default: from "
                    "--compare-offline's vocabulary, else 300,500)")
-    g.add_argument("--disable-tqdm", action="store_true")
     g.add_argument("--compare-base-url", default=None, metavar="URL",
                    help="also run the same prompts against this second server, in alternating rounds (--repeats "
                         "each): e.g. a single server against `ouro serve --disagg 1P1D`")
@@ -87,7 +86,8 @@ def run_bench(args) -> int:
         extra += ["--quantization", args.quantization] if args.quantization else []
         extra += ["--quantization-ignore", args.quantization_ignore] if args.quantization_ignore else []
         extra += ["--config", args.config] if args.config else []
-        r = bench_baseline(args.baseline, str(resolve_model(args.model)), flags, args.repeats, current_extra=extra)
+        r = bench_baseline(args.baseline, str(resolve_model(args.model)), flags, args.repeats,
+                           progress=not args.disable_tqdm, current_extra=extra)
         print(format_baseline(r))
     elif args.kind == "offline":
         from .offline import bench_offline, format_offline
@@ -96,12 +96,13 @@ def run_bench(args) -> int:
                           compile=args.compile, compile_max_bs=args.torch_compile_max_bs,
                           quantization=args.quantization, speculative=speculative_args(args),
                           deterministic=args.enable_deterministic_inference,
-                          engine_fields=offline_fields(args))
+                          engine_fields=offline_fields(args), progress=not args.disable_tqdm)
         print(format_offline(r))
     if args.kind == "prefill" and args.cp > 1:
         from .prefill_cp import bench_prefill_cp, format_prefill_cp
         dtype = EngineConfig(device=args.device, dtype=args.dtype).torch_dtype()
-        r = bench_prefill_cp(resolve_model(args.model), args.input_len, args.cp, args.repeats, args.cp_precision, dtype)
+        r = bench_prefill_cp(resolve_model(args.model), args.input_len, args.cp, args.repeats, args.cp_precision, dtype,
+                             progress=not args.disable_tqdm)
         print(format_prefill_cp(r))
     elif args.kind == "prefill" and args.breakdown:
         from ..measure.step_breakdown import format_breakdown
@@ -113,7 +114,8 @@ def run_bench(args) -> int:
         print(format_breakdown(r))
     elif args.kind == "prefill":
         from .prefill import bench_prefill, format_prefill
-        r = bench_prefill(resolve_model(args.model), args.input_len, args.repeats, args.compare == "transformers")
+        r = bench_prefill(resolve_model(args.model), args.input_len, args.repeats, args.compare == "transformers",
+                          progress=not args.disable_tqdm)
         print(format_prefill(r))
     if args.output_json:
         with open(args.output_json, "w") as f:

@@ -143,3 +143,13 @@ def test_prefill_cp_bench_times_both_sides_after_checking_them(tiny_checkpoint):
     assert len(r["cp1_peak_bytes"]) == 1 and len(r["cp_peak_bytes"]) == 2 and min(r["cp_peak_bytes"]) > 1 << 20
     text = format_prefill_cp(r)
     assert f"{r['speedup']:.2f}x" in text and "per rank" in text
+
+
+@pytest.mark.parametrize("quiet", [False, True])
+def test_disable_tqdm_hides_the_offline_bar(tiny_checkpoint, capsys, quiet):
+    """--disable-tqdm is every kind's (benchmarks/llama_cpp_compare.py passes it to `bench offline`),
+    and it hides the waves' bar; without it the bar is drawn."""
+    code = main(["bench", "offline", "--model", str(tiny_checkpoint), "--num-prompts", "2", "--input-len", "8",
+                 "--output-len", "2", "--max-concurrency", "2", *(["--disable-tqdm"] if quiet else [])])
+    assert code == 0
+    assert ("waves (ouro" in capsys.readouterr().err) is not quiet
