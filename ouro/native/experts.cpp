@@ -3,8 +3,12 @@
 // each token's k outputs weighted and summed in choice order. Two forms of the products:
 //
 // - streamed (decode, a few rows an expert): each expert's weights read once for all of its rows,
-//   gate/up rows two at a time against four token rows (`dot_2x4`, eight independent sums), the
-//   SwiGLU in the same loop, then the down rows against four hidden rows. torch ran this as a padded
+//   one weight row at a time against four token rows (`dot_1x4`), so each thread reads its stretch
+//   of the weights front to back (a gate and an up row side by side were two streams 1 MB apart:
+//   in one process, calls alternating, cold weights, the Zen 4 VM: 7 layers of `small`'s experts
+//   1.95-2.69 -> 1.80-2.20 ms at one token, 6.3-9.0 -> 5.7-6.6 at four, 14.0-19.9 -> 13.3-18.1 at
+//   16; the same bits), a block's gate rows, then its up rows with the SwiGLU, then the down rows
+//   against four hidden rows. torch ran this as a padded
 //   batched matmul: at 1-8 rows an expert BLAS's small-M kernels and the padding kept it at ~4.7x
 //   its weight-read floor on `small`.
 // - tiled (prefill, tens of rows an expert and more): a grouped GEMM. Tasks are (expert, chunk of its
@@ -32,7 +36,6 @@
 
 namespace {
 
-constexpr int64_t AHEAD = 2;    // weight rows prefetched this many rows (gate/up channels, down pairs) ahead
 constexpr int64_t BLOCK = 32;   // output channels per task: 32 x D floats of weights, a few L2 lines' worth
 
 inline float swiglu(float g, float u, float lim) {
@@ -70,21 +73,27 @@ void streamed(const Step<W>& s) {
     for (size_t i = 0; i < sorted_rows.size(); ++i) sorted_rows[i] = static_cast<int64_t>(i);
     const int64_t up_blocks = (I + BLOCK - 1) / BLOCK;
     at::parallel_for(0, A * up_blocks, 1, [&](int64_t t0, int64_t t1) {
+        std::vector<float> gate;
         for (int64_t t = t0; t < t1; ++t) {
             const int64_t e = (*s.active)[t / up_blocks], j0 = (t % up_blocks) * BLOCK, j1 = std::min(I, j0 + BLOCK);
+            const int64_t r0 = start[e], rows = start[e + 1] - r0;
             const W* We = s.gate_up + e * 2 * I * D;
-            for (int64_t j = j0; j < j1; ++j) {
-                const W* pair[2] = {We + j * D, We + (I + j) * D};
-                if (j + AHEAD < I) {
-                    ouro::prefetch(pair[0] + AHEAD * D, D * sizeof(W));
-                    ouro::prefetch(pair[1] + AHEAD * D, D * sizeof(W));
-                }
-                by_four(s.order->token, start[e], start[e + 1], s.x, D, [&](const float* const* rows, int64_t r, int64_t c) {
-                    float v[8];
-                    ouro::dot_2x4(pair, rows, D, v);
-                    for (int64_t i = 0; i < c; ++i) s.h[(r + i) * I + j] = swiglu(v[i], v[4 + i], s.lim);
+            // the block's gate rows, then its up rows: one weight row at a time, each stretch of the
+            // weights read front to back (a row pair side by side was two streams 1 MB apart)
+            gate.resize(rows * BLOCK);
+            for (int64_t j = j0; j < j1; ++j)
+                by_four(s.order->token, r0, start[e + 1], s.x, D, [&](const float* const* x, int64_t r, int64_t c) {
+                    float v[4];
+                    ouro::dot_1x4(We + j * D, x, D, v);
+                    for (int64_t i = 0; i < c; ++i) gate[(r - r0 + i) * BLOCK + (j - j0)] = v[i];
                 });
-            }
+            for (int64_t j = j0; j < j1; ++j)
+                by_four(s.order->token, r0, start[e + 1], s.x, D, [&](const float* const* x, int64_t r, int64_t c) {
+                    float v[4];
+                    ouro::dot_1x4(We + (I + j) * D, x, D, v);
+                    for (int64_t i = 0; i < c; ++i)
+                        s.h[(r + i) * I + j] = swiglu(gate[(r - r0 + i) * BLOCK + (j - j0)], v[i], s.lim);
+                });
         }
     });
     const int64_t down_blocks = (D + BLOCK - 1) / BLOCK;
@@ -92,19 +101,12 @@ void streamed(const Step<W>& s) {
         for (int64_t t = t0; t < t1; ++t) {
             const int64_t e = (*s.active)[t / down_blocks], d0 = (t % down_blocks) * BLOCK, d1 = std::min(D, d0 + BLOCK);
             const W* We = s.down + e * D * I;
-            for (int64_t d = d0; d < d1; d += 2) {
-                const int64_t d2 = std::min(d + 1, d1 - 1);     // an odd tail repeats its last row
-                const W* pair[2] = {We + d * I, We + d2 * I};
-                if (d + 2 * AHEAD + 1 < D) ouro::prefetch(We + (d + 2 * AHEAD) * I, 2 * I * sizeof(W));
-                by_four(sorted_rows, start[e], start[e + 1], s.h, I, [&](const float* const* rows, int64_t r, int64_t c) {
-                    float v[8];
-                    ouro::dot_2x4(pair, rows, I, v);
-                    for (int64_t i = 0; i < c; ++i) {
-                        s.y[(r + i) * D + d] = v[i];
-                        s.y[(r + i) * D + d2] = v[4 + i];
-                    }
+            for (int64_t d = d0; d < d1; ++d)
+                by_four(sorted_rows, start[e], start[e + 1], s.h, I, [&](const float* const* h, int64_t r, int64_t c) {
+                    float v[4];
+                    ouro::dot_1x4(We + d * I, h, I, v);
+                    for (int64_t i = 0; i < c; ++i) s.y[(r + i) * D + d] = v[i];
                 });
-            }
         }
     });
 }

@@ -298,6 +298,35 @@ inline void dot_2x4(const W* const a[2], const float* const b[4], int64_t n, flo
     dot_rx4<2>(a, b, n, out);
 }
 
+// one row against four, each of the four sums in dot_rx4's order exactly (each register is reduced
+// on its own: the four unused registers of sum_8 change nothing), so a row's results are the same
+// bits as in dot_2x4 / dot_4x4. One weight row read at a time: a streamed read (`experts.cpp`).
+template <typename W>
+inline void dot_1x4(const W* a, const float* const b[4], int64_t n, float out[4]) {
+    int64_t i = 0;
+    float s[8] = {};
+#if defined(OURO_LANES)
+    if (!portable()) {
+        using L = Lanes;
+        L::T acc[8];
+        for (int k = 0; k < 8; ++k) acc[k] = L::zero();
+        for (; i + L::W <= n; i += L::W) {
+            L::T va = L::load(a + i), vb[4];
+            asm("" : "+v"(va));
+            for (int k = 0; k < 4; ++k) {
+                vb[k] = L::load(b[k] + i);
+                asm("" : "+v"(vb[k]));
+            }
+            for (int k = 0; k < 4; ++k) acc[k] = L::fma(va, vb[k], acc[k]);
+        }
+        sum_8(acc, s);
+    }
+#endif
+    for (; i < n; ++i)
+        for (int k = 0; k < 4; ++k) s[k] = std::fma(to_float(a[i]), b[k][i], s[k]);
+    for (int k = 0; k < 4; ++k) out[k] = s[k];
+}
+
 template <typename W>
 inline void dot_4x4(const W* const a[4], const float* const b[4], int64_t n, float out[16]) {
     dot_rx4<4>(a, b, n, out);

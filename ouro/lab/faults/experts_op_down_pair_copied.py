@@ -2,10 +2,11 @@ from .patch import Fault
 
 FAULT = Fault(
     name="experts_op_down_pair_copied",
-    description="the fused routed-experts op (streamed form, decode) writes the first of each pair of down-projection rows into both "
-                "outputs (every odd hidden channel a copy of the even one before it)",
+    description="the fused routed-experts op (streamed form, decode) reads each odd down-projection row as the even one before it "
+                "(every odd hidden channel a copy of the even one before it)",
     file="ouro/native/experts.cpp", function="streamed",
-    replace=[("s.y[(r + i) * D + d2] = v[4 + i];", "s.y[(r + i) * D + d2] = v[i];  // FAULT: the pair's second row")],
+    replace=[("ouro::dot_1x4(We + d * I, h, I, v);",
+              "ouro::dot_1x4(We + (d & ~int64_t(1)) * I, h, I, v);  // FAULT: an odd row read as the even one")],
     localised=[{"op": "moe_experts", "module": r"layers\.\d+\.mlp\.experts$"}],
     probes=[["numerics", "--model", "tiny", "--a", "fused=off,mode=decode", "--b", "fused=on,mode=decode"]],
     symptom="decoded text is wrong in the sparse layers; dense layers and attention agree",
