@@ -2,13 +2,14 @@
 // counting sort, each active expert's products over its rows, the clamped SwiGLU between them, and
 // each token's k outputs weighted and summed in choice order. Two forms of the products:
 //
-// - streamed (decode, a few rows an expert): each expert's weights read once for all of its rows,
-//   one weight row at a time against four token rows (`dot_1x4`), so each thread reads its stretch
-//   of the weights front to back (a gate and an up row side by side were two streams 1 MB apart:
-//   in one process, calls alternating, cold weights, the Zen 4 VM: 7 layers of `small`'s experts
-//   1.95-2.69 -> 1.80-2.20 ms at one token, 6.3-9.0 -> 5.7-6.6 at four, 14.0-19.9 -> 13.3-18.1 at
-//   16; the same bits), a block's gate rows, then its up rows with the SwiGLU, then the down rows
-//   against four hidden rows. torch ran this as a padded
+// - streamed (decode, a few rows an expert): each expert's weights read once for all of its rows.
+//   float32 weights one row at a time against four token rows (`dot_1x4`): each thread reads its
+//   stretch of the weights front to back, a block's gate rows, then its up rows with the SwiGLU, then
+//   the down rows (a gate and an up row side by side were two streams 1 MB apart: in one process,
+//   calls alternating, cold weights, the Zen 4 VM, 7 layers of `small`'s experts 1.95-3.19 ->
+//   1.80-2.45 ms at one token, 14.0-19.9 -> 13.3-18.1 at 16; the same bits). bfloat16 weights keep
+//   gate and up rows two at a time (`dot_2x4`): widening a loaded row is work two rows a pass share,
+//   and one row at a time ran them 1.2-1.3x slower. torch ran this as a padded
 //   batched matmul: at 1-8 rows an expert BLAS's small-M kernels and the padding kept it at ~4.7x
 //   its weight-read floor on `small`.
 // - tiled (prefill, tens of rows an expert and more): a grouped GEMM. Tasks are (expert, chunk of its
@@ -36,6 +37,7 @@
 
 namespace {
 
+constexpr int64_t AHEAD = 2;    // bfloat16 weight rows prefetched this many rows (gate/up channels, down pairs) ahead
 constexpr int64_t BLOCK = 32;   // output channels per task: 32 x D floats of weights, a few L2 lines' worth
 
 inline float swiglu(float g, float u, float lim) {
@@ -65,8 +67,10 @@ struct Step {   // what both forms read and write
     const std::vector<int64_t>* active;
 };
 
+// float32 weights: one weight row at a time (`dot_1x4`, `dot_rx4`'s sums), so each thread reads its
+// stretch of the weights front to back
 template <typename W>
-void streamed(const Step<W>& s) {
+void streamed_rows(const Step<W>& s) {
     const int64_t D = s.D, I = s.I, A = static_cast<int64_t>(s.active->size());
     const std::vector<int64_t>& start = s.order->start;
     std::vector<int64_t> sorted_rows(s.order->pos.size());
@@ -109,6 +113,64 @@ void streamed(const Step<W>& s) {
                 });
         }
     });
+}
+
+// bfloat16 weights: gate and up rows two at a time against four token rows (`dot_2x4`), prefetched
+// AHEAD rows on; widening each loaded row costs work that two rows a pass share (one row at a time
+// measured 1.2-1.3x slower here, in one process, calls alternating, cold)
+template <typename W>
+void streamed_pairs(const Step<W>& s) {
+    const int64_t D = s.D, I = s.I, A = static_cast<int64_t>(s.active->size());
+    const std::vector<int64_t>& start = s.order->start;
+    std::vector<int64_t> sorted_rows(s.order->pos.size());
+    for (size_t i = 0; i < sorted_rows.size(); ++i) sorted_rows[i] = static_cast<int64_t>(i);
+    const int64_t up_blocks = (I + BLOCK - 1) / BLOCK;
+    at::parallel_for(0, A * up_blocks, 1, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; ++t) {
+            const int64_t e = (*s.active)[t / up_blocks], j0 = (t % up_blocks) * BLOCK, j1 = std::min(I, j0 + BLOCK);
+            const W* We = s.gate_up + e * 2 * I * D;
+            for (int64_t j = j0; j < j1; ++j) {
+                const W* pair[2] = {We + j * D, We + (I + j) * D};
+                if (j + AHEAD < I) {
+                    ouro::prefetch(pair[0] + AHEAD * D, D * sizeof(W));
+                    ouro::prefetch(pair[1] + AHEAD * D, D * sizeof(W));
+                }
+                by_four(s.order->token, start[e], start[e + 1], s.x, D, [&](const float* const* rows, int64_t r, int64_t c) {
+                    float v[8];
+                    ouro::dot_2x4(pair, rows, D, v);
+                    for (int64_t i = 0; i < c; ++i) s.h[(r + i) * I + j] = swiglu(v[i], v[4 + i], s.lim);
+                });
+            }
+        }
+    });
+    const int64_t down_blocks = (D + BLOCK - 1) / BLOCK;
+    at::parallel_for(0, A * down_blocks, 1, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; ++t) {
+            const int64_t e = (*s.active)[t / down_blocks], d0 = (t % down_blocks) * BLOCK, d1 = std::min(D, d0 + BLOCK);
+            const W* We = s.down + e * D * I;
+            for (int64_t d = d0; d < d1; d += 2) {
+                const int64_t d2 = std::min(d + 1, d1 - 1);     // an odd tail repeats its last row
+                const W* pair[2] = {We + d * I, We + d2 * I};
+                if (d + 2 * AHEAD + 1 < D) ouro::prefetch(We + (d + 2 * AHEAD) * I, 2 * I * sizeof(W));
+                by_four(sorted_rows, start[e], start[e + 1], s.h, I, [&](const float* const* rows, int64_t r, int64_t c) {
+                    float v[8];
+                    ouro::dot_2x4(pair, rows, I, v);
+                    for (int64_t i = 0; i < c; ++i) {
+                        s.y[(r + i) * D + d] = v[i];
+                        s.y[(r + i) * D + d2] = v[4 + i];
+                    }
+                });
+            }
+        }
+    });
+}
+
+template <typename W>
+void streamed(const Step<W>& s) {
+    if constexpr (sizeof(W) == sizeof(float))
+        streamed_rows(s);
+    else
+        streamed_pairs(s);
 }
 
 // Measured on one AVX2 core (32 experts x 256 rows, K = N = 512, a standalone copy of this loop,
