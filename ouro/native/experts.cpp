@@ -67,110 +67,96 @@ struct Step {   // what both forms read and write
     const std::vector<int64_t>* active;
 };
 
-// float32 weights: one weight row at a time (`dot_1x4`, `dot_rx4`'s sums), so each thread reads its
-// stretch of the weights front to back
+// One task of the gate/up product: expert e's channels [j0, j1) for all of its rows into s.h, the
+// SwiGLU applied. float32 weights one weight row at a time (`dot_1x4`): the block's gate rows (kept
+// in `gate`), then its up rows, each stretch of the weights read front to back; bfloat16 weights a
+// gate and an up row side by side (`dot_2x4`), prefetched AHEAD rows on: widening a loaded row is
+// work two rows a pass share, and one row at a time ran them 1.2-1.3x slower (`docs/changelog.md`).
 template <typename W>
-void streamed_rows(const Step<W>& s) {
+void gate_up_task(const Step<W>& s, int64_t e, int64_t j0, int64_t j1, std::vector<float>& gate) {
+    const int64_t D = s.D, I = s.I, r0 = s.order->start[e], r1 = s.order->start[e + 1];
+    const W* We = s.gate_up + e * 2 * I * D;
+    if constexpr (sizeof(W) == sizeof(float)) {
+        gate.resize((r1 - r0) * BLOCK);
+        for (int64_t j = j0; j < j1; ++j)
+            by_four(s.order->token, r0, r1, s.x, D, [&](const float* const* x, int64_t r, int64_t c) {
+                float v[4];
+                ouro::dot_1x4(We + j * D, x, D, v);
+                for (int64_t i = 0; i < c; ++i) gate[(r - r0 + i) * BLOCK + (j - j0)] = v[i];
+            });
+        for (int64_t j = j0; j < j1; ++j)
+            by_four(s.order->token, r0, r1, s.x, D, [&](const float* const* x, int64_t r, int64_t c) {
+                float v[4];
+                ouro::dot_1x4(We + (I + j) * D, x, D, v);
+                for (int64_t i = 0; i < c; ++i)
+                    s.h[(r + i) * I + j] = swiglu(gate[(r - r0 + i) * BLOCK + (j - j0)], v[i], s.lim);
+            });
+    } else {
+        for (int64_t j = j0; j < j1; ++j) {
+            const W* pair[2] = {We + j * D, We + (I + j) * D};
+            if (j + AHEAD < I) {
+                ouro::prefetch(pair[0] + AHEAD * D, D * sizeof(W));
+                ouro::prefetch(pair[1] + AHEAD * D, D * sizeof(W));
+            }
+            by_four(s.order->token, r0, r1, s.x, D, [&](const float* const* x, int64_t r, int64_t c) {
+                float v[8];
+                ouro::dot_2x4(pair, x, D, v);
+                for (int64_t i = 0; i < c; ++i) s.h[(r + i) * I + j] = swiglu(v[i], v[4 + i], s.lim);
+            });
+        }
+    }
+}
+
+// One task of the down product: expert e's output channels [d0, d1) for all of its rows into s.y
+// (`sorted`: the hidden rows' own order), one weight row at a time for float32, two for bfloat16
+template <typename W>
+void down_task(const Step<W>& s, int64_t e, int64_t d0, int64_t d1, const std::vector<int64_t>& sorted) {
+    const int64_t D = s.D, I = s.I, r0 = s.order->start[e], r1 = s.order->start[e + 1];
+    const W* We = s.down + e * D * I;
+    if constexpr (sizeof(W) == sizeof(float)) {
+        for (int64_t d = d0; d < d1; ++d)
+            by_four(sorted, r0, r1, s.h, I, [&](const float* const* h, int64_t r, int64_t c) {
+                float v[4];
+                ouro::dot_1x4(We + d * I, h, I, v);
+                for (int64_t i = 0; i < c; ++i) s.y[(r + i) * D + d] = v[i];
+            });
+    } else {
+        for (int64_t d = d0; d < d1; d += 2) {
+            const int64_t d2 = std::min(d + 1, d1 - 1);     // an odd tail repeats its last row
+            const W* pair[2] = {We + d * I, We + d2 * I};
+            if (d + 2 * AHEAD + 1 < D) ouro::prefetch(We + (d + 2 * AHEAD) * I, 2 * I * sizeof(W));
+            by_four(sorted, r0, r1, s.h, I, [&](const float* const* h, int64_t r, int64_t c) {
+                float v[8];
+                ouro::dot_2x4(pair, h, I, v);
+                for (int64_t i = 0; i < c; ++i) {
+                    s.y[(r + i) * D + d] = v[i];
+                    s.y[(r + i) * D + d2] = v[4 + i];
+                }
+            });
+        }
+    }
+}
+
+template <typename W>
+void streamed(const Step<W>& s) {
     const int64_t D = s.D, I = s.I, A = static_cast<int64_t>(s.active->size());
-    const std::vector<int64_t>& start = s.order->start;
     std::vector<int64_t> sorted_rows(s.order->pos.size());
     for (size_t i = 0; i < sorted_rows.size(); ++i) sorted_rows[i] = static_cast<int64_t>(i);
     const int64_t up_blocks = (I + BLOCK - 1) / BLOCK;
     at::parallel_for(0, A * up_blocks, 1, [&](int64_t t0, int64_t t1) {
         std::vector<float> gate;
         for (int64_t t = t0; t < t1; ++t) {
-            const int64_t e = (*s.active)[t / up_blocks], j0 = (t % up_blocks) * BLOCK, j1 = std::min(I, j0 + BLOCK);
-            const int64_t r0 = start[e], rows = start[e + 1] - r0;
-            const W* We = s.gate_up + e * 2 * I * D;
-            // the block's gate rows, then its up rows: one weight row at a time, each stretch of the
-            // weights read front to back (a row pair side by side was two streams 1 MB apart)
-            gate.resize(rows * BLOCK);
-            for (int64_t j = j0; j < j1; ++j)
-                by_four(s.order->token, r0, start[e + 1], s.x, D, [&](const float* const* x, int64_t r, int64_t c) {
-                    float v[4];
-                    ouro::dot_1x4(We + j * D, x, D, v);
-                    for (int64_t i = 0; i < c; ++i) gate[(r - r0 + i) * BLOCK + (j - j0)] = v[i];
-                });
-            for (int64_t j = j0; j < j1; ++j)
-                by_four(s.order->token, r0, start[e + 1], s.x, D, [&](const float* const* x, int64_t r, int64_t c) {
-                    float v[4];
-                    ouro::dot_1x4(We + (I + j) * D, x, D, v);
-                    for (int64_t i = 0; i < c; ++i)
-                        s.h[(r + i) * I + j] = swiglu(gate[(r - r0 + i) * BLOCK + (j - j0)], v[i], s.lim);
-                });
+            const int64_t j0 = (t % up_blocks) * BLOCK;
+            gate_up_task(s, (*s.active)[t / up_blocks], j0, std::min(I, j0 + BLOCK), gate);
         }
     });
     const int64_t down_blocks = (D + BLOCK - 1) / BLOCK;
     at::parallel_for(0, A * down_blocks, 1, [&](int64_t t0, int64_t t1) {
         for (int64_t t = t0; t < t1; ++t) {
-            const int64_t e = (*s.active)[t / down_blocks], d0 = (t % down_blocks) * BLOCK, d1 = std::min(D, d0 + BLOCK);
-            const W* We = s.down + e * D * I;
-            for (int64_t d = d0; d < d1; ++d)
-                by_four(sorted_rows, start[e], start[e + 1], s.h, I, [&](const float* const* h, int64_t r, int64_t c) {
-                    float v[4];
-                    ouro::dot_1x4(We + d * I, h, I, v);
-                    for (int64_t i = 0; i < c; ++i) s.y[(r + i) * D + d] = v[i];
-                });
+            const int64_t d0 = (t % down_blocks) * BLOCK;
+            down_task(s, (*s.active)[t / down_blocks], d0, std::min(D, d0 + BLOCK), sorted_rows);
         }
     });
-}
-
-// bfloat16 weights: gate and up rows two at a time against four token rows (`dot_2x4`), prefetched
-// AHEAD rows on; widening each loaded row costs work that two rows a pass share (one row at a time
-// measured 1.2-1.3x slower here, in one process, calls alternating, cold)
-template <typename W>
-void streamed_pairs(const Step<W>& s) {
-    const int64_t D = s.D, I = s.I, A = static_cast<int64_t>(s.active->size());
-    const std::vector<int64_t>& start = s.order->start;
-    std::vector<int64_t> sorted_rows(s.order->pos.size());
-    for (size_t i = 0; i < sorted_rows.size(); ++i) sorted_rows[i] = static_cast<int64_t>(i);
-    const int64_t up_blocks = (I + BLOCK - 1) / BLOCK;
-    at::parallel_for(0, A * up_blocks, 1, [&](int64_t t0, int64_t t1) {
-        for (int64_t t = t0; t < t1; ++t) {
-            const int64_t e = (*s.active)[t / up_blocks], j0 = (t % up_blocks) * BLOCK, j1 = std::min(I, j0 + BLOCK);
-            const W* We = s.gate_up + e * 2 * I * D;
-            for (int64_t j = j0; j < j1; ++j) {
-                const W* pair[2] = {We + j * D, We + (I + j) * D};
-                if (j + AHEAD < I) {
-                    ouro::prefetch(pair[0] + AHEAD * D, D * sizeof(W));
-                    ouro::prefetch(pair[1] + AHEAD * D, D * sizeof(W));
-                }
-                by_four(s.order->token, start[e], start[e + 1], s.x, D, [&](const float* const* rows, int64_t r, int64_t c) {
-                    float v[8];
-                    ouro::dot_2x4(pair, rows, D, v);
-                    for (int64_t i = 0; i < c; ++i) s.h[(r + i) * I + j] = swiglu(v[i], v[4 + i], s.lim);
-                });
-            }
-        }
-    });
-    const int64_t down_blocks = (D + BLOCK - 1) / BLOCK;
-    at::parallel_for(0, A * down_blocks, 1, [&](int64_t t0, int64_t t1) {
-        for (int64_t t = t0; t < t1; ++t) {
-            const int64_t e = (*s.active)[t / down_blocks], d0 = (t % down_blocks) * BLOCK, d1 = std::min(D, d0 + BLOCK);
-            const W* We = s.down + e * D * I;
-            for (int64_t d = d0; d < d1; d += 2) {
-                const int64_t d2 = std::min(d + 1, d1 - 1);     // an odd tail repeats its last row
-                const W* pair[2] = {We + d * I, We + d2 * I};
-                if (d + 2 * AHEAD + 1 < D) ouro::prefetch(We + (d + 2 * AHEAD) * I, 2 * I * sizeof(W));
-                by_four(sorted_rows, start[e], start[e + 1], s.h, I, [&](const float* const* rows, int64_t r, int64_t c) {
-                    float v[8];
-                    ouro::dot_2x4(pair, rows, I, v);
-                    for (int64_t i = 0; i < c; ++i) {
-                        s.y[(r + i) * D + d] = v[i];
-                        s.y[(r + i) * D + d2] = v[4 + i];
-                    }
-                });
-            }
-        }
-    });
-}
-
-template <typename W>
-void streamed(const Step<W>& s) {
-    if constexpr (sizeof(W) == sizeof(float))
-        streamed_rows(s);
-    else
-        streamed_pairs(s);
 }
 
 // Measured on one AVX2 core (32 experts x 256 rows, K = N = 512, a standalone copy of this loop,
