@@ -8,22 +8,11 @@ import random
 import httpx
 import pytest
 
-from tests.helpers.serve_helpers import Server, idle, post
+from tests.helpers.serve_helpers import idle, post
+# the same tiny server as test_serve.py's (its fixtures, not a copy: module-scoped, so one server here)
+from tests.serve.test_serve import model_dir, server  # noqa: F401
 
-KEY = "test-key"
-
-
-@pytest.fixture(scope="module")
-def model_dir(tiny_checkpoint):
-    return tiny_checkpoint
-
-
-@pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):
-    s = Server(model_dir, "--max-num-seqs", "8", "--max-queued-requests", "110", "--max-request-body-bytes", "200000",
-               tmp_path=tmp_path_factory.mktemp("serve_logs"), api_key=KEY)
-    yield s
-    s.stop()
+pytestmark = pytest.mark.processes
 
 
 def test_every_post_body_is_capped_not_only_generation(server):
