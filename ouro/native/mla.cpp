@@ -252,11 +252,32 @@ inline uint32_t rank_of(float x) {
     return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
 
-// chosen[p] = 1 for the k (0 < k < n) highest ranks, ties to the earlier p: the k-th highest rank
-// found bit by bit from the top (each step counts the ranks at or above a candidate: a loop the
-// compiler vectorises, no data-dependent branches), then every rank above it and the earliest of
-// those equal to it
+// chosen[p] = 1 for the k (0 < k < n) highest ranks, ties to the earlier p. Few left out (a decode
+// context just past what top-k keeps): the n - k lowest, ties to the later p, by insertion into a
+// short list. Otherwise the k-th highest rank found bit by bit from the top (each step counts the
+// ranks at or above a candidate: a loop the compiler vectorises, no data-dependent branches, but 32
+// passes with a horizontal sum each), then every rank above it and the earliest of those equal to it
+constexpr int64_t FEW_LEFT_OUT = 8;
 inline void choose_best(const uint32_t* rank, int64_t n, int64_t k, char* chosen) {
+    if (n - k <= FEW_LEFT_OUT) {
+        const int64_t m = n - k;
+        uint32_t low[FEW_LEFT_OUT];     // ascending by (rank, later p first)
+        int64_t at[FEW_LEFT_OUT];
+        int64_t c = 0;
+        for (int64_t p = 0; p < n; ++p) {
+            const uint32_t r = rank[p];
+            if (c == m && r > low[m - 1]) continue;      // an equal rank at a later p sits lower
+            int64_t j = c < m ? c++ : m - 1;
+            while (j > 0 && low[j - 1] >= r) {
+                low[j] = low[j - 1], at[j] = at[j - 1];
+                --j;
+            }
+            low[j] = r, at[j] = p;
+        }
+        std::fill(chosen, chosen + n, char(1));
+        for (int64_t j = 0; j < m; ++j) chosen[at[j]] = 0;
+        return;
+    }
     uint32_t t = 0;
     for (int bit = 31; bit >= 0; --bit) {
         const uint32_t cand = t | (1u << bit);

@@ -3,21 +3,22 @@
 // choices; the best `topk_group` groups stay), the chosen experts' sigmoid weights normalised and
 // scaled. torch ran ~15 ops for this per layer.
 //
-// The op picks exactly the experts the eager code (`ouro/ops/moe/routing.py`) picks, exact and near
-// ties included: the product and the sigmoid are torch's own kernels called from here (a product
-// of our own rounds differently, and torch's vectorised sigmoid differs from std::exp in the last
-// bit, enough to flip a near tie), so the selection scores are the eager code's bit for bit; the
-// selections run torch.topk's own CPU loop (ATen/native/TopKImpl.h), whose order among equal
-// values is its std::nth_element's and no fixed rule, wherever a row has equal values among those it
-// keeps (or a NaN); elsewhere the answer is unique and a short insertion finds it (`topk_distinct`).
-// Under deterministic inference the product and sigmoid dispatch to the same batch-invariant
-// overrides the eager code gets.
+// The product is the op's own (four experts against four tokens a register tile, `scores`): torch's
+// (~10 us for `small`'s 16 x 512 x 32 on one thread, most of the router's time) rounded differently at
+// each batch size, this one gives a token the same bits at any batch size and any split over threads,
+// so deterministic mode needs no other path. Its roundings differ from the eager product's (`x @ W.T`,
+// `ouro/ops/moe/routing.py`) in the last bits, so the two can order two experts (or groups) whose
+// scores lie within float32 rounding of each other differently: either order is the exact answer
+// rounded, as between any two float32 products (the fused model's router input already differs from
+// the eager model's by such roundings). Everywhere else the choice is the eager code's. Where the
+// op's own scores tie exactly (duplicate router rows, a zero row), the selections run torch.topk's
+// own CPU loop (ATen/native/TopKImpl.h), whose order among equal values is its std::nth_element's
+// and no fixed rule, as the eager code's torch.topk would on those scores; elsewhere the answer is
+// unique and a short insertion finds it (`topk_distinct`).
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/native/TopKImpl.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/mm.h>
-#include <ATen/ops/sigmoid.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -85,7 +86,7 @@ void topk_row(const float* v, int64_t m, int64_t k, float* values, int64_t* indi
     if (!topk_distinct(v, m, k, values, indices)) topk_rows(v, 1, m, k, values, indices);
 }
 
-// rows [t0, t1) of the selection, from the sigmoid scores [T, E]
+// rows [t0, t1) of the selection, from their sigmoid scores [t1 - t0, E]
 void select(const float* score, const float* bias, int64_t t0, int64_t t1, int64_t E, int64_t top_k, int64_t n_group,
             int64_t topk_group, bool norm_topk, float scale, float* weights, int64_t* experts) {
     const int64_t per = E / n_group;
@@ -93,7 +94,7 @@ void select(const float* score, const float* bias, int64_t t0, int64_t t1, int64
     std::vector<int64_t> kept(topk_group);
     std::vector<char> keep(n_group);
     for (int64_t t = t0; t < t1; ++t) {
-        const float* s = score + t * E;
+        const float* s = score + (t - t0) * E;
         float* c = choice.data();
         for (int64_t e = 0; e < E; ++e) c[e] = s[e] + bias[e];
         if (n_group > 1) {
@@ -114,33 +115,71 @@ void select(const float* score, const float* bias, int64_t t0, int64_t t1, int64
     }
 }
 
-std::tuple<at::Tensor, at::Tensor> route_f32(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias_in,
-                                         int64_t top_k, int64_t n_group, int64_t topk_group, bool norm_topk,
-                                         double scaling) {
-    TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat &&
+// the sigmoid of a row of n scores in place, every value through the vector arithmetic (the tail
+// padded): equal logits give equal scores wherever they sit in the row
+void sigmoid_scores(float* s, int64_t n) {
+    constexpr int64_t PAD = 16;
+    const int64_t body = n - n % PAD;
+    ouro::sigmoid_row(s, s, body);
+    if (body < n) {
+        float pad[PAD] = {};
+        std::copy(s + body, s + n, pad);
+        ouro::sigmoid_row(pad, pad, PAD);
+        std::copy(pad, pad + (n - body), s + body);
+    }
+}
+
+// the router's scores of tokens [t0, t1) into s [t1 - t0, E]: sigmoid(x_t . w_e), four experts against
+// four tokens a register tile (dot_4x4), a last short set of tokens one at a time against the four
+// (dot_1x4: the same sums, bit for bit), a short set of experts padded with the last one. A score is
+// the same bits whatever tokens and experts run beside it (deterministic mode's batch invariance).
+void scores(const float* x, const float* w, int64_t t0, int64_t t1, int64_t E, int64_t D, float* s) {
+    float out[16];
+    for (int64_t e = 0; e < E; e += 4) {
+        const float* a[4];
+        for (int64_t j = 0; j < 4; ++j) a[j] = w + std::min(e + j, E - 1) * D;
+        const int64_t m = std::min<int64_t>(4, E - e);
+        int64_t t = t0;
+        for (; t + 4 <= t1; t += 4) {
+            const float* b[4] = {x + t * D, x + (t + 1) * D, x + (t + 2) * D, x + (t + 3) * D};
+            ouro::dot_4x4(a, b, D, out);
+            for (int64_t j = 0; j < m; ++j)
+                for (int64_t q = 0; q < 4; ++q) s[(t + q - t0) * E + e + j] = out[j * 4 + q];
+        }
+        for (; t < t1; ++t) {
+            ouro::dot_1x4(x + t * D, a, D, out);
+            for (int64_t j = 0; j < m; ++j) s[(t - t0) * E + e + j] = out[j];
+        }
+    }
+    for (int64_t t = t0; t < t1; ++t) sigmoid_scores(s + (t - t0) * E, E);
+}
+
+std::tuple<at::Tensor, at::Tensor> route_f32(const at::Tensor& x_in, const at::Tensor& weight_in, const at::Tensor& bias_in,
+                                             int64_t top_k, int64_t n_group, int64_t topk_group, bool norm_topk,
+                                             double scaling) {
+    TORCH_CHECK(x_in.scalar_type() == at::kFloat && weight_in.scalar_type() == at::kFloat &&
                 bias_in.scalar_type() == at::kFloat, "route: x, weight and bias must be float32");
-    TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && weight.size(1) == x.size(1) && bias_in.numel() == weight.size(0),
-                "route: x must be [T, D], weight [E, D] and bias [E]");
-    const int64_t T = x.size(0), E = weight.size(0);
+    TORCH_CHECK(x_in.dim() == 2 && weight_in.dim() == 2 && weight_in.size(1) == x_in.size(1) &&
+                bias_in.numel() == weight_in.size(0), "route: x must be [T, D], weight [E, D] and bias [E]");
+    const int64_t T = x_in.size(0), E = weight_in.size(0), D = x_in.size(1);
     TORCH_CHECK(n_group >= 1 && E % n_group == 0 && topk_group >= 1 && topk_group <= n_group,
                 "route: ", E, " experts do not split into ", n_group, " groups keeping ", topk_group);
     const int64_t per = E / n_group;
     TORCH_CHECK(top_k >= 1 && top_k <= topk_group * per, "route: top_k ", top_k, " exceeds the experts the groups keep");
     TORCH_CHECK(n_group == 1 || per >= 2, "route: a group needs two experts to score");
-    // as `x @ W.T` then `.sigmoid()`: the same strides reach torch's product (one as_strided, not t's
-    // three dispatches); the sigmoid out of place, as the deterministic mode's override replaces it
-    const at::Tensor score =
-        at::sigmoid(at::mm(x, weight.as_strided({weight.size(1), E}, {weight.stride(1), weight.stride(0)}))).contiguous();
-    const at::Tensor bias = bias_in.contiguous();
+    const at::Tensor x = x_in.contiguous(), weight = weight_in.contiguous(), bias = bias_in.contiguous();
     at::Tensor weights = at::empty({T, top_k}, x.options());
     at::Tensor experts = at::empty({T, top_k}, x.options().dtype(at::kLong));
-    const float *sp = score.data_ptr<float>(), *bp = bias.data_ptr<float>();
+    const float *xp = x.data_ptr<float>(), *w = weight.data_ptr<float>(), *bp = bias.data_ptr<float>();
     float* wp = weights.data_ptr<float>();
     int64_t* ep = experts.data_ptr<int64_t>();
     const float scale = static_cast<float>(scaling);
-    // a row costs ~E log E compares: a thread takes at least ~64k of them before it is worth waking
-    at::parallel_for(0, T, std::max<int64_t>(1, (1 << 16) / (E * 8)), [&](int64_t t0, int64_t t1) {
-        select(sp, bp, t0, t1, E, top_k, n_group, topk_group, norm_topk, scale, wp, ep);
+    // a token costs E * D multiply-adds and ~E log E compares: a thread takes ~64k of them before it is
+    // worth waking; each thread scores and selects its own tokens
+    at::parallel_for(0, T, std::max<int64_t>(1, (1 << 16) / (E * (D + 8))), [&](int64_t t0, int64_t t1) {
+        std::vector<float> s((t1 - t0) * E);
+        scores(xp, w, t0, t1, E, D, s.data());
+        select(s.data(), bp, t0, t1, E, top_k, n_group, topk_group, norm_topk, scale, wp, ep);
     });
     return {weights, experts};
 }
