@@ -131,17 +131,14 @@ void finish(const Hc& h, const float* z, const float* const* rows, int64_t count
 // fn against four tokens at a time (dot_4x4; a short set of rows or tokens padded with repeats), only
 // the token blocks the group has, over CHUNK columns at a time so the tokens' chunks stay in L1 while
 // every row of fn passes (the partial sums add in chunk order). Rows r0 .. r1 of z only (r0 a multiple
-// of BLOCK): each row's sums are the same whichever rows and tokens run beside it. They build up in
-// the caller's own buffer and reach z once: threads sharing a group's rows out would otherwise write
-// the same cache lines of z at every chunk.
-void project(const Hc& h, const float* const* rows, int64_t count, float* z, int64_t r0, int64_t r1, int64_t turn = 0) {
-    const int64_t nD = h.n * h.D, width = r1 - r0, blocks = (width + BLOCK - 1) / BLOCK;
-    float acc[GROUP * (2 + MAX_N) * MAX_N] = {};
+// of BLOCK): each row's sums are the same whichever rows and tokens run beside it.
+void project(const Hc& h, const float* const* rows, int64_t count, float* z, int64_t r0, int64_t r1) {
+    const int64_t nD = h.n * h.D;
+    for (int64_t k = 0; k < count; ++k) std::fill(z + k * h.K + r0, z + k * h.K + r1, 0.f);
     float out[BLOCK * BLOCK];
     for (int64_t c = 0; c < nD; c += CHUNK) {
         const int64_t len = std::min(CHUNK, nD - c);
-        for (int64_t ib = 0; ib < blocks; ++ib) {
-            const int64_t r = r0 + BLOCK * ((ib + turn) % blocks);
+        for (int64_t r = r0; r < r1; r += BLOCK) {
             const float* a[BLOCK];
             for (int64_t j = 0; j < BLOCK; ++j) a[j] = h.fn + std::min(r + j, h.K - 1) * nD + c;
             for (int64_t k0 = 0; k0 < count; k0 += BLOCK) {
@@ -149,12 +146,10 @@ void project(const Hc& h, const float* const* rows, int64_t count, float* z, int
                 for (int64_t q = 0; q < BLOCK; ++q) b[q] = rows[std::min(k0 + q, count - 1)] + c;
                 ouro::dot_4x4(a, b, len, out);
                 for (int64_t j = 0; j < BLOCK && r + j < r1; ++j)
-                    for (int64_t q = 0; q < BLOCK && k0 + q < count; ++q)
-                        acc[(k0 + q) * width + r - r0 + j] += out[j * BLOCK + q];
+                    for (int64_t q = 0; q < BLOCK && k0 + q < count; ++q) z[(k0 + q) * h.K + r + j] += out[j * BLOCK + q];
             }
         }
     }
-    for (int64_t k = 0; k < count; ++k) std::copy(acc + k * width, acc + (k + 1) * width, z + k * h.K + r0);
 }
 
 // hc_post's operands: the block's output [T, D], the streams it read [T, n, D] (both of the model's
@@ -263,7 +258,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> weigh(const Hc& h, at::Tensor& s,
                 project(h, rows, count, z, BLOCK * p0, std::min(K, BLOCK * p1));
             });
         else
-            project(h, rows, count, z, 0, K, g % 2 ? (K + BLOCK - 1) / BLOCK / 2 : 0);
+            project(h, rows, count, z, 0, K);
         finish(h, z, rows, count, t0, x0, pp, cp);
         if constexpr (!wide) ouro::narrow(xp + t0 * D, x0, count * D);
     };
