@@ -19,6 +19,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/native/TopKImpl.h>
 #include <ATen/ops/empty.h>
+#include <omp.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -31,6 +32,9 @@
 #include "vec.h"
 
 namespace {
+
+// a call of at least this many multiply-adds splits its product over the threads (~10 us on one)
+constexpr int64_t SPLIT_MACS = 1 << 17;
 
 // torch.topk(v, k, largest=True, sorted=True) on `rows` rows of a [rows, m] matrix
 void topk_rows(const float* v, int64_t rows, int64_t m, int64_t k, float* values, int64_t* indices) {
@@ -129,29 +133,30 @@ void sigmoid_scores(float* s, int64_t n) {
     }
 }
 
-// the router's scores of tokens [t0, t1) into s [t1 - t0, E]: sigmoid(x_t . w_e), four experts against
-// four tokens a register tile (dot_4x4), a last short set of tokens one at a time against the four
-// (dot_1x4: the same sums, bit for bit), a short set of experts padded with the last one. A score is
-// the same bits whatever tokens and experts run beside it (deterministic mode's batch invariance).
-void scores(const float* x, const float* w, int64_t t0, int64_t t1, int64_t E, int64_t D, float* s) {
+// the router's products of tokens [t0, t1) with experts [e0, e1) (e0 a multiple of 4) into s [T, E]
+// (row t at s + t * E): x_t . w_e, four experts against four tokens a register tile (dot_4x4), a last
+// short set of tokens one at a time against the four (dot_1x4: the same sums, bit for bit), a short
+// set of experts padded with the last one. A product is the same bits whatever tokens and experts run
+// beside it (deterministic mode's batch invariance).
+void products(const float* x, const float* w, int64_t t0, int64_t t1, int64_t e0, int64_t e1, int64_t E, int64_t D,
+              float* s) {
     float out[16];
-    for (int64_t e = 0; e < E; e += 4) {
+    for (int64_t e = e0; e < e1; e += 4) {
         const float* a[4];
         for (int64_t j = 0; j < 4; ++j) a[j] = w + std::min(e + j, E - 1) * D;
-        const int64_t m = std::min<int64_t>(4, E - e);
+        const int64_t m = std::min<int64_t>(4, e1 - e);
         int64_t t = t0;
         for (; t + 4 <= t1; t += 4) {
             const float* b[4] = {x + t * D, x + (t + 1) * D, x + (t + 2) * D, x + (t + 3) * D};
             ouro::dot_4x4(a, b, D, out);
             for (int64_t j = 0; j < m; ++j)
-                for (int64_t q = 0; q < 4; ++q) s[(t + q - t0) * E + e + j] = out[j * 4 + q];
+                for (int64_t q = 0; q < 4; ++q) s[(t + q) * E + e + j] = out[j * 4 + q];
         }
         for (; t < t1; ++t) {
             ouro::dot_1x4(x + t * D, a, D, out);
-            for (int64_t j = 0; j < m; ++j) s[(t - t0) * E + e + j] = out[j];
+            for (int64_t j = 0; j < m; ++j) s[t * E + e + j] = out[j];
         }
     }
-    for (int64_t t = t0; t < t1; ++t) sigmoid_scores(s + (t - t0) * E, E);
 }
 
 std::tuple<at::Tensor, at::Tensor> route_f32(const at::Tensor& x_in, const at::Tensor& weight_in, const at::Tensor& bias_in,
@@ -174,13 +179,30 @@ std::tuple<at::Tensor, at::Tensor> route_f32(const at::Tensor& x_in, const at::T
     float* wp = weights.data_ptr<float>();
     int64_t* ep = experts.data_ptr<int64_t>();
     const float scale = static_cast<float>(scaling);
-    // a token costs E * D multiply-adds and ~E log E compares: a thread takes ~64k of them before it is
-    // worth waking; each thread scores and selects its own tokens
-    at::parallel_for(0, T, std::max<int64_t>(1, (1 << 16) / (E * (D + 8))), [&](int64_t t0, int64_t t1) {
-        std::vector<float> s((t1 - t0) * E);
-        scores(xp, w, t0, t1, E, D, s.data());
-        select(s.data(), bp, t0, t1, E, top_k, n_group, topk_group, norm_topk, scale, wp, ep);
-    });
+    std::vector<float> s(T * E);
+    // rows [t0, t1): their scores' sigmoid, then their selection
+    auto choose = [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; ++t) sigmoid_scores(s.data() + t * E, E);
+        select(s.data() + t0 * E, bp, t0, t1, E, top_k, n_group, topk_group, norm_topk, scale, wp, ep);
+    };
+    const int threads = at::get_num_threads();
+    if (T * E * D >= SPLIT_MACS && threads > 1 && !at::in_parallel_region()) {
+        // the product split by experts (each thread reads its share of the router's weights, which come
+        // from memory: a token split had every thread read all of them), then the selections by tokens
+        const int64_t blocks = (E + 3) / 4;
+#pragma omp parallel num_threads(threads)
+        {
+            const int64_t id = omp_get_thread_num(), team = omp_get_num_threads();
+            const int64_t b0 = blocks * id / team, b1 = blocks * (id + 1) / team;
+            if (b0 < b1) products(xp, w, 0, T, 4 * b0, std::min(E, 4 * b1), E, D, s.data());
+#pragma omp barrier
+            const int64_t t0 = T * id / team, t1 = T * (id + 1) / team;
+            if (t0 < t1) choose(t0, t1);
+        }
+    } else {
+        products(xp, w, 0, T, 0, E, E, D, s.data());
+        choose(0, T);
+    }
     return {weights, experts};
 }
 
