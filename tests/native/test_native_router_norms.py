@@ -127,7 +127,8 @@ def check_route(x, w, bias, args, path="native", ref=None):
 
 
 GROUPINGS = [(8, 1, 1, 2), (8, 4, 2, 3), (32, 1, 1, 4), (32, 4, 2, 4), (32, 8, 3, 6), (64, 8, 3, 6), (64, 4, 4, 8),
-             (96, 8, 8, 8), (96, 4, 1, 5), (12, 3, 2, 3)]       # (E, n_group, topk_group, top_k)
+             (96, 8, 8, 8), (96, 4, 1, 5), (12, 3, 2, 3), (10, 2, 1, 3), (6, 1, 1, 2),
+             (288, 1, 1, 8)]       # (E, n_group, topk_group, top_k); 288 x top-8: GLM-5.3-Flash's router
 
 
 @pytest.mark.parametrize("path", ["native", "portable"])
