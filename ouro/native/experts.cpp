@@ -3,7 +3,7 @@
 // each token's k outputs weighted and summed in choice order. Two forms of the products:
 //
 // - streamed (decode, a few rows an expert): each expert's weights read once for all of its rows.
-//   float32 weights one row at a time against four token rows (`dot_1x4`): each thread reads its
+//   float32 weights one row at a time against up to four token rows (`dot_1xn`): each thread reads its
 //   stretch of the weights front to back, a block's gate rows, then its up rows with the SwiGLU, then
 //   the down rows (a gate and an up row side by side were two streams 1 MB apart: in one process,
 //   calls alternating, cold weights, the Zen 4 VM, 7 layers of `small`'s experts 1.95-3.19 ->
@@ -56,6 +56,17 @@ void by_four(const std::vector<int64_t>& rows, int64_t begin, int64_t end, const
     }
 }
 
+// one weight row against the c (1-4) rows of a `by_four` group, loading only the rows there are
+// (`dot_1xn`: each row's sum the same bits whichever c)
+inline void dot_rows(const float* w, const float* const* x, int64_t c, int64_t n, float v[4]) {
+    if (c == 1)
+        ouro::dot_1xn<1>(w, x, n, v);
+    else if (c == 2)
+        ouro::dot_1xn<2>(w, x, n, v);
+    else
+        ouro::dot_1x4(w, x, n, v);
+}
+
 template <typename W>   // the weights' element: float, or bfloat16's bits (`ouro::bf16_t`)
 struct Step {   // what both forms read and write
     const float* x;
@@ -68,7 +79,7 @@ struct Step {   // what both forms read and write
 };
 
 // One task of the gate/up product: expert e's channels [j0, j1) for all of its rows into s.h, the
-// SwiGLU applied. float32 weights one weight row at a time (`dot_1x4`): the block's gate rows (kept
+// SwiGLU applied. float32 weights one weight row at a time (`dot_rows`): the block's gate rows (kept
 // in `gate`), then its up rows, each stretch of the weights read front to back; bfloat16 weights a
 // gate and an up row side by side (`dot_2x4`), prefetched AHEAD rows on: widening a loaded row is
 // work two rows a pass share, and one row at a time ran them 1.2-1.3x slower (`docs/changelog.md`).
@@ -81,13 +92,13 @@ void gate_up_task(const Step<W>& s, int64_t e, int64_t j0, int64_t j1, std::vect
         for (int64_t j = j0; j < j1; ++j)
             by_four(s.order->token, r0, r1, s.x, D, [&](const float* const* x, int64_t r, int64_t c) {
                 float v[4];
-                ouro::dot_1x4(We + j * D, x, D, v);
+                dot_rows(We + j * D, x, c, D, v);
                 for (int64_t i = 0; i < c; ++i) gate[(r - r0 + i) * BLOCK + (j - j0)] = v[i];
             });
         for (int64_t j = j0; j < j1; ++j)
             by_four(s.order->token, r0, r1, s.x, D, [&](const float* const* x, int64_t r, int64_t c) {
                 float v[4];
-                ouro::dot_1x4(We + (I + j) * D, x, D, v);
+                dot_rows(We + (I + j) * D, x, c, D, v);
                 for (int64_t i = 0; i < c; ++i)
                     s.h[(r + i) * I + j] = swiglu(gate[(r - r0 + i) * BLOCK + (j - j0)], v[i], s.lim);
             });
@@ -117,7 +128,7 @@ void down_task(const Step<W>& s, int64_t e, int64_t d0, int64_t d1, const std::v
         for (int64_t d = d0; d < d1; ++d)
             by_four(sorted, r0, r1, s.h, I, [&](const float* const* h, int64_t r, int64_t c) {
                 float v[4];
-                ouro::dot_1x4(We + d * I, h, I, v);
+                dot_rows(We + d * I, h, c, I, v);
                 for (int64_t i = 0; i < c; ++i) s.y[(r + i) * D + d] = v[i];
             });
     } else {

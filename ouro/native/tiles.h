@@ -298,11 +298,13 @@ inline void dot_2x4(const W* const a[2], const float* const b[4], int64_t n, flo
     dot_rx4<2>(a, b, n, out);
 }
 
-// one row against four, each of the four sums in dot_rx4's order exactly (each register is reduced
-// on its own: the four unused registers of sum_8 change nothing), so a row's results are the same
-// bits as in dot_2x4 / dot_4x4. One weight row read at a time: a streamed read (`experts.cpp`).
-template <typename W>
-inline void dot_1x4(const W* a, const float* const b[4], int64_t n, float out[4]) {
+// one row against N (1, 2 or 4) others, each of the N sums in dot_rx4's order exactly (each register
+// reduced on its own, as Lanes::sum reduces it, which is sum_8's order too), so a row's results are
+// the same bits as in dot_2x4 / dot_4x4 whatever N. One weight row read at a time: a streamed read
+// (`experts.cpp`); fewer than four rows load fewer (a decode step's expert has one to three).
+template <int N, typename W>
+inline void dot_1xn(const W* a, const float* const b[N], int64_t n, float out[N]) {
+    static_assert(N == 1 || N == 2 || N == 4, "one, two or four rows");
     int64_t i = 0;
     float s[8] = {};
 #if defined(OURO_LANES)
@@ -311,20 +313,28 @@ inline void dot_1x4(const W* a, const float* const b[4], int64_t n, float out[4]
         L::T acc[8];
         for (int k = 0; k < 8; ++k) acc[k] = L::zero();
         for (; i + L::W <= n; i += L::W) {
-            L::T va = L::load(a + i), vb[4];
+            L::T va = L::load(a + i), vb[N];
             asm("" : "+v"(va));
-            for (int k = 0; k < 4; ++k) {
+            for (int k = 0; k < N; ++k) {
                 vb[k] = L::load(b[k] + i);
                 asm("" : "+v"(vb[k]));
             }
-            for (int k = 0; k < 4; ++k) acc[k] = L::fma(va, vb[k], acc[k]);
+            for (int k = 0; k < N; ++k) acc[k] = L::fma(va, vb[k], acc[k]);
         }
-        sum_8(acc, s);
+        if (N == 4)
+            sum_8(acc, s);
+        else
+            for (int k = 0; k < N; ++k) s[k] = L::sum(acc[k]);
     }
 #endif
     for (; i < n; ++i)
-        for (int k = 0; k < 4; ++k) s[k] = std::fma(to_float(a[i]), b[k][i], s[k]);
-    for (int k = 0; k < 4; ++k) out[k] = s[k];
+        for (int k = 0; k < N; ++k) s[k] = std::fma(to_float(a[i]), b[k][i], s[k]);
+    for (int k = 0; k < N; ++k) out[k] = s[k];
+}
+
+template <typename W>
+inline void dot_1x4(const W* a, const float* const b[4], int64_t n, float out[4]) {
+    dot_1xn<4>(a, b, n, out);
 }
 
 template <typename W>
