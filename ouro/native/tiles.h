@@ -218,6 +218,13 @@ inline void sum_8(const __m512 acc[8], float out[8]) {
         out[4 + c] = v[4 * c + 1];
     }
 }
+inline void sum_4(const __m512 acc[4], float out[4]) {    // lane 4c holds register c
+    __m512 t[1];
+    sum_halves_quarters(acc, 1, t);
+    alignas(64) float v[16];
+    _mm512_store_ps(v, pairs_then_neighbours(t[0], t[0], t[0], t[0]));
+    for (int c = 0; c < 4; ++c) out[c] = v[4 * c];
+}
 inline void sum_16(const __m512 acc[16], float out[16]) {
     __m512 t[4];
     sum_halves_quarters(acc, 4, t);
@@ -242,6 +249,19 @@ inline void sum_8(const __m256 acc[8], float out[8]) {
                                      _mm256_shuffle_ps(t[0], t[1], _MM_SHUFFLE(3, 1, 3, 1))));
     static constexpr int at[8] = {0, 4, 1, 5, 2, 6, 3, 7};      // register j's lane
     for (int j = 0; j < 8; ++j) out[j] = v[at[j]];
+}
+inline void sum_4(const __m256 acc[4], float out[4]) {     // sum_8's network on four registers
+    __m256 s[2];
+    for (int m = 0; m < 2; ++m)
+        s[m] = _mm256_add_ps(_mm256_permute2f128_ps(acc[2 * m], acc[2 * m + 1], 0x20),
+                             _mm256_permute2f128_ps(acc[2 * m], acc[2 * m + 1], 0x31));
+    const __m256 t = _mm256_add_ps(_mm256_shuffle_ps(s[0], s[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm256_shuffle_ps(s[0], s[1], _MM_SHUFFLE(3, 2, 3, 2)));
+    alignas(32) float v[8];
+    _mm256_store_ps(v, _mm256_add_ps(_mm256_shuffle_ps(t, t, _MM_SHUFFLE(2, 0, 2, 0)),
+                                     _mm256_shuffle_ps(t, t, _MM_SHUFFLE(3, 1, 3, 1))));
+    static constexpr int at[4] = {0, 4, 1, 5};      // register j's lane
+    for (int j = 0; j < 4; ++j) out[j] = v[at[j]];
 }
 inline void sum_16(const __m256 acc[16], float out[16]) {
     sum_8(acc, out);
@@ -299,7 +319,7 @@ inline void dot_2x4(const W* const a[2], const float* const b[4], int64_t n, flo
 }
 
 // one row against N (1, 2 or 4) others, each of the N sums in dot_rx4's order exactly (each register
-// reduced on its own, as Lanes::sum reduces it, which is sum_8's order too), so a row's results are
+// reduced on its own, as Lanes::sum reduces it, which is sum_4's and sum_8's order too), so a row's results are
 // the same bits as in dot_2x4 / dot_4x4 whatever N. One weight row read at a time: a streamed read
 // (`experts.cpp`); fewer than four rows load fewer (a decode step's expert has one to three).
 template <int N, typename W>
@@ -310,8 +330,8 @@ inline void dot_1xn(const W* a, const float* const b[N], int64_t n, float out[N]
 #if defined(OURO_LANES)
     if (!portable()) {
         using L = Lanes;
-        L::T acc[8];
-        for (int k = 0; k < 8; ++k) acc[k] = L::zero();
+        L::T acc[N];
+        for (int k = 0; k < N; ++k) acc[k] = L::zero();
         for (; i + L::W <= n; i += L::W) {
             L::T va = L::load(a + i), vb[N];
             asm("" : "+v"(va));
@@ -321,8 +341,8 @@ inline void dot_1xn(const W* a, const float* const b[N], int64_t n, float out[N]
             }
             for (int k = 0; k < N; ++k) acc[k] = L::fma(va, vb[k], acc[k]);
         }
-        if (N == 4)
-            sum_8(acc, s);
+        if constexpr (N == 4)
+            sum_4(acc, s);
         else
             for (int k = 0; k < N; ++k) s[k] = L::sum(acc[k]);
     }
