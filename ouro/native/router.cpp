@@ -3,7 +3,7 @@
 // choices; the best `topk_group` groups stay), the chosen experts' sigmoid weights normalised and
 // scaled. torch ran ~15 ops for this per layer.
 //
-// The product is the op's own (four experts against four tokens a register tile, `scores`): torch's
+// The product is the op's own (four experts against four tokens a register tile, `products`): torch's
 // (~10 us for `small`'s 16 x 512 x 32 on one thread, most of the router's time) rounded differently at
 // each batch size, this one gives a token the same bits at any batch size and any split over threads,
 // so deterministic mode needs no other path. Its roundings differ from the eager product's (`x @ W.T`,
