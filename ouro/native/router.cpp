@@ -119,20 +119,6 @@ void select(const float* score, const float* bias, int64_t t0, int64_t t1, int64
     }
 }
 
-// the sigmoid of a row of n scores in place, every value through the vector arithmetic (the tail
-// padded): equal logits give equal scores wherever they sit in the row
-void sigmoid_scores(float* s, int64_t n) {
-    constexpr int64_t PAD = 16;
-    const int64_t body = n - n % PAD;
-    ouro::sigmoid_row(s, s, body);
-    if (body < n) {
-        float pad[PAD] = {};
-        std::copy(s + body, s + n, pad);
-        ouro::sigmoid_row(pad, pad, PAD);
-        std::copy(pad, pad + (n - body), s + body);
-    }
-}
-
 // the router's products of tokens [t0, t1) with experts [e0, e1) (e0 a multiple of 4) into s [T, E]
 // (row t at s + t * E): x_t . w_e, four experts against four tokens a register tile (dot_4x4), a last
 // short set of tokens one at a time against the four (dot_1x4: the same sums, bit for bit), a short
@@ -182,7 +168,7 @@ std::tuple<at::Tensor, at::Tensor> route_f32(const at::Tensor& x_in, const at::T
     std::vector<float> s(T * E);
     // rows [t0, t1): their scores' sigmoid, then their selection
     auto choose = [&](int64_t t0, int64_t t1) {
-        for (int64_t t = t0; t < t1; ++t) sigmoid_scores(s.data() + t * E, E);
+        for (int64_t t = t0; t < t1; ++t) ouro::sigmoid_row(s.data() + t * E, s.data() + t * E, E);
         select(s.data() + t0 * E, bp, t0, t1, E, top_k, n_group, topk_group, norm_topk, scale, wp, ep);
     };
     const int threads = at::get_num_threads();

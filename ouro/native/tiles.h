@@ -234,34 +234,35 @@ inline void sum_16(const __m512 acc[16], float out[16]) {
         for (int m = 0; m < 4; ++m) out[4 * m + c] = v[4 * c + m];
 }
 #else
-// 8 lanes: pairs of registers' halves (distance 4), then inside each half (2, 1); lane order of
-// the result [0, 2, 4, 6, 1, 3, 5, 7]
-inline void sum_8(const __m256 acc[8], float out[8]) {
-    __m256 s[4], t[2];
-    for (int m = 0; m < 4; ++m)
+// 8 lanes: pairs of registers' halves (distance 4), then inside each half (2): t[j] holds the partial
+// sums of registers 4j .. 4j + 3 (nt of them); then neighbours (1), giving lane order [0, 2, 4, 6, 1,
+// 3, 5, 7] for registers 0 .. 7 of t[0] and t[1] (t[0] twice for four registers: [0, 2, 0, 2, 1, 3, 1, 3])
+inline void halves_then_pairs(const __m256* acc, int nt, __m256* t) {
+    __m256 s[4];
+    for (int m = 0; m < 2 * nt; ++m)
         s[m] = _mm256_add_ps(_mm256_permute2f128_ps(acc[2 * m], acc[2 * m + 1], 0x20),
                              _mm256_permute2f128_ps(acc[2 * m], acc[2 * m + 1], 0x31));
-    for (int j = 0; j < 2; ++j)
+    for (int j = 0; j < nt; ++j)
         t[j] = _mm256_add_ps(_mm256_shuffle_ps(s[2 * j], s[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
                              _mm256_shuffle_ps(s[2 * j], s[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-    alignas(32) float v[8];
-    _mm256_store_ps(v, _mm256_add_ps(_mm256_shuffle_ps(t[0], t[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                     _mm256_shuffle_ps(t[0], t[1], _MM_SHUFFLE(3, 1, 3, 1))));
-    static constexpr int at[8] = {0, 4, 1, 5, 2, 6, 3, 7};      // register j's lane
-    for (int j = 0; j < 8; ++j) out[j] = v[at[j]];
 }
-inline void sum_4(const __m256 acc[4], float out[4]) {     // sum_8's network on four registers
-    __m256 s[2];
-    for (int m = 0; m < 2; ++m)
-        s[m] = _mm256_add_ps(_mm256_permute2f128_ps(acc[2 * m], acc[2 * m + 1], 0x20),
-                             _mm256_permute2f128_ps(acc[2 * m], acc[2 * m + 1], 0x31));
-    const __m256 t = _mm256_add_ps(_mm256_shuffle_ps(s[0], s[1], _MM_SHUFFLE(1, 0, 1, 0)),
-                                   _mm256_shuffle_ps(s[0], s[1], _MM_SHUFFLE(3, 2, 3, 2)));
+inline __m256 neighbours(__m256 a, __m256 b) {
+    return _mm256_add_ps(_mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0)), _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+static constexpr int LANE_OF[8] = {0, 4, 1, 5, 2, 6, 3, 7};      // register j's lane
+inline void sum_8(const __m256 acc[8], float out[8]) {
+    __m256 t[2];
+    halves_then_pairs(acc, 2, t);
     alignas(32) float v[8];
-    _mm256_store_ps(v, _mm256_add_ps(_mm256_shuffle_ps(t, t, _MM_SHUFFLE(2, 0, 2, 0)),
-                                     _mm256_shuffle_ps(t, t, _MM_SHUFFLE(3, 1, 3, 1))));
-    static constexpr int at[4] = {0, 4, 1, 5};      // register j's lane
-    for (int j = 0; j < 4; ++j) out[j] = v[at[j]];
+    _mm256_store_ps(v, neighbours(t[0], t[1]));
+    for (int j = 0; j < 8; ++j) out[j] = v[LANE_OF[j]];
+}
+inline void sum_4(const __m256 acc[4], float out[4]) {
+    __m256 t[1];
+    halves_then_pairs(acc, 1, t);
+    alignas(32) float v[8];
+    _mm256_store_ps(v, neighbours(t[0], t[0]));
+    for (int j = 0; j < 4; ++j) out[j] = v[LANE_OF[j]];
 }
 inline void sum_16(const __m256 acc[16], float out[16]) {
     sum_8(acc, out);
@@ -326,7 +327,7 @@ template <int N, typename W>
 inline void dot_1xn(const W* a, const float* const b[N], int64_t n, float out[N]) {
     static_assert(N == 1 || N == 2 || N == 4, "one, two or four rows");
     int64_t i = 0;
-    float s[8] = {};
+    float s[N] = {};
 #if defined(OURO_LANES)
     if (!portable()) {
         using L = Lanes;

@@ -286,14 +286,26 @@ inline __m256 sigmoid256(__m256 v) {
 }
 #endif
 
-// y[i] = sigmoid(x[i]) (y may be x): whole registers through sigmoid512 / sigmoid256, the tail scalar
+// y[i] = sigmoid(x[i]) (y may be x): every value through sigmoid512 / sigmoid256, a short tail padded,
+// so a value's result does not depend on where it sits (equal inputs, equal outputs: the router's ties);
+// std::exp's on the portable path
 inline void sigmoid_row(float* y, const float* x, int64_t n) {
     int64_t i = 0;
     if (!portable()) {
 #if defined(__AVX512F__)
-        for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, sigmoid512(_mm512_loadu_ps(x + i)));
+        for (; i < n; i += 16) {
+            const __mmask16 k = n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
+            _mm512_mask_storeu_ps(y + i, k, sigmoid512(_mm512_maskz_loadu_ps(k, x + i)));
+        }
 #elif defined(__AVX2__) && defined(__FMA__)
         for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, sigmoid256(_mm256_loadu_ps(x + i)));
+        if (i < n) {
+            float pad[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+            for (int64_t j = i; j < n; ++j) pad[j - i] = x[j];
+            _mm256_storeu_ps(pad, sigmoid256(_mm256_loadu_ps(pad)));
+            for (int64_t j = i; j < n; ++j) y[j] = pad[j - i];
+            i = n;
+        }
 #endif
     }
     for (; i < n; ++i) y[i] = sigmoid(x[i]);
