@@ -55,9 +55,8 @@ class Indexer(nn.Module):
         key_storage = mla.cache_storage(ctx.cache.key_rows(ci))
         if key_storage is not None and mla.can(gate_rows, pooled_rows, self.index_kpool_compress_ape):
             # one op: each pool's tokens read in place, its key written (the eager path below: its reference)
-            scratch = ctx.scratch_pool_row(self.kpool) if complete is not None else -1
             mla.pool_keys_write(pooled_rows, *key_storage, GROUP, gate_rows, self.index_kpool_compress_ape, ctx.page_table,
-                                seqs, ends, complete, ctx.cache.page_size, scratch)
+                                seqs, ends, complete, ctx.cache.page_size)
             return
         tok = (ends + 1 - self.kpool)[:, None] + torch.arange(self.kpool, device=ends.device)
         rows = cache_rows(ctx, seqs, tok)

@@ -28,7 +28,7 @@ REST = "the rest (generated loops, wrapper, engine)"
 # (op name prefix, group), first match wins
 OP_GROUPS = (("ouro_native::kda", KDA), ("ouro_native::hc_", MHC), ("ouro_native::route", "router"),
              ("ouro_native::rms_norm", "norms"), ("ouro_native::gated_rms_norm", "norms"),
-             ("ouro_native::sparse_mla", DSA), ("ouro_native::write_rows", DSA), ("ouro_native::index_", INDEXER),
+             ("ouro_native::sparse_mla", DSA), ("ouro_native::write_rows", DSA), ("ouro_native::index_", INDEXER), ("ouro_native::pool_keys", INDEXER),
              ("ouro_native::clamped_swiglu", SWIGLU), ("ouro_int8::w8a8_experts", ROUTED_ROW),
              ("ouro_native::moe_experts", ROUTED_ROW), ("ouro_native::pick_logprobs", SAMPLER),
              ("ouro_int8::", PRODUCTS), ("ouro_native::gemv", PRODUCTS), ("mkldnn::", PRODUCTS),
@@ -53,9 +53,10 @@ def op_floors(model, context: int, batch: int, roof) -> dict:
     mlp_width = sum(c.intermediate_size if t == "dense" else c.n_shared_experts * c.moe_intermediate_size
                     for t in c.mlp_layer_types)
     act = model.embed_tokens.weight.element_size()
+    pool_keys_written = batch * len(c.indexer_layers) * 4 * c.index_head_dim / c.index_kpool   # fp32, a pool a kpool tokens
     out = {KDA: roof.floor_s(f["kda"], cb["kda_state"]), MHC: rows.get(MHC, 0.0), "router": rows.get("router", 0.0),
            "norms": rows.get("norms", 0.0), DSA: roof.floor_s(f["dsa"], cb["latent_read"] + cb["written"]),
-           INDEXER: roof.floor_s(f["indexer"], cb["pool_keys_read"]),
+           INDEXER: roof.floor_s(f["indexer"], cb["pool_keys_read"] + cb["pool_inputs_read"] + pool_keys_written),
            SWIGLU: roof.floor_s(0.0, batch * 3 * mlp_width * act),     # gate and up in, h out
            ROUTED_ROW: rows.get("routed experts", 0.0) + rows.get("MoE combine", 0.0)}
     # the products: every weight but the routed experts', the hyper-connections', the norms' and the router gate's

@@ -138,7 +138,7 @@ def step_part_floors(model, roof, query_lens: list[int], start_pos: list[int], l
     work["DSA without indexer"][0] += f["dsa"]
     work["DSA without indexer"][2] += cb["latent_read"] + cb["written"]
     work["DSA indexer"][0] += f["indexer"]
-    work["DSA indexer"][2] += cb["pool_keys_read"]
+    work["DSA indexer"][2] += cb["pool_keys_read"] + cb["pool_inputs_read"]
     acts = cost.parts["activation_bytes"]
     for row, key in (("norms", "norms"), (MHC, "mhc"), ("MoE combine", "moe_combine"),
                      ("embedding + head", "embedding"), (GLUE, "streams")):

@@ -104,8 +104,9 @@ def step_cost(model, query_lens: list[int], start_pos: list[int], logits_rows: i
     step's tokens touch, by `expected_distinct`. Cache: each new token's paged row written
     (`ModelConfig.cache_bytes_per_token`); per sequence and DSA layer the latent rows its queries attend
     to (decode: `attended_rows`; a prefill chunk: its whole context, each row once), per indexer
-    layer its fp32 pool keys when it scores them; the KDA state slot written, and read unless the
-    sequence starts in this step.
+    layer its fp32 pool keys when it scores them, and each new token's indexer key and gate read
+    back once to compress its pool; the KDA state slot written, and read unless the sequence starts
+    in this step.
     """
     c = model.config
     T = sum(query_lens)
@@ -141,8 +142,10 @@ def step_cost(model, query_lens: list[int], start_pos: list[int], logits_rows: i
                "embedding_rows": float(min(T, c.vocab_size) * emb.shape[1] * emb.element_size()),
                "routed_experts": n_moe * distinct * per_expert_bytes}
     e = emb.element_size()   # the cache holds the model's dtype (pool keys: fp32)
+    # each token's indexer key and gate are read back once, when its pool completes and is compressed
+    pool_inputs = float(T * len(c.indexer_layers) * 2 * c.index_head_dim * e)
     cache = {"written": float(T * c.cache_bytes_per_token(emb.dtype)), "latent_read": 0.0,
-             "pool_keys_read": 0.0, "kda_state": 0.0}
+             "pool_keys_read": 0.0, "pool_inputs_read": pool_inputs, "kda_state": 0.0}
     for q, s in zip(query_lens, start_pos):
         ctx = s + q
         cache["latent_read"] += len(c.dsa_layers) * r * e * (attended_rows(c, ctx) if q == 1 else ctx)

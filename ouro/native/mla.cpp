@@ -381,12 +381,13 @@ at::Tensor index_select_decode(const at::Tensor& q_in, const at::Tensor& w_in, c
 // The compressed key of each pool that ends at ends[i] in sequence seq[i] (`ops.dsa.pool_keys`): per
 // channel a softmax over the pool's kpool tokens of gate + ape, weighting their keys; keys (any cache
 // row kind) and gates read in place through the page table, the result written to the pool's row of
-// `pooled` (or to scratch_row where `complete` is given and false: a graph's rows whose pool is not
-// complete yet, tokens before 0 read as token 0).
+// `pooled`. With `complete` (a graph names every token's pool, complete or not) only the rows it marks
+// are computed and written: at decode a pool completes every kpool-th token, so the rest (three in
+// four for `small`) were computed for a scratch row nobody reads.
 void pool_keys_write(at::Tensor pooled, const at::Tensor& keys, const std::string& kind, int64_t group,
                      const at::Tensor& gates, const at::Tensor& ape_in, const at::Tensor& page_table,
                      const at::Tensor& seq, const at::Tensor& ends, const c10::optional<at::Tensor>& complete_in,
-                     int64_t page_size, int64_t scratch_row) {
+                     int64_t page_size) {
     TORCH_CHECK(pooled.scalar_type() == at::kFloat && pooled.dim() == 2 && pooled.stride(1) == 1,
                 "pooled must be float32 [pool rows, d]");
     const int64_t d = pooled.size(1), n = seq.numel();
@@ -401,7 +402,6 @@ void pool_keys_write(at::Tensor pooled, const at::Tensor& keys, const std::strin
     if (complete_in.has_value()) {
         cm = complete_in->contiguous();
         TORCH_CHECK(cm.scalar_type() == at::kBool && cm.numel() == n, "complete must be bool [n]");
-        TORCH_CHECK(scratch_row >= 0 && scratch_row < pooled.size(0), "scratch_row outside pooled");
         complete = cm.data_ptr<bool>();
     }
     const Rows k_rows = rows_of(keys, kind, d, group), g_rows = rows_of(gates, "", d, 0);
@@ -414,17 +414,22 @@ void pool_keys_write(at::Tensor pooled, const at::Tensor& keys, const std::strin
                     done ? " is not a complete pool's last token inside the page table" : " outside the page table");
         TORCH_CHECK(!done || (ep[i] + 1) % kpool == 0, "pool ", i, ": end ", ep[i], " is not a pool's last token");
     }
+    std::vector<int64_t> todo;      // the rows whose pool is complete
+    todo.reserve(n);
+    for (int64_t i = 0; i < n; ++i)
+        if (complete == nullptr || complete[i]) todo.push_back(i);
     const float* ap = ape.data_ptr<float>();
     float* out = pooled.data_ptr<float>();
     const int64_t ostride = pooled.stride(0);
-    at::parallel_for(0, n, grain(kpool * d * 8), [&](int64_t i0, int64_t i1) {
+    at::parallel_for(0, int64_t(todo.size()), grain(kpool * d * 8), [&](int64_t i0, int64_t i1) {
         std::vector<float> x(kpool * d), kb(kpool * d), gb(d), m(d), sum(d);
         std::vector<const float*> k(kpool);
-        for (int64_t i = i0; i < i1; ++i) {
+        for (int64_t at = i0; at < i1; ++at) {
+            const int64_t i = todo[at];
             const int64_t* seq_pages = pages.table + sp[i] * pages.stride;
             const int64_t t0 = ep[i] + 1 - kpool;
             for (int64_t j = 0; j < kpool; ++j) {
-                const int64_t row = pages.row(seq_pages, std::max<int64_t>(t0 + j, 0));
+                const int64_t row = pages.row(seq_pages, t0 + j);
                 k[j] = k_rows.get(row, kb.data() + j * d);
                 const float* g = g_rows.get(row, gb.data());
                 for (int64_t c = 0; c < d; ++c) x[j * d + c] = g[c] + ap[j * d + c];
@@ -442,10 +447,7 @@ void pool_keys_write(at::Tensor pooled, const at::Tensor& keys, const std::strin
             for (int64_t c = 0; c < d; ++c) sum[c] = x[c];
             for (int64_t j = 1; j < kpool; ++j)
                 for (int64_t c = 0; c < d; ++c) sum[c] += x[j * d + c];
-            const int64_t dest = complete != nullptr && !complete[i]
-                                     ? scratch_row
-                                     : pages.pool_row(seq_pages, t0, kpool);
-            float* o = out + dest * ostride;
+            float* o = out + pages.pool_row(seq_pages, t0, kpool) * ostride;
             for (int64_t c = 0; c < d; ++c) o[c] = x[c] / sum[c] * k[0][c];
             for (int64_t j = 1; j < kpool; ++j)
                 for (int64_t c = 0; c < d; ++c) o[c] += x[j * d + c] / sum[c] * k[j][c];
@@ -484,7 +486,7 @@ TORCH_LIBRARY_FRAGMENT(ouro_native, m) {
           "Tensor positions, int page_size, int select_k, int kpool, float scale, int width) -> Tensor");
     m.def("write_rows(Tensor(a!) dst, Tensor rows, Tensor src) -> ()");
     m.def("pool_keys_write(Tensor(a!) pooled, Tensor keys, str kind, int group, Tensor gates, Tensor ape, "
-          "Tensor page_table, Tensor seq, Tensor ends, Tensor? complete, int page_size, int scratch_row) -> ()");
+          "Tensor page_table, Tensor seq, Tensor ends, Tensor? complete, int page_size) -> ()");
     m.def("mla_isa(int force_portable) -> str", &mla_isa);
 }
 

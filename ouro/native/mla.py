@@ -42,14 +42,14 @@ def index_select_decode(q, weights, pooled, page_table, seq, positions, page_siz
                                            kpool, scale, width)
 
 
-def pool_keys_write(pooled, keys, kind: str, group: int, gates, ape, page_table, seq, ends, complete, page_size: int,
-                    scratch_row: int = -1) -> None:
+def pool_keys_write(pooled, keys, kind: str, group: int, gates, ape, page_table, seq, ends, complete,
+                    page_size: int) -> None:
     """`ops.dsa.pool_keys` of the pools ending at `ends` [n] of sequences `seq` [n], written in place to
     their rows of `pooled` [pool rows, d] (float32). keys/kind from `cache_storage` (quantised rows in
     groups of `group`), gates the cache's gate rows [rows, d], ape [kpool, d]. With `complete` [n] (a
-    graph's every row), a row whose pool is not complete writes to `scratch_row` instead."""
+    graph's every row), only the rows it marks are computed and written."""
     ops(FAMILY).pool_keys_write(pooled, keys, kind, group, gates, ape.float(), page_table, seq, ends, complete,
-                                page_size, scratch_row)
+                                page_size)
 
 
 def write_rows(dst, rows, src) -> None:

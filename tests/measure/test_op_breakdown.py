@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ouro.measure import op_breakdown
-from ouro.measure.op_breakdown import (ELEMENTWISE, KDA, PRODUCTS, REST, ROUTED_ROW, ROWS, compiled_breakdown,
+from ouro.measure.op_breakdown import (ELEMENTWISE, INDEXER, KDA, PRODUCTS, REST, ROUTED_ROW, ROWS, compiled_breakdown,
                                        format_compiled, group_of, op_floors)
 from ouro.measure.roofline import Roofline
 from ouro.measure.step_breakdown import MHC
@@ -19,6 +19,7 @@ def test_each_op_lands_in_its_group():
     assert group_of("ouro_native::hc_post_pre") == group_of("ouro_native::hc_pre") == MHC
     assert group_of("ouro_int8::w8a8_experts") == ROUTED_ROW            # before the int8 products' prefix
     assert group_of("ouro_int8::w8a8_packed") == group_of("mkldnn::_linear_pointwise") == PRODUCTS
+    assert group_of("ouro_native::pool_keys_write") == group_of("ouro_native::index_select_decode") == INDEXER
     assert group_of("aten::empty") is None and group_of("## Call CompiledFxGraph abc") is None
 
 

@@ -46,6 +46,7 @@ ACT_TOKEN = 4 * (2 * 2 * 2 * 4 + 2 * 2 * 9 * 4 + 5 * 4 + 3 * 4 + 4 + 5 * 4)
 ACT_ROW = 4 * (2 * 4 + 5 * 4)
 SLOT = 4 * (3 * 6 * 3 + 3 * 2 * 2)     # fp32 conv window [3C, K-1] + recurrent state [H, dk, dv]
 TOKEN_ROW = 4 * (5 + 2 * 2) + 4 * 2 // 2   # latent + indexer key and gate, + fp32 pool key per kpool tokens
+POOL_INPUTS = 4 * 2 * 2                    # a token's indexer key and gate, read back when its pool is compressed
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +70,7 @@ def test_decode_floor_by_hand(model):
              + 6 * B * 3 * 2 * 2)          # KDA state: 3 heads of [2, 2]
     distinct = 4 * (1 - (1 - 2 / 4) ** B)  # expected experts 3 tokens touch: 3.5
     weight_bytes = 4 * (DENSE_PARAMS + HEAD) + 4 * B * 4 + 4 * distinct * EXPERT
-    cache_bytes = (B * TOKEN_ROW            # each new token's row written
+    cache_bytes = (B * (TOKEN_ROW + POOL_INPUTS)   # each new token's row written, its key and gate read back
                    + 4 * B * rows * 5       # attended latent rows read
                    + 4 * B * 3 * 2          # fp32 pool keys scored
                    + 2 * B * SLOT)          # KDA state read and written
@@ -92,7 +93,7 @@ def test_prefill_cost_by_hand(model):
              + 2 * 2 * 2 * (3 + 3)        # only the queries at 6 and 7 tokens score (3 pools each)
              + 6 * n * 3 * 2 * 2)
     weight_bytes = 4 * (DENSE_PARAMS + HEAD) + 4 * n * 4 + 4 * 4 * (1 - (1 - 2 / 4) ** n) * EXPERT
-    cache_bytes = n * TOKEN_ROW + 4 * 7 * 5 + 4 * 3 * 2 + SLOT   # fresh: KDA state only written
+    cache_bytes = n * (TOKEN_ROW + POOL_INPUTS) + 4 * 7 * 5 + 4 * 3 * 2 + SLOT   # fresh: KDA state only written
     c = prefill_cost(model, n)
     assert c.flops == flops
     assert c.bytes == pytest.approx(weight_bytes + cache_bytes + n * ACT_TOKEN + 1 * ACT_ROW, rel=1e-12)

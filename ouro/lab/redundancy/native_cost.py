@@ -48,9 +48,11 @@ def _index_select_decode(args, out):
 
 
 def _pool_keys_write(args, out):
-    """Each completed pool's kpool key and gate rows read, its key row written, the ape read once."""
-    pooled, keys, _kind, _group, gates, ape, table, seq, ends = args[:9]
-    n, kpool = float(seq.numel()), ape.shape[0]
+    """Each completed pool's kpool key and gate rows read, its key row written, the ape read once (a
+    graph's rows: only those `complete` marks)."""
+    pooled, keys, _kind, _group, gates, ape, table, seq, ends, complete = args[:10]
+    n = float(seq.numel() if complete is None else complete.sum())
+    kpool = ape.shape[0]
     key_row = keys.stride(0) * keys.element_size()
     return (n * kpool * (key_row + _n(gates[0])) + n * _n(pooled[0]) + _n(ape) + n * _n(table[0])
             + _n(seq) + _n(ends))
