@@ -113,15 +113,26 @@ def compiled_breakdown(engine, prompts: list[list[int]], steps: int, roof, param
             "plain_step_ms": 1e3 * statistics.median(plain),
             "profiled_step_ms": 1e3 * statistics.median([sum(v[i] for v in per_step.values()) for i in range(steps)]),
             "floor_ms": 1e3 * roof.floor_s(cost.flops, cost.bytes, cost.parts["low_precision_flops"]),
+            # the rates every floor comes from (a shared VM's copy rate moved 36-60 GB/s between runs)
+            "rates": {"gflops": roof.flops_per_s / 1e9, "gb_per_s": roof.bytes_per_s / 1e9,
+                      "low_gflops": roof.low_flops_per_s / 1e9 if roof.low_flops_per_s else None},
             "rows": [{"part": row, "ms": 1e3 * statistics.median(per_step[row]),
                       "floor_ms": 1e3 * floors[row] if row in floors else None} for row in ROWS]}
+
+
+def _rates(r: dict | None) -> str:
+    if not r:
+        return "rates not recorded"
+    low = f", low precision {r['low_gflops']:.0f} GFLOP/s" if r.get("low_gflops") else ""
+    return f"{r['gflops']:.0f} GFLOP/s, {r['gb_per_s']:.1f} GB/s{low}"
 
 
 def format_compiled(b: dict, target: float = 3.0) -> str:
     """The table `benchmarks/decode_breakdown.py --compiled` prints."""
     lines = [f"compiled decode step at batch {b['batch']}, context {b['context']}: {b['plain_step_ms']:.2f} ms as run, "
              f"{b['profiled_step_ms']:.2f} ms under the profiler, against a floor of {b['floor_ms']:.2f} ms "
-             f"({b['plain_step_ms'] / b['floor_ms']:.1f}x). By op group (self time, medians):",
+             f"({b['plain_step_ms'] / b['floor_ms']:.1f}x; floors at {_rates(b.get('rates'))}). "
+             "By op group (self time, medians):",
              "| group | ms | its floor, ms | x its floor | element-wise |", "|---|---|---|---|---|"]
     for r in b["rows"]:
         f = r["floor_ms"]

@@ -62,6 +62,7 @@ def test_a_compiled_step_by_op_group(monkeypatch):
     assert not engine.has_unfinished()
     text = format_compiled(b)
     assert all(g in text for g in ELEMENTWISE) and REST in text
+    assert "floors at 100 GFLOP/s, 10.0 GB/s" in text         # the rates the floors came from
 
 
 def test_an_engine_that_does_not_compile_is_refused():
