@@ -152,13 +152,14 @@ void tile_scores(const float* const* qh, int64_t nh, const float* const* row, in
 }
 
 // o [n, H, r] = softmax_w(q_lat . latent[w]) weighted sum of latent[w], over each request's selected
-// tokens (tokens [n, W], -1 unused) of sequence seq[n] (a row of page_table). q_lat is already scaled.
+// tokens (tokens [n, W], -1 unused) of sequence seq[n] (a row of page_table). q_lat is already scaled;
+// its rows are read where they are (the absorbed product's output is [H, n, r] seen as [n, H, r]).
 at::Tensor sparse_mla_decode(const at::Tensor& q_in, const at::Tensor& latents, const std::string& kind, int64_t group,
                              const at::Tensor& tokens_in, const at::Tensor& page_table, const at::Tensor& seq,
                              int64_t page_size) {
     TORCH_CHECK(q_in.scalar_type() == at::kFloat && q_in.dim() == 3, "q_lat must be float32 [n, H, r]");
-    at::Tensor q = q_in.contiguous(), tokens = tokens_in.contiguous();
-    const int64_t n = q.size(0), H = q.size(1), r = q.size(2);
+    at::Tensor q = q_in.stride(2) == 1 ? q_in : q_in.contiguous(), tokens = tokens_in.contiguous();
+    const int64_t n = q.size(0), H = q.size(1), r = q.size(2), qs0 = q.stride(0), qs1 = q.stride(1);
     TORCH_CHECK(tokens.scalar_type() == at::kLong && tokens.dim() == 2 && tokens.size(0) == n,
                 "tokens must be int64 [n, W]");
     check_long(seq, n, "seq");
@@ -192,7 +193,7 @@ at::Tensor sparse_mla_decode(const at::Tensor& q_in, const at::Tensor& latents, 
                 flat[m_rows++] = fr;
             }
             for (int64_t h = 0; h < nh; ++h) {
-                qh[h] = qp + (i * H + h0 + h) * r;
+                qh[h] = qp + i * qs0 + (h0 + h) * qs1;
                 float* acc = op + (i * H + h0 + h) * r;
                 std::fill(acc, acc + r, m_rows ? 0.f : NaN);       // nothing selected: softmax of no scores
                 m[h] = -std::numeric_limits<float>::infinity();

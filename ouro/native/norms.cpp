@@ -28,12 +28,14 @@ void check_rows(const at::Tensor& t, const char* what) {
     TORCH_CHECK(t.dim() >= 1 && t.stride(-1) == 1, what, " must have a contiguous last dimension");
 }
 
-// y = weight * (x * rsqrt(mean(x^2) + eps)), row by row over the last dimension
+// y = weight * (x * rsqrt(mean(x^2) + eps)), row by row over the last dimension. A 2-D x whose rows
+// sit apart (a slice of a merged product's output: MLA's q_a and kv_a halves) is read in place.
 at::Tensor rms_norm_f32(const at::Tensor& x_in, const at::Tensor& weight, double eps) {
     check_rows(x_in, "x");
     check_rows(weight, "weight");
-    at::Tensor x = x_in.contiguous();
-    const int64_t D = x.size(-1), rows = D ? x.numel() / D : 0;
+    const bool apart = x_in.dim() == 2 && x_in.size(0) > 1 && x_in.stride(0) >= x_in.size(1);
+    at::Tensor x = apart ? x_in : x_in.contiguous();
+    const int64_t D = x.size(-1), rows = D ? x.numel() / D : 0, xs = apart ? x.stride(0) : D;
     TORCH_CHECK(weight.numel() == D, "weight has ", weight.numel(), " entries for rows of ", D);
     at::Tensor y = at::empty(x.sizes(), x.options());
     const float* xp = x.data_ptr<float>();
@@ -42,7 +44,7 @@ at::Tensor rms_norm_f32(const at::Tensor& x_in, const at::Tensor& weight, double
     const float e = static_cast<float>(eps);
     at::parallel_for(0, rows, grain(D), [&](int64_t r0, int64_t r1) {
         for (int64_t r = r0; r < r1; ++r) {
-            const float* row = xp + r * D;
+            const float* row = xp + r * xs;
             const float inv = 1.f / std::sqrt(ouro::sumsq(row, D) / static_cast<float>(D) + e);
             ouro::scale_mul(yp + r * D, row, inv, wp, D);
         }

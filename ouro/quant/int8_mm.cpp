@@ -183,14 +183,16 @@ torch::Tensor w8a8_packed(torch::Tensor x, torch::Tensor p, torch::Tensor w_scal
         check_offsets(offsets, E, R);
         off = offsets.data_ptr<int64_t>();
     }
-    x = x.contiguous();
+    // rows read where they are (a slice of a merged product's output: the KDA's f_a / g_a halves), no copy
+    if (x.stride(1) != 1 || (R > 1 && x.stride(0) < K)) x = x.contiguous();
+    const int64_t x_rows = R > 1 ? x.stride(0) : K;
     w_scale = w_scale.contiguous();
     p = p.contiguous();
     const int64_t xs = KGN * KG;
     CallBuffers buffers;
     XT* q = buffers.get<XT>(0, R * xs);
     float* sc = buffers.get<float>(1, R);
-    quantize_rows(x.data_ptr<float>(), R, K, q, xs, sc, XOFF);
+    quantize_rows(x.data_ptr<float>(), x_rows, R, K, q, xs, sc, XOFF);
     auto out = torch::empty({R, N}, x.options());
     grouped(q, xs, p.data_ptr<int8_t>(), E, NB, KGN, N, off, Dequantise{sc, w_scale.data_ptr<float>(), out.data_ptr<float>(), N});
     return out;
@@ -243,7 +245,7 @@ torch::Tensor w8a8_experts(torch::Tensor x, torch::Tensor weights, torch::Tensor
     const int64_t xs1 = KGN1 * KG, xs2 = KGN2 * KG;
     auto qt = torch::zeros({T, xs1}, x.options().dtype(x_dtype()));
     auto st = torch::empty({T}, x.options());
-    quantize_rows(x.data_ptr<float>(), T, D, static_cast<XT*>(qt.data_ptr()), xs1, st.data_ptr<float>(), XOFF);
+    quantize_rows(x.data_ptr<float>(), D, T, D, static_cast<XT*>(qt.data_ptr()), xs1, st.data_ptr<float>(), XOFF);
     auto q1 = torch::empty({R, xs1}, qt.options());
     auto s1 = torch::empty({R}, x.options());
     const XT* QT = static_cast<const XT*>(qt.data_ptr());
@@ -320,7 +322,7 @@ std::tuple<torch::Tensor, torch::Tensor> quantize_int8(torch::Tensor x) {
     const int64_t M = x.size(0), K = x.size(1);
     auto q = torch::empty({M, K}, x.options().dtype(torch::kChar));
     auto s = torch::empty({M}, x.options());
-    if (M > 0) quantize_rows(x.data_ptr<float>(), M, K, q.data_ptr<int8_t>(), K, s.data_ptr<float>());
+    if (M > 0) quantize_rows(x.data_ptr<float>(), K, M, K, q.data_ptr<int8_t>(), K, s.data_ptr<float>());
     return {q, s};
 }
 

@@ -145,11 +145,11 @@ inline void quantize_row(const float* row, int64_t K, OT* out, float* scale, int
     }
 }
 
-// M rows (x: stride K) written with stride `qs` (>= K; the padding past K is not written)
+// M rows of K (x: row stride xs >= K) written with stride `qs` (>= K; the padding past K is not written)
 template <typename OT>
-void quantize_rows(const float* x, int64_t M, int64_t K, OT* q, int64_t qs, float* scale, int off = 0) {
+void quantize_rows(const float* x, int64_t xs, int64_t M, int64_t K, OT* q, int64_t qs, float* scale, int off = 0) {
     at::parallel_for(0, M, std::max<int64_t>(1, 4096 / std::max<int64_t>(1, K)), [&](int64_t m0, int64_t m1) {
-        for (int64_t m = m0; m < m1; ++m) quantize_row(x + m * K, K, q + m * qs, scale + m, off);
+        for (int64_t m = m0; m < m1; ++m) quantize_row(x + m * xs, K, q + m * qs, scale + m, off);
     });
 }
 

@@ -163,6 +163,23 @@ def test_index_select_decode_equals_naive(select_k):
         assert sorted(t for t in got[i].tolist() if t >= 0) == ref
 
 
+@pytest.mark.parametrize("path", PATHS)
+def test_sparse_mla_decode_reads_a_permuted_query_in_place(path):
+    """q_lat as the absorbed product leaves it ([H, n, r] seen as [n, H, r]): the same bits as its
+    contiguous copy, and no copy made."""
+    paged, store, view, seq, tokens, q, kv_b, qk, v = decode_case(5, 3, 40, 37, "", seed=7, ps=8)
+    q_lat = torch.randn(3, 5, 40).permute(1, 0, 2)
+    assert not q_lat.is_contiguous()
+    with on_path(path):
+        got = mla.sparse_mla_decode(q_lat, store, "", GROUP, tokens, paged.table, seq, paged.ps)
+        assert torch.equal(got, mla.sparse_mla_decode(q_lat.contiguous(), store, "", GROUP, tokens, paged.table, seq,
+                                                      paged.ps))
+        with torch.profiler.profile() as prof:
+            mla.sparse_mla_decode(q_lat, store, "", GROUP, tokens, paged.table, seq, paged.ps)
+    assert not got.isnan().any()
+    assert not any(e.key in ("aten::clone", "aten::contiguous") and e.count for e in prof.key_averages())
+
+
 def test_bad_inputs_are_refused():
     paged, store, view, seq, tokens, q, kv_b, qk, v = decode_case(2, 2, 16, 4, "", seed=0)
     q_lat = torch.randn(2, 2, 16)

@@ -57,6 +57,24 @@ def test_norms_equal_eager_and_float64(path, D, rows, gated):
         assert torch.equal(norm(*(t[1:2] for t in inputs)), got[1:2])
 
 
+@pytest.mark.parametrize("path", ["native", "portable"])
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_rms_norm_reads_rows_of_a_wider_tensor_in_place(path, rows):
+    """x a column slice of a merged product's output (MLA's kv_a half): the same bits as its contiguous
+    copy, and no copy made (a clone under the profiler)."""
+    g = torch.Generator().manual_seed(rows)
+    wide = torch.randn(rows, 96, generator=g) * 3
+    x, w = wide[:, 32:96], torch.randn(64, generator=g)
+    assert x.stride() == (96, 1)
+    with path_of(path):
+        got = norms.rms_norm(x, w, 1e-6)
+        assert torch.equal(got, norms.rms_norm(x.contiguous(), w, 1e-6))
+        with torch.profiler.profile() as prof:
+            norms.rms_norm(x, w, 1e-6)
+    assert got.is_contiguous() and rel_rms(got, norm_refs(x, w, 1e-6)[0]) <= 1e-6
+    assert not any(e.key in ("aten::clone", "aten::contiguous") and e.count for e in prof.key_averages())
+
+
 def test_norms_keep_nan_to_its_row():
     x = torch.randn(3, 8)
     x[1, 2] = float("nan")

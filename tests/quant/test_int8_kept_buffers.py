@@ -33,7 +33,8 @@ def test_a_call_after_a_larger_one_reads_no_leftovers(k):
 def _allocations(fn) -> int:
     with torch.profiler.profile() as prof:
         fn()
-    return sum(e.count for e in prof.key_averages() if e.key in ("aten::empty", "aten::zeros", "aten::empty_strided"))
+    return sum(e.count for e in prof.key_averages() if e.key in ("aten::empty", "aten::zeros", "aten::empty_strided",
+                                                                 "aten::clone", "aten::empty_like"))
 
 
 @pytest.mark.skipif(native() is None, reason="ouro's int8 kernel is not built here")
@@ -51,3 +52,21 @@ def test_decode_size_calls_allocate_only_their_output():
         assert _allocations(lambda: native().w8a8_packed(x, p, s, none, 48)) == 1
     big = torch.randn(4096, 96, generator=g)       # its quantised rows (384 or 768 KB) over the kept size
     assert _allocations(lambda: native().w8a8_packed(big, p, s, none, 48)) == 2
+
+
+@pytest.mark.skipif(native() is None, reason="ouro's int8 kernel is not built here")
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_rows_of_a_wider_tensor_are_read_in_place(rows):
+    """x a column slice of a wider product's output (row stride over K, as the KDA's f_a half of its
+    merged projection): the same bits as its contiguous copy, and no copy made."""
+    g = torch.Generator().manual_seed(rows)
+    q, s = quantize_rows(torch.randn(48, 96, generator=g))
+    p = native().pack_weight(q.unsqueeze(0))
+    none = torch.zeros(0, dtype=torch.long)
+    wide = torch.randn(rows, 136, generator=g)
+    x = wide[:, 24:120]
+    assert x.stride() == (136, 1)
+    got = native().w8a8_packed(x, p, s, none, 48)
+    assert torch.equal(got, native().w8a8_packed(x.contiguous(), p, s, none, 48))
+    assert torch.equal(got, w8a8_linear_naive(x.contiguous(), q, s))
+    assert _allocations(lambda: native().w8a8_packed(x, p, s, none, 48)) == 1     # its output: no copy of x
