@@ -286,30 +286,43 @@ inline __m256 sigmoid256(__m256 v) {
 }
 #endif
 
-// y[i] = sigmoid(x[i]) (y may be x): every value through sigmoid512 / sigmoid256, a short tail padded,
-// so a value's result does not depend on where it sits (equal inputs, equal outputs: the router's ties);
-// std::exp's on the portable path
-inline void sigmoid_row(float* y, const float* x, int64_t n) {
+// y[i] = Op::apply(x[i]) over a row (y may be x): every value through the same vector arithmetic, a
+// short tail padded (masked on AVX-512, a zero-padded buffer on AVX2), so a value's result does not
+// depend on where it sits (equal inputs, equal outputs); Op's scalar form on the portable path
+template <typename Op>
+inline void padded_row(float* y, const float* x, int64_t n) {
     int64_t i = 0;
     if (!portable()) {
 #if defined(__AVX512F__)
         for (; i < n; i += 16) {
             const __mmask16 k = n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
-            _mm512_mask_storeu_ps(y + i, k, sigmoid512(_mm512_maskz_loadu_ps(k, x + i)));
+            _mm512_mask_storeu_ps(y + i, k, Op::apply(_mm512_maskz_loadu_ps(k, x + i)));
         }
 #elif defined(__AVX2__) && defined(__FMA__)
-        for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, sigmoid256(_mm256_loadu_ps(x + i)));
+        for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, Op::apply(_mm256_loadu_ps(x + i)));
         if (i < n) {
             float pad[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
             for (int64_t j = i; j < n; ++j) pad[j - i] = x[j];
-            _mm256_storeu_ps(pad, sigmoid256(_mm256_loadu_ps(pad)));
+            _mm256_storeu_ps(pad, Op::apply(_mm256_loadu_ps(pad)));
             for (int64_t j = i; j < n; ++j) y[j] = pad[j - i];
             i = n;
         }
 #endif
     }
-    for (; i < n; ++i) y[i] = sigmoid(x[i]);
+    for (; i < n; ++i) y[i] = Op::apply(x[i]);
 }
+
+struct SigmoidOp {
+#if defined(__AVX512F__)
+    static __m512 apply(__m512 v) { return sigmoid512(v); }
+#elif defined(__AVX2__) && defined(__FMA__)
+    static __m256 apply(__m256 v) { return sigmoid256(v); }
+#endif
+    static float apply(float v) { return sigmoid(v); }
+};
+
+// y[i] = sigmoid(x[i]) (the router's ties: equal logits, equal scores)
+inline void sigmoid_row(float* y, const float* x, int64_t n) { padded_row<SigmoidOp>(y, x, n); }
 
 // out[i] = silu(min(gate[i], lim)) * clamp(up[i], -lim, lim) (ouro.ops.moe.clamped_swiglu; out may not
 // alias gate or up), silu as x * sigmoid(x), sigmoid_row's arithmetic lane for lane, in one pass over
@@ -340,30 +353,18 @@ inline void clamped_swiglu_row(float* out, const float* gate, const float* up, i
     }
 }
 
-// y[i] = e^x[i] for x[i] <= 0 (softmax weights once the max is subtracted; y may be x): exp_nonpos's
-// polynomial on every lane, a short tail padded, so a value's result does not depend on where it
-// sits; std::exp on the portable path
-inline void exp_nonpos_row(float* y, const float* x, int64_t n) {
-    int64_t i = 0;
-    if (!portable()) {
+struct ExpNonposOp {
 #if defined(__AVX512F__)
-        for (; i < n; i += 16) {
-            const __mmask16 k = n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
-            _mm512_mask_storeu_ps(y + i, k, exp_nonpos512(_mm512_maskz_loadu_ps(k, x + i)));
-        }
+    static __m512 apply(__m512 v) { return exp_nonpos512(v); }
 #elif defined(__AVX2__) && defined(__FMA__)
-        for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, exp_nonpos256(_mm256_loadu_ps(x + i)));
-        if (i < n) {
-            float pad[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-            for (int64_t j = i; j < n; ++j) pad[j - i] = x[j];
-            _mm256_storeu_ps(pad, exp_nonpos256(_mm256_loadu_ps(pad)));
-            for (int64_t j = i; j < n; ++j) y[j] = pad[j - i];
-            i = n;
-        }
+    static __m256 apply(__m256 v) { return exp_nonpos256(v); }
 #endif
-    }
-    for (; i < n; ++i) y[i] = std::exp(x[i]);
-}
+    static float apply(float v) { return std::exp(v); }
+};
+
+// y[i] = e^x[i] for x[i] <= 0 (softmax weights once the max is subtracted): exp_nonpos's polynomial
+// on every lane, std::exp on the portable path
+inline void exp_nonpos_row(float* y, const float* x, int64_t n) { padded_row<ExpNonposOp>(y, x, n); }
 
 }  // namespace ouro
 
