@@ -53,10 +53,9 @@ def op_floors(model, context: int, batch: int, roof) -> dict:
     mlp_width = sum(c.intermediate_size if t == "dense" else c.n_shared_experts * c.moe_intermediate_size
                     for t in c.mlp_layer_types)
     act = model.embed_tokens.weight.element_size()
-    pool_keys_written = batch * len(c.indexer_layers) * 4 * c.index_head_dim / c.index_kpool   # fp32, a pool a kpool tokens
     out = {KDA: roof.floor_s(f["kda"], cb["kda_state"]), MHC: rows.get(MHC, 0.0), "router": rows.get("router", 0.0),
            "norms": rows.get("norms", 0.0), DSA: roof.floor_s(f["dsa"], cb["latent_read"] + cb["written"]),
-           INDEXER: roof.floor_s(f["indexer"], cb["pool_keys_read"] + cb["pool_inputs_read"] + pool_keys_written),
+           INDEXER: roof.floor_s(f["indexer"], cb["pool_keys_read"] + cb["pool_inputs_read"]),
            SWIGLU: roof.floor_s(0.0, batch * 3 * mlp_width * act),     # gate and up in, h out
            ROUTED_ROW: rows.get("routed experts", 0.0) + rows.get("MoE combine", 0.0)}
     # the products: every weight but the routed experts', the hyper-connections', the norms' and the router gate's
