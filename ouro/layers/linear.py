@@ -2,15 +2,15 @@
 count at hand (`forms`, one per row count in `ouro.machine.gemm_pick.ROWS`, set by the engine from a
 measurement; None: always `F.linear`). Same parameters, same state dict, same hooks as
 `nn.Linear`. The packed form uses a oneDNN copy of the weight (`gemm_pick.packed_for`); the gemv
-form is ouro's native kernel, a fused path like the others: `F.linear` runs instead wherever
-`ouro.native.gemv.can` says no (inside `eager_only()`, the reference; autograd; not float32)."""
+and panels forms are ouro's native kernels, fused paths like the others: `F.linear` runs instead
+wherever their `can` says no (inside `eager_only()`, the reference; autograd; not float32)."""
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..machine.gemm_pick import form_for, packed_for, pick_forms, product
-from ..native import gemv, onednn
+from ..machine.gemm_pick import form_for, packed_for, pick_forms, prepack, product
+from ..native import gemv, onednn, panels
 from ..ops import batch_invariant
 from ..ops.opaque import call_opaque
 
@@ -33,7 +33,8 @@ class Linear(nn.Linear):
             return "linear"
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         form = form_for(self.forms, rows)
-        return "linear" if rows == 0 or (form == "gemv" and not gemv.can(x, self.weight)) else form
+        native = {"gemv": gemv, "panels": panels}.get(form)
+        return "linear" if rows == 0 or (native is not None and not native.can(x, self.weight)) else form
 
     def eager(self, x):
         form = self.form(x)
@@ -62,6 +63,5 @@ class Linear(nn.Linear):
         out.weight = nn.Parameter(w, requires_grad=False)
         if modules[0].forms is not None:
             out.forms = pick_forms(out.weight)
-            if "packed" in out.forms:
-                packed_for(out, out.packed_weights())
+            prepack(out)
         return out

@@ -2,15 +2,18 @@
 
 The same products, four ways: `F.linear` (BLAS, MKL on x86 builds of torch), `(W @ x.T).T` (the
 same BLAS, another kernel), `packed`: oneDNN's matmul on a weight reordered once into its
-blocked layout (`torch.ops.mkldnn`, what inductor uses for frozen weights on a CPU), and `gemv`:
+blocked layout (`torch.ops.mkldnn`, what inductor uses for frozen weights on a CPU), `gemv`:
 ouro's native float32 kernel for a few rows (`ouro.native.gemv`, up to `GEMV_ROWS` rows: the
 weight streamed once for all of them; on an AVX2 Zen 3 oneDNN's packed product read a decode
-step's [512, 512] weights at 12-17 GB/s of the ~25 the memory gives). On one
+step's [512, 512] weights at 12-17 GB/s of the ~25 the memory gives), and `panels`: ouro's native
+float32 kernel for a decode step's rows on a copy of the weight packed into panels of columns
+(`ouro.native.panels`, up to `PANEL_ROWS` rows: every row broadcast against each weight value in
+registers; on a Zen 4, 16 rows of [512, 512] with cold weights in 57 us against oneDNN's 83). On one
 development CPU (AMD EPYC, MKL 2024, 2 threads) `packed` ran a [16, 512] x [512, 16384] product
 at 139 GFLOP/s against F.linear's 38, and [2048, 512] x [512, 512] at 180 against 102; on another
 machine the order may be the reverse. So it is measured: every form timed at a few row counts, the
 fastest kept where it beats `F.linear` by `GAIN`, cached per machine and weight shape next to the
-dtype choice (`$OURO_CACHE/gemm_pick.json`). `OURO_GEMM_PICK=linear|transposed|packed|gemv` pins it
+dtype choice (`$OURO_CACHE/gemm_pick.json`). `OURO_GEMM_PICK=linear|transposed|packed|gemv|panels` pins it
 (the test suite pins `packed` where oneDNN is there; tests/machine/test_gemm_pick.py checks every form)."""
 
 from __future__ import annotations
@@ -28,20 +31,22 @@ from ..machine_cache import machine_key
 from ..native import gemv as native_gemv
 from ..native import kernels as native_kernels
 from ..native import onednn as native_onednn
+from ..native import panels as native_panels
 from .load import OtherLoad, keep, one_at_a_time, settled
 from .packs import pack, packed_for, shared_pack  # noqa: F401  (the packed form's copies: re-exported)
 
 log = logging.getLogger(__name__)
 
-FORMS = ("linear", "transposed", "packed", "gemv")
+FORMS = ("linear", "transposed", "packed", "gemv", "panels")
 GAIN = 1.15
 ROWS = (1, 4, 16, 64, 512)
 GEMV_ROWS = native_gemv.MAX_ROWS     # the gemv form is offered (and timed) only up to this many rows
+PANEL_ROWS = native_panels.MAX_ROWS  # and the panels form up to this many
 FILE = "gemm_pick.json"
-FORMAT = 8          # bumped when the forms, rows or timing change: older cache entries are measured again
-                    # (7: kept only when timed on a quiet machine, `load.keep`; 8: up to 512 copies)
+FORMAT = 9          # bumped when the forms, rows or timing change: older cache entries are measured again
+                    # (7: kept only when timed on a quiet machine, `load.keep`; 8: up to 512 copies; 9: panels)
 ROUNDS = 2          # interleaved rounds of timing per choice
-NATIVE_FORMS = {"gemv": "gemv", "packed": "onednn"}     # form -> the native family that runs it
+NATIVE_FORMS = {"gemv": "gemv", "packed": "onednn", "panels": "panels"}     # form -> the native family that runs it
 
 
 def packable(weight) -> bool:
@@ -52,16 +57,29 @@ def packable(weight) -> bool:
             and form_runs("packed", weight.dtype, str(weight.device)) is None)
 
 
-def gemv_runs(weight) -> bool:
-    """ouro's native gemv runs this weight: a 2-D float32 CPU tensor, with the `gemv` family built
-    here (not turned off by `OURO_FUSED=0`) and agreeing with a float64 product (`form_runs`)."""
+def native_runs(form: str, weight) -> bool:
+    """ouro's native float32 form (`gemv`, `panels`) runs this weight: a 2-D float32 CPU tensor, with
+    its family built here (not turned off by `OURO_FUSED=0`) and agreeing with a float64 product
+    (`form_runs`)."""
     return (weight.device.type == "cpu" and weight.dim() == 2 and weight.dtype == torch.float32
-            and native_kernels.load("gemv") and form_runs("gemv", weight.dtype, str(weight.device)) is None)
+            and native_kernels.load(NATIVE_FORMS[form]) and form_runs(form, weight.dtype, str(weight.device)) is None)
+
+
+def gemv_runs(weight) -> bool:
+    return native_runs("gemv", weight)
+
+
+def panels_runs(weight) -> bool:
+    return native_runs("panels", weight)
+
+
+MOST_ROWS = {"gemv": GEMV_ROWS, "panels": PANEL_ROWS}     # forms offered only up to a row count
 
 
 def offers(form: str, rows: int) -> bool:
-    """Whether `form` takes part at `rows` rows (gemv: only up to GEMV_ROWS; every other form: always)."""
-    return form != "gemv" or rows <= GEMV_ROWS
+    """Whether `form` takes part at `rows` rows (gemv: only up to GEMV_ROWS, panels up to PANEL_ROWS;
+    every other form: always)."""
+    return rows <= MOST_ROWS.get(form, rows)
 
 
 # (form, dtype, device) -> None where the form runs here and agrees with a float64 product, else why not
@@ -126,9 +144,13 @@ def product(x, weight, form: str, packed=None):
     """x [M, K] @ weight.T, computed as `form` says (contiguous either way: callers may .view() it).
     `packed`: `pack(weight)` for the packed form (rows padded to `row_bucket`); without it, native's
     `packed_linear` (the same product, the op keeping the packed copy) where it is built, else a copy
-    packed for this call; gemv beyond GEMV_ROWS rows runs F.linear."""
+    packed for this call; gemv and panels beyond the rows they are offered at (`offers`) run F.linear."""
+    if form in MOST_ROWS and not offers(form, x.shape[0]):
+        return F.linear(x, weight)
     if form == "gemv":
-        return native_gemv.gemv(x, weight) if x.shape[0] <= GEMV_ROWS else F.linear(x, weight)
+        return native_gemv.gemv(x, weight)
+    if form == "panels":
+        return native_panels.panel_linear(x, weight)
     if form == "packed":
         if packed is None and native_onednn.can(x, weight):     # the op keeps the packed copy (`shared_pack`)
             return native_onednn.packed_linear(x, weight)
@@ -217,9 +239,9 @@ def _nearest(rows, grid: tuple) -> int:
 
 def available_forms(weight) -> tuple[str, ...]:
     """The forms offered for `weight`: `linear` (the fallback), and every other form that runs and
-    agrees with a reference here (`form_runs`; `packed` needs oneDNN too, `gemv` a float32 CPU
-    weight and ouro's native build)."""
-    special = {"packed": packable, "gemv": gemv_runs}
+    agrees with a reference here (`form_runs`; `packed` needs oneDNN too, `gemv` and `panels` a
+    float32 CPU weight and ouro's native build)."""
+    special = {"packed": packable, "gemv": gemv_runs, "panels": panels_runs}
     return tuple(f for f in FORMS if f == "linear" or (special[f](weight) if f in special else
                                                         form_runs(f, weight.dtype, str(weight.device)) is None))
 
@@ -292,6 +314,15 @@ def pick_forms(weight, timer=None, label: str = "", bar: MeasureBar | None = Non
         return kept
 
 
+def prepack(m) -> None:
+    """The copies of `m`'s weights that its chosen forms read (oneDNN's packed copy, the panels),
+    made now, at load, not inside the first request."""
+    if "packed" in m.forms and hasattr(m, "packed_weights"):
+        packed_for(m, m.packed_weights())
+    if "panels" in m.forms and getattr(m, "weight", None) is not None and native_panels.can(m.weight):
+        native_panels.panel_weight(m.weight.detach())
+
+
 def apply_to(model, progress: bool = True) -> None:
     """Set the measured forms on every module of `model` that takes them (a `forms` attribute:
     `ouro.layers.linear.Linear`, and the routed experts, which time their own forward in each form
@@ -318,8 +349,7 @@ def _apply(model, bar: MeasureBar) -> None:
         if key not in chosen:
             chosen[key] = pick_forms(weight, timer, label, bar)
         m.forms = chosen[key]
-        if "packed" in m.forms and hasattr(m, "packed_weights"):
-            packed_for(m, m.packed_weights())
+        prepack(m)
     # the projections a layer runs as one wider product (`MERGED`: `ouro.layers.merged`) are merged on
     # first use, and the merged weight's forms picked then: timed now, that pick is a cache hit there,
     # not a timing pass inside the first request's prefill

@@ -31,7 +31,8 @@ OP_GROUPS = (("ouro_native::kda", KDA), ("ouro_native::hc_", MHC), ("ouro_native
              ("ouro_native::sparse_mla", DSA), ("ouro_native::write_rows", DSA), ("ouro_native::index_", INDEXER), ("ouro_native::pool_keys", INDEXER),
              ("ouro_native::clamped_swiglu", SWIGLU), ("ouro_int8::w8a8_experts", ROUTED_ROW),
              ("ouro_native::moe_experts", ROUTED_ROW), ("ouro_native::pick_logprobs", SAMPLER),
-             ("ouro_int8::", PRODUCTS), ("ouro_native::gemv", PRODUCTS), ("mkldnn::", PRODUCTS),
+             ("ouro_int8::", PRODUCTS), ("ouro_native::gemv", PRODUCTS), ("ouro_native::panel_linear", PRODUCTS),
+             ("ouro_native::packed_linear", PRODUCTS), ("mkldnn::", PRODUCTS),
              ("aten::mm", PRODUCTS), ("aten::addmm", PRODUCTS), ("aten::_int_mm", PRODUCTS))
 ROWS = [KDA, MHC, "router", "norms", DSA, INDEXER, SWIGLU, ROUTED_ROW, PRODUCTS, SAMPLER, REST]
 ELEMENTWISE = (KDA, MHC, "router", "norms", DSA, INDEXER, SWIGLU)

@@ -23,11 +23,11 @@ from .build import build_key, build_side_by_side, compile_native
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-HEADERS = (HERE / "vec.h", HERE / "tiles.h", HERE / "by_expert.h", HERE / "boundary.h")
-FAMILIES = ("norms", "mhc", "router", "experts", "kda", "mla", "gemv", "sample", "onednn")   # one `<family>.cpp` each
+HEADERS = (HERE / "vec.h", HERE / "tiles.h", HERE / "by_expert.h", HERE / "boundary.h", HERE / "weight_cache.h")
+FAMILIES = ("norms", "mhc", "router", "experts", "kda", "mla", "gemv", "panels", "sample", "onednn")   # one `<family>.cpp` each
 # the families whose ops also take a bfloat16 model's tensors: float32 inside, its rows converted at
 # the op's boundary (`boundary.h`) or widened as they are read (expert weights, latent cache rows); the
-# float32 few-row product (`gemv`) does not; oneDNN's packed product (`onednn`) runs either dtype itself
+# float32 few-row products (`gemv`, `panels`) do not; oneDNN's packed product (`onednn`) runs either dtype itself
 BFLOAT16 = frozenset({"norms", "mhc", "router", "experts", "kda", "mla", "onednn"})
 _STATE: dict = {"eager_only": False, "eager_families": frozenset()}
 _LOADED: dict[str, str | None] = {}      # family -> None when loaded, else why it is not

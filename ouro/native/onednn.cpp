@@ -7,8 +7,8 @@
 // batch 16 (AMD EPYC Zen 4). Here the graph holds the plain weight; the op keeps the packed copy of
 // each weight it meets, keyed by the weight's storage (held weakly: a freed weight's copy is dropped
 // on the next insert) and remade when the weight's version moves (an in-place update outside
-// inference mode). Python's eager path takes its packed copies from the same cache (`packed_weight`),
-// so a weight has one.
+// inference mode; `weight_cache.h`). Python's eager path takes its packed copies from the same cache
+// (`packed_weight`), so a weight has one.
 //
 // Rows are padded as `gemm_pick.row_bucket` pads them (exact to 16 rows, then one of 8 steps per power
 // of two: oneDNN builds a kernel per new row count), so the op gives the eager packed form's bits.
@@ -17,8 +17,7 @@
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
-#include <mutex>
-#include <unordered_map>
+#include "weight_cache.h"
 
 namespace {
 
@@ -32,23 +31,7 @@ int64_t row_bucket(int64_t rows) {
     return (rows + step - 1) / step * step;
 }
 
-struct Entry {
-    c10::weak_intrusive_ptr<c10::StorageImpl> storage;
-    int64_t version;
-    std::vector<int64_t> shape;
-    at::ScalarType dtype;
-    at::Tensor packed;
-};
-
-std::mutex mu;
-std::unordered_map<const void*, Entry> cache;      // weight data pointer -> its packed copy
-
-int64_t version_of(const at::Tensor& w) { return w.is_inference() ? 0 : static_cast<int64_t>(w._version()); }
-
-bool fresh(const Entry& e, const at::Tensor& w) {
-    return !e.storage.expired() && e.storage._unsafe_get_target() == w.storage().unsafeGetStorageImpl() &&
-           e.version == version_of(w) && e.dtype == w.scalar_type() && c10::IntArrayRef(e.shape) == w.sizes();
-}
+ouro::WeightCache cache;      // weight -> its packed copy (`weight_cache.h`)
 
 at::Tensor reorder(const at::Tensor& w) {
     static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_reorder_linear_weight", "");
@@ -57,22 +40,10 @@ at::Tensor reorder(const at::Tensor& w) {
     return stack.back().toTensor();
 }
 
-// the packed copy of `w` (2-D), made on first use and again after an in-place change; a strided view
-// is packed for the call only (its contiguous copy is a temporary: a cache entry for it would expire
-// at once and be made again every call)
+// the packed copy of `w` (2-D), made on first use and again after an in-place change
 at::Tensor packed_weight(const at::Tensor& w) {
     TORCH_CHECK(w.dim() == 2, "packed_weight: the weight must be 2-D [N, K]");
-    if (!w.is_contiguous()) return reorder(w.contiguous().detach());
-    std::lock_guard<std::mutex> lock(mu);
-    auto it = cache.find(w.data_ptr());
-    if (it != cache.end() && fresh(it->second, w)) return it->second.packed;
-    for (auto e = cache.begin(); e != cache.end();)     // copies of freed weights go
-        e = e->second.storage.expired() ? cache.erase(e) : std::next(e);
-    at::Tensor packed = reorder(w.detach());
-    cache.erase(w.data_ptr());
-    cache.emplace(w.data_ptr(), Entry{c10::weak_intrusive_ptr<c10::StorageImpl>(w.storage().getWeakStorageImpl()),
-                                      version_of(w), w.sizes().vec(), w.scalar_type(), packed});
-    return packed;
+    return cache.get(w, reorder);
 }
 
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w) {
@@ -95,10 +66,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w) {
     return padded != rows ? y.narrow(0, 0, rows) : y;
 }
 
-int64_t packed_cache_size() {
-    std::lock_guard<std::mutex> lock(mu);
-    return static_cast<int64_t>(cache.size());
-}
+int64_t packed_cache_size() { return cache.size(); }
 
 }  // namespace
 

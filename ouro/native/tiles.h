@@ -156,28 +156,31 @@ inline void pack_panel(const W* const rows[PANEL], int64_t K, float* b) {
     }
 }
 
-inline void panel_tile(const float* const a[PANEL_ROWS], const float* b, int64_t K, float* c, bool more) {
+// R rows a tile (PANEL_ROWS by default; `panels.cpp` runs 8 on AVX-512, where 16 sums and their
+// panel row fit the 32 registers, and fewer for a product's last rows)
+template <int R = PANEL_ROWS>
+inline void panel_tile(const float* const* a, const float* b, int64_t K, float* c, bool more) {
 #if defined(OURO_LANES)
     if (!portable()) {
         using L = Lanes;
         constexpr int NV = PANEL / L::W;
-        L::T acc[PANEL_ROWS][NV];
-        for (int i = 0; i < PANEL_ROWS; ++i)
+        L::T acc[R][NV];
+        for (int i = 0; i < R; ++i)
             for (int v = 0; v < NV; ++v) acc[i][v] = more ? L::load(c + i * PANEL + v * L::W) : L::zero();
         for (int64_t kk = 0; kk < K; ++kk) {
             L::T bv[NV];
             for (int v = 0; v < NV; ++v) bv[v] = L::load(b + kk * PANEL + v * L::W);
-            for (int i = 0; i < PANEL_ROWS; ++i) {
+            for (int i = 0; i < R; ++i) {
                 const L::T av = L::set1(a[i][kk]);
                 for (int v = 0; v < NV; ++v) acc[i][v] = L::fma(av, bv[v], acc[i][v]);
             }
         }
-        for (int i = 0; i < PANEL_ROWS; ++i)
+        for (int i = 0; i < R; ++i)
             for (int v = 0; v < NV; ++v) L::store(c + i * PANEL + v * L::W, acc[i][v]);
         return;
     }
 #endif
-    for (int i = 0; i < PANEL_ROWS; ++i)
+    for (int i = 0; i < R; ++i)
         for (int64_t j = 0; j < PANEL; ++j) {
             float s = more ? c[i * PANEL + j] : 0.f;
             for (int64_t kk = 0; kk < K; ++kk) s = std::fma(a[i][kk], b[kk * PANEL + j], s);

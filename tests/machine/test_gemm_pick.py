@@ -177,6 +177,7 @@ def test_measured_once_per_shape_and_pinned(monkeypatch, tmp_path):
     monkeypatch.setenv("OURO_BUSY_LIMIT", "1")
     monkeypatch.setattr(gemm_pick, "packable", lambda w: True)
     monkeypatch.setattr(gemm_pick, "gemv_runs", lambda w: False)     # three forms, at every row count
+    monkeypatch.setattr(gemm_pick, "panels_runs", lambda w: False)
     calls = []
 
     def fake(form, weight, rows, budget_s=0.03):
@@ -213,6 +214,7 @@ def test_a_pick_is_timed_again_when_a_native_form_is_rebuilt(monkeypatch, tmp_pa
     monkeypatch.setenv("OURO_BUSY_LIMIT", "1")
     monkeypatch.setattr(gemm_pick, "packable", lambda w: True)
     monkeypatch.setattr(gemm_pick, "gemv_runs", lambda w: True)
+    monkeypatch.setattr(gemm_pick, "panels_runs", lambda w: False)
     real = gemm_pick.native_kernels.build_id
     assert real("gemv") != real("onednn") and real("gemv") == real("gemv") and real("no_such_family") == "no source"
     builds = {"gemv": "old", "onednn": "same"}

@@ -93,6 +93,7 @@ def _hc_post_pre_flops(args, out):
 NATIVE_FLOPS = {
     "route": lambda args, out: 2.0 * args[0].shape[0] * args[1].numel(),
     "gemv": lambda args, out: 2.0 * args[0].shape[0] * args[1].numel(),
+    "panel_linear": lambda args, out: 2.0 * args[0].shape[0] * args[1].numel(),
     "moe_experts": lambda args, out: 2.0 * args[2].numel() * (args[3][0].numel() + args[4][0].numel()),
     "kda_decode": lambda args, out: args[12].numel() * (6.0 * args[11][0].numel() + 2.0 * args[4].numel()),
     "sparse_mla_decode": lambda args, out: 4.0 * args[0].shape[1] * args[0].shape[2] * _rows_selected(args[4]),
