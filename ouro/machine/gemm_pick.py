@@ -41,7 +41,6 @@ FORMS = ("linear", "transposed", "packed", "gemv", "panels")
 GAIN = 1.15
 ROWS = (1, 4, 16, 64, 512)
 GEMV_ROWS = native_gemv.MAX_ROWS     # the gemv form is offered (and timed) only up to this many rows
-PANEL_ROWS = native_panels.MAX_ROWS  # and the panels form up to this many
 FILE = "gemm_pick.json"
 FORMAT = 9          # bumped when the forms, rows or timing change: older cache entries are measured again
                     # (7: kept only when timed on a quiet machine, `load.keep`; 8: up to 512 copies; 9: panels)
@@ -55,6 +54,11 @@ def packable(weight) -> bool:
     return (weight.device.type == "cpu" and weight.dim() == 2 and weight.dtype in (torch.float32, torch.bfloat16)
             and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
             and form_runs("packed", weight.dtype, str(weight.device)) is None)
+
+
+# the panels form up to the row counts whose nearest measured count (`form_for`) is 64: past them the
+# 512-row decision holds, and there oneDNN's blocked kernels equal it (512-2048 rows: 0.95-1.05x, Zen 4)
+PANEL_ROWS = math.isqrt(64 * ROWS[ROWS.index(64) + 1])     # 181: r follows 64's decision while r * r <= 64 * 512
 
 
 def native_runs(form: str, weight) -> bool:
@@ -86,6 +90,7 @@ def offers(form: str, rows: int) -> bool:
 _RUNS: dict = {}
 PROBE_SHAPE = (3, 40, 24)        # rows, in, out: odd sizes, so a kernel's tail handling runs too
 PADDED_PROBE_ROWS = 18           # more rows for the packed form's probe: 21 in all, padded to row_bucket's 22
+PANELS_PROBE_SHAPE = (21, 40, 72)  # the panels form's: past one tile's rows (8) and one panel's columns (32)
 
 
 def form_runs(form: str, dtype, device: str = "cpu") -> str | None:
@@ -105,7 +110,7 @@ def form_runs(form: str, dtype, device: str = "cpu") -> str | None:
 
 
 def _probe(form: str, dtype, device: str) -> str | None:
-    rows, k, n = PROBE_SHAPE
+    rows, k, n = PANELS_PROBE_SHAPE if form == "panels" else PROBE_SHAPE
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(n, k, generator=gen).to(device=device, dtype=dtype)
     x = torch.randn(rows, k, generator=gen).to(device=device, dtype=dtype)

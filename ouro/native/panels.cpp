@@ -5,8 +5,8 @@
 // registers, 6 on AVX2). oneDNN's packed product ran such shapes at 104-157 GFLOP/s with cold weights
 // (16 rows, K = 512, AMD EPYC Zen 4, 2 threads; 201 GFLOP/s peak), this tile at 150-170.
 //
-// Every output is one chain of fused multiply-adds from zero in order of k, on every path (std::fma in
-// the portable loop): the AVX-512, AVX2 and portable paths give the same bits, at any thread count,
+// Every output is chains of K_CHUNK fused multiply-adds from zero in order of k, their sums added in
+// order, on every path (std::fma in the portable loop): the AVX-512, AVX2 and portable paths give the same bits, at any thread count,
 // whatever rows share the call (a row's result depends only on its own row and column). The packed
 // copies are kept like the oneDNN op's (`weight_cache.h`), one a weight.
 #include <ATen/Parallel.h>
@@ -28,6 +28,8 @@ constexpr int ROWS = 8;
 constexpr int ROWS = 6;           // AVX2's 16 registers: 12 sums, the panel row and a broadcast
 #endif
 constexpr int64_t GRAIN_FLOATS = 1 << 14;     // 64 KB of weights per thread at least: less is not worth a wake-up
+constexpr int64_t X_BLOCK_FLOATS = 1 << 16;   // 256 KB of rows a block (many rows: a prefill's)
+constexpr int64_t K_CHUNK = 64;                // terms a chain sums before its sum joins the others
 
 ouro::WeightCache cache;      // weight -> its panels
 
@@ -53,12 +55,20 @@ at::Tensor panel_weight(const at::Tensor& w) {
     return cache.get(w, pack);
 }
 
-// rows m0 .. m0 + r (r <= ROWS) of x against one panel, into c [r][PANEL]
+// rows m0 .. m0 + r (r <= ROWS) of x against one panel, into c [r][PANEL]: each K_CHUNK terms summed
+// from zero, the chunks' sums added in order (a sum of k terms in one chain errs by ~sqrt(k) roundings:
+// at K = 513 twice F.linear's, and K runs to thousands in the large models)
 template <int R>
 void rows_tile(const float* x, int64_t ld, int64_t m0, const float* b, int64_t K, float* c) {
     const float* a[R];
     for (int i = 0; i < R; ++i) a[i] = x + (m0 + i) * ld;
-    ouro::panel_tile<R>(a, b, K, c, false);
+    ouro::panel_tile<R>(a, b, std::min(K, K_CHUNK), c, false);
+    float part[R * PANEL];
+    for (int64_t k0 = K_CHUNK; k0 < K; k0 += K_CHUNK) {
+        for (int i = 0; i < R; ++i) a[i] += K_CHUNK;
+        ouro::panel_tile<R>(a, b + k0 * PANEL, std::min(K_CHUNK, K - k0), part, false);
+        for (int64_t j = 0; j < R * PANEL; ++j) c[j] += part[j];
+    }
 }
 
 template <int... R>
@@ -84,18 +94,23 @@ at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& w) {
     float* yp = y.data_ptr<float>();
     const int64_t P = packed.size(0);
     const int64_t grain = std::max<int64_t>(1, GRAIN_FLOATS / std::max<int64_t>(1, PANEL * K));
-    at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
-        float c[ROWS * PANEL];
-        for (int64_t p = p0; p < p1; ++p) {
-            const int64_t n0 = p * PANEL, nn = std::min<int64_t>(PANEL, N - n0);
-            // the panel (K x PANEL floats) stays in L1/L2 for the later passes of rows
-            for (int64_t m0 = 0; m0 < M; m0 += ROWS) {
-                const int r = static_cast<int>(std::min<int64_t>(ROWS, M - m0));
-                tile(r, xp, ld, m0, bp + p * K * PANEL, K, c, std::make_integer_sequence<int, ROWS>{});
-                for (int i = 0; i < r; ++i) std::copy(c + i * PANEL, c + i * PANEL + nn, yp + (m0 + i) * N + n0);
+    // a block of rows small enough to stay in L2 while every panel passes (a decode step's rows are one)
+    const int64_t block = std::max<int64_t>(ROWS, X_BLOCK_FLOATS / std::max<int64_t>(1, K) / ROWS * ROWS);
+    for (int64_t b0 = 0; b0 < M; b0 += block) {
+        const int64_t b1 = std::min(M, b0 + block);
+        at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
+            float c[ROWS * PANEL];
+            for (int64_t p = p0; p < p1; ++p) {
+                const int64_t n0 = p * PANEL, nn = std::min<int64_t>(PANEL, N - n0);
+                // the panel (K x PANEL floats) stays in L1/L2 for the later passes of rows
+                for (int64_t m0 = b0; m0 < b1; m0 += ROWS) {
+                    const int r = static_cast<int>(std::min<int64_t>(ROWS, b1 - m0));
+                    tile(r, xp, ld, m0, bp + p * K * PANEL, K, c, std::make_integer_sequence<int, ROWS>{});
+                    for (int i = 0; i < r; ++i) std::copy(c + i * PANEL, c + i * PANEL + nn, yp + (m0 + i) * N + n0);
+                }
             }
-        }
-    });
+        });
+    }
     return y;
 }
 

@@ -1,7 +1,7 @@
 """The float32 product of a decode step's rows on a weight packed into panels of columns
 (`panels.cpp`): each weight value read once and met by every row in registers, each output one chain
 of fused multiply-adds in order of k on every path (the same bits at any thread count, whatever rows
-share the call). `ouro.machine.gemm_pick` offers it as the `panels` form up to `MAX_ROWS` rows and
+share the call). `ouro.machine.gemm_pick` offers it as the `panels` form for a decode step's rows (`gemm_pick.PANEL_ROWS`) and
 keeps it where it measures fastest; the op keeps each weight's packed copy (`panel_weight`)."""
 
 from __future__ import annotations
@@ -9,9 +9,6 @@ from __future__ import annotations
 from .kernels import ops, register_fakes, register_product, usable
 
 FAMILY = "panels"
-# the row counts it is meant for (a decode step's batch): past them a product is bound by its
-# arithmetic, each panel pass re-reads the rows, and oneDNN's blocked kernels take over
-MAX_ROWS = 64
 
 
 def can(*tensors) -> bool:

@@ -68,10 +68,10 @@ def test_every_fused_op_has_a_planted_fault_that_names_it():
     ops = {op for _, op, _, _ in FUSED_OPS} | {sampler_taps.OP}     # the sampler's pick runs after the model
     assert ops - {"hc_post"} <= named       # hc_post is hc_post_pre's first half (`Mix::token`), one fault for both
     # every C++ source of the package (the fused families and the int8 kernel) has a planted fault,
-    # but the product forms gemm_pick offers (gemv, oneDNN's packed product through `packed_linear`):
+    # but the product forms gemm_pick offers (gemv, panels, oneDNN's packed product through `packed_linear`):
     # each is checked against a float64 product before it is offered, so a wrong one is refused with
     # a warning and never runs (planted ones were: tests/machine/test_gemm_pick.py)
-    checked_at_selection = {"ouro/native/gemv.cpp", "ouro/native/onednn.cpp"}
+    checked_at_selection = {"ouro/native/gemv.cpp", "ouro/native/panels.cpp", "ouro/native/onednn.cpp"}
     sources = {p.as_posix() for p in Path("ouro").rglob("*.cpp")}
     assert sources - checked_at_selection <= {f.file for f in NATIVE_FAULTS} <= sources | {
         p.as_posix() for p in Path("ouro").rglob("*.h")}

@@ -100,6 +100,7 @@ def _gemm(monkeypatch, calls):
     monkeypatch.delenv("OURO_GEMM_PICK", raising=False)
     monkeypatch.setattr(gemm_pick, "packable", lambda w: False)
     monkeypatch.setattr(gemm_pick, "gemv_runs", lambda w: False)
+    monkeypatch.setattr(gemm_pick, "panels_runs", lambda w: False)
 
     def fake(form, weight, rows, budget_s=0.03):
         calls.append(form)

@@ -51,8 +51,8 @@ def test_the_families_that_take_bfloat16_and_those_that_do_not():
     for family in kernels.FAMILIES:
         assert kernels.usable(family, x) == (family in kernels.BFLOAT16), family
         assert not kernels.usable(family, x.half())
-    # the float32 few-row product, and the sampler's pick (logits are float32 whatever the model's dtype)
-    assert kernels.BFLOAT16 == set(kernels.FAMILIES) - {"gemv", "sample"}
+    # the float32 few-row products, and the sampler's pick (logits are float32 whatever the model's dtype)
+    assert kernels.BFLOAT16 == set(kernels.FAMILIES) - {"gemv", "panels", "sample"}
 
 
 @pytest.mark.parametrize("path", ["native", "portable"])
