@@ -211,6 +211,27 @@ def test_graph_calls_the_native_products_directly(quantization, monkeypatch):
         assert any("ouro_native.moe_experts" in t for t in targets)
 
 
+def test_graph_calls_the_panels_product_directly(monkeypatch):
+    """Where the measured float32 form is `panels` (a decode step's rows on column panels), the graph
+    calls `ouro_native.panel_linear` on the plain weights, the op keeping the packed copies: same
+    logits and caches as eager, no product through Python."""
+    from ouro.native import kernels
+    from ouro.ops.opaque import _module
+    if not (kernels.load("panels") and kernels.load("experts")):
+        pytest.skip("the native kernels cannot be built here")
+    monkeypatch.setenv("OURO_GEMM_PICK", "panels")
+    torch.manual_seed(0)
+    model = load_model(resolve_model("tiny"))
+    worst, same, _, graphs = graph_matches_eager("aot_eager", model=model)
+    assert worst < 1e-5, worst
+    assert same
+    targets = graph_targets(graphs)
+    assert any("ouro_native.panel_linear" in t for t in targets)
+    assert not any("packed_linear" in t or "mkldnn" in t for t in targets)
+    assert not any(n.op == "call_function" and "opaque_call" in str(n.target) and type(_module(n.args[1])).__name__ == "Linear"
+                   for gm in graphs for n in gm.graph.nodes)
+
+
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_int8_projections_in_torchs_int_mm_form_are_traced_not_opaque(monkeypatch, backend):
     """Where the measured int8 form is torch's `_int_mm` (a Xeon with AMX picks it from 16 rows), a

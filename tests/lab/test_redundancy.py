@@ -174,11 +174,12 @@ def test_every_expert_read_at_batch_1_is_the_top_finding(model, monkeypatch, gem
     assert top.where["function"] == "_experts_gathered" and "experts.gate_up_proj 4.0x its floor" in top.summary, top.summary
 
 
-def test_weight_reads_count_each_matrix_once_on_clean_decode(model, monkeypatch):
+@pytest.mark.parametrize("form", ["packed", "panels"])
+def test_weight_reads_count_each_matrix_once_on_clean_decode(model, monkeypatch, form):
     """Clean batch-1 decode reads every weight matrix exactly its floor (the routed experts: the two
-    chosen), through the parameter or its packed copy alike."""
+    chosen), through the parameter or its packed copy alike (oneDNN's, the panels)."""
     from ouro.lab.redundancy.module_floor import weight_reads
-    monkeypatch.setenv("OURO_GEMM_PICK", "packed")
+    monkeypatch.setenv("OURO_GEMM_PICK", form)
     steps = redundancy.record_steps(model, 24, (48,), 1)
     reads = weight_reads(model, steps[1].ops, 1)
     matrices = {n for n, p in model.named_parameters() if p.dim() >= 2}
@@ -186,8 +187,11 @@ def test_weight_reads_count_each_matrix_once_on_clean_decode(model, monkeypatch)
     assert {n: round(r / f, 6) for n, (r, f, _) in reads.items() if abs(r / f - 1) > 1e-9} == {}
     # the packed form ran: native's `packed_linear` on the weights themselves where it is built, else
     # oneDNN's op on packed copies
-    from ouro.native import onednn
-    packed_op = "packed_linear" if onednn.ready(next(model.parameters())) else "_linear_pointwise"
+    from ouro.native import kernels, onednn
+    if form == "panels":         # where it is not built, the form falls back to F.linear (`mm`)
+        packed_op = "panel_linear" if kernels.load("panels") else "mm"
+    else:
+        packed_op = "packed_linear" if onednn.ready(next(model.parameters())) else "_linear_pointwise"
     assert any(op.op == packed_op for _, _, op in reads.values())
 
 
