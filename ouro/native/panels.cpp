@@ -22,11 +22,7 @@
 namespace {
 
 using ouro::PANEL;
-#if defined(__AVX512F__)
-constexpr int ROWS = 8;
-#else
-constexpr int ROWS = 6;           // AVX2's 16 registers: 12 sums, the panel row and a broadcast
-#endif
+constexpr int ROWS = static_cast<int>(ouro::PANEL_ROWS);      // rows a register tile (8 on AVX-512, 6 on AVX2)
 constexpr int64_t GRAIN_FLOATS = 1 << 14;     // 64 KB of weights per thread at least: less is not worth a wake-up
 constexpr int64_t X_BLOCK_FLOATS = 1 << 16;   // 256 KB of rows a block (many rows: a prefill's)
 constexpr int64_t K_CHUNK = 64;                // terms a chain sums before its sum joins the others

@@ -104,10 +104,11 @@ inline int64_t rows_tdot_lanes(float* x, int64_t rows, int64_t n, int64_t ld, co
 // columns of A: a sum's value never depends on its slot, its neighbours or the K blocking.
 #if defined(__AVX512F__)
 constexpr int64_t PANEL = 32;
+constexpr int64_t PANEL_ROWS = 8;      // 16 sums, the panel's row and a broadcast in 32 registers
 #else
 constexpr int64_t PANEL = 16;
+constexpr int64_t PANEL_ROWS = 6;      // 12 sums, the panel's row and a broadcast in AVX2's 16
 #endif
-constexpr int64_t PANEL_ROWS = 6;
 
 #if defined(__AVX2__) && defined(__FMA__)
 // rows j0..j0+7 (null: zeros), columns k..k+7, as 8 columns of 8: one 8 x 8 transpose in registers
@@ -156,8 +157,7 @@ inline void pack_panel(const W* const rows[PANEL], int64_t K, float* b) {
     }
 }
 
-// R rows a tile (PANEL_ROWS by default; `panels.cpp` runs 8 on AVX-512, where 16 sums and their
-// panel row fit the 32 registers, and fewer for a product's last rows)
+// R rows a tile (PANEL_ROWS by default; fewer for a product's last rows, `panels.cpp`)
 template <int R = PANEL_ROWS>
 inline void panel_tile(const float* const* a, const float* b, int64_t K, float* c, bool more) {
 #if defined(OURO_LANES)
