@@ -1,14 +1,14 @@
-// A float32 product x [M, K] @ w [N, K].T for a decode step's rows (up to `panels.MAX_ROWS`), on a copy
-// of the weight packed once into panels of PANEL columns laid out [K][PANEL] (`tiles.h`: `pack_panel`,
-// `panel_tile`): each weight value is read once, from one sequential stream a panel, and multiplied by
-// a broadcast value of every row in registers, ROWS rows a pass (8 on AVX-512: 16 sums of two
-// registers, 6 on AVX2). oneDNN's packed product ran such shapes at 104-157 GFLOP/s with cold weights
-// (16 rows, K = 512, AMD EPYC Zen 4, 2 threads; 201 GFLOP/s peak), this tile at 150-170.
+// A float32 product x [M, K] @ w [N, K].T for a decode step's rows (`gemm_pick.PANEL_ROWS` at most), on
+// a copy of the weight packed once into panels of PANEL columns laid out [K][PANEL] (`tiles.h`:
+// `pack_panel`, `panel_tile`): each weight value is read once, from one sequential stream a panel, and
+// multiplied by a broadcast value of every row in registers, ROWS rows a pass (8 on AVX-512: 16 sums of
+// two registers, 6 on AVX2). oneDNN's packed product ran 16 rows of such shapes at 101-142 GFLOP/s
+// with cold weights (K = 512, AMD EPYC Zen 4, 2 threads; 201 GFLOP/s peak), this tile at 149-168.
 //
 // Every output is chains of K_CHUNK fused multiply-adds from zero in order of k, their sums added in
-// order, on every path (std::fma in the portable loop): the AVX-512, AVX2 and portable paths give the same bits, at any thread count,
-// whatever rows share the call (a row's result depends only on its own row and column). The packed
-// copies are kept like the oneDNN op's (`weight_cache.h`), one a weight.
+// order, on every path (std::fma in the portable loop): the AVX-512, AVX2 and portable paths give the
+// same bits, at any thread count, whatever rows share the call (a row's result depends only on its own
+// row and column). The packed copies are kept like the oneDNN op's (`weight_cache.h`), one a weight.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
