@@ -1,6 +1,6 @@
 """Which way an `x @ W.T` product runs fastest on this machine, per weight shape and row count.
 
-The same products, four ways: `F.linear` (BLAS, MKL on x86 builds of torch), `(W @ x.T).T` (the
+The same products, five ways: `F.linear` (BLAS, MKL on x86 builds of torch), `(W @ x.T).T` (the
 same BLAS, another kernel), `packed`: oneDNN's matmul on a weight reordered once into its
 blocked layout (`torch.ops.mkldnn`, what inductor uses for frozen weights on a CPU), `gemv`:
 ouro's native float32 kernel for a few rows (`ouro.native.gemv`, up to `GEMV_ROWS` rows: the
@@ -90,7 +90,7 @@ def offers(form: str, rows: int) -> bool:
 _RUNS: dict = {}
 PROBE_SHAPE = (3, 40, 24)        # rows, in, out: odd sizes, so a kernel's tail handling runs too
 PADDED_PROBE_ROWS = 18           # more rows for the packed form's probe: 21 in all, padded to row_bucket's 22
-PANELS_PROBE_SHAPE = (21, 40, 72)  # the panels form's: past one tile's rows (8) and one panel's columns (32)
+PANELS_PROBE_SHAPE = (21, 136, 72)  # the panels form's: past one tile's rows (8), a chunk's terms (64), a panel's columns (32)
 
 
 def form_runs(form: str, dtype, device: str = "cpu") -> str | None:

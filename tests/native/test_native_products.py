@@ -287,11 +287,13 @@ def test_prepack_makes_the_panels_at_load(monkeypatch):
     assert len(packed) == 1
 
 
-def test_a_panels_kernel_that_botches_a_second_tile_is_not_offered(monkeypatch):
-    """The form is checked against a float64 product before it is offered, on enough rows and columns
-    to cross a tile and a panel: a kernel wrong only past its first 8 rows or 32 columns is refused."""
+def test_a_panels_kernel_that_botches_a_second_tile_chunk_or_panel_is_not_offered(monkeypatch):
+    """The form is checked against a float64 product before it is offered, on enough rows, terms and
+    columns to cross a tile, a chunk of the sums and a panel: a kernel wrong only past its first 8 rows,
+    64 terms or 32 columns is refused."""
     real = P.panel_linear
     for broken in (lambda x, w: torch.cat([real(x[:8], w), real(x[8:], w) * 1.01]),
+                   lambda x, w: real(x[:, :64], w[:, :64]) if x.shape[1] > 64 else real(x, w),
                    lambda x, w: torch.cat([real(x, w)[:, :32], real(x, w)[:, 32:] + 1e-3], dim=1)):
         monkeypatch.setattr(P, "panel_linear", broken)
         monkeypatch.setattr(gemm_pick, "_RUNS", {})
