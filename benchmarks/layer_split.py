@@ -19,7 +19,7 @@ import torch
 
 
 def rank_run(groups, model_dir, n: int, chunk: int, split: bool, seed: int):
-    from ouro.machine.gemm_pick import apply_to
+    from ouro.machine.model_forms import apply_to
     from ouro.layers.context import ModelCache
     from ouro.measure import spans
     from ouro.models.loader import load_model

@@ -26,7 +26,7 @@ import torch
 
 def _rank_prefill(groups, model_dir, input_len: int, seed: int, precision: str, dtype, chunks: int = 1,
                   threads: int | None = None):
-    from ..machine.gemm_pick import apply_to
+    from ..machine.model_forms import apply_to
     from ..layers.context import ForwardContext, ModelCache
     from ..models.loader import load_model
     from ..parallel.cp_context import slice_bounds

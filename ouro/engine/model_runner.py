@@ -71,7 +71,7 @@ class ModelRunner:
         """compile_max_bs > 0: decode batches up to that size run as a compiled graph
         (`ouro.engine.decode_graph`); it takes one more state slot and page, for padding rows.
         cache_config: the config the cache is laid out for (the model's, or with the MTP draft layer)."""
-        from ..machine.gemm_pick import apply_to
+        from ..machine.model_forms import apply_to
         from ..native.kernels import load_all
         self.model = model
         self.device = device

@@ -12,7 +12,7 @@ from ..layers.context import ForwardContext, ModelCache
 class SimpleRunner:
     def __init__(self, model, n_seqs: int, max_len: int, page_size: int | None = None, poison: bool = False,
                  kv_kinds: dict | None = None):
-        from ..machine.gemm_pick import apply_to
+        from ..machine.model_forms import apply_to
         cfg = model.config
         self.model = model
         apply_to(model)      # the products the engine runs (tests and probes see the same paths)

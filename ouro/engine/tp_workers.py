@@ -211,7 +211,7 @@ class Follower:
 
     def __init__(self, model_dir, rank, size, port, timeout_s, options):
         from ..config import EngineConfig
-        from ..machine.gemm_pick import apply_to
+        from ..machine.model_forms import apply_to
         from ..models.loader import load_model
         from ..parallel.tp_shard import shard_model
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))

@@ -9,10 +9,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..machine.gemm_pick import form_for, packed_for, pick_forms, prepack, product
+from ..machine.gemm_pick import form_for, packed_for, pick_forms, product
+from ..machine.model_forms import prepack
 from ..native import gemv, onednn, panels
 from ..ops import batch_invariant
 from ..ops.opaque import call_opaque
+
+NATIVE = {"gemv": gemv, "panels": panels}     # the forms that are ouro's native kernels: form -> module
 
 
 class Linear(nn.Linear):
@@ -33,7 +36,7 @@ class Linear(nn.Linear):
             return "linear"
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         form = form_for(self.forms, rows)
-        native = {"gemv": gemv, "panels": panels}.get(form)
+        native = NATIVE.get(form)
         return "linear" if rows == 0 or (native is not None and not native.can(x, self.weight)) else form
 
     def eager(self, x):

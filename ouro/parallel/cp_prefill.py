@@ -217,7 +217,7 @@ def run_prefill(model, cache, group, ids: list[int], slot: int, table, precision
 
 def _helper_main(model_dir, rank, world, port, dtype, device, kda_chunk_size, timeout_s, options="{}") -> None:
     from ..config import EngineConfig
-    from ..machine.gemm_pick import apply_to
+    from ..machine.model_forms import apply_to
     from ..models.loader import load_model
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     model = load_model(model_dir, dtype=EngineConfig(device=device, dtype=dtype).torch_dtype(), device=device,

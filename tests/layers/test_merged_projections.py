@@ -4,7 +4,7 @@ projections run one by one, remade when a weight changes, and never merged where
 import pytest
 import torch
 
-from ouro.machine.gemm_pick import apply_to
+from ouro.machine.model_forms import apply_to
 from ouro.layers.linear import Linear
 from ouro.layers.merged import merged_module, project, project_cat
 from ouro.quant.w8a8 import W8A8Linear

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from ouro.machine import gemm_pick
+from ouro.machine import gemm_pick, model_forms
 from ouro.layers.linear import Linear
 
 # the forms this machine runs, asked the way the code asks (no test assumes a CPU feature)
@@ -250,7 +250,7 @@ def test_merged_projections_are_picked_with_the_model_not_in_its_first_forward(m
     from ouro.models.loader import load_model
     from ouro.models.resolve import resolve_model
     model = load_model(resolve_model("tiny"))
-    gemm_pick.apply_to(model)
+    model_forms.apply_to(model)
     groups = [[getattr(m, n) for n in group] for m in model.modules() for group in getattr(m, "MERGED", ())]
     assert len(groups) >= 3 and all(isinstance(p, Linear) for g in groups for p in g)
     before = len(timed)
@@ -316,10 +316,10 @@ def test_a_first_start_shows_a_bar_while_it_times_and_a_cached_one_does_not(monk
     from ouro.models.loader import load_model
     from ouro.models.resolve import resolve_model
     model = load_model(resolve_model("tiny"))
-    gemm_pick.apply_to(model)
+    model_forms.apply_to(model)
     assert "timing each product's forms on this machine" in capsys.readouterr().err
-    gemm_pick.apply_to(model)                                  # every shape cached now
+    model_forms.apply_to(model)                                  # every shape cached now
     assert "timing each product" not in capsys.readouterr().err
     monkeypatch.setenv("OURO_GEMM_PICK", "linear")
-    gemm_pick.apply_to(model)
+    model_forms.apply_to(model)
     assert "timing each product" not in capsys.readouterr().err

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ouro.layers.linear import Linear
-from ouro.machine import gemm_pick
+from ouro.machine import gemm_pick, model_forms
 from ouro.native import gemv as G
 from ouro.native import kernels
 from ouro.native import panels as P
@@ -280,10 +280,10 @@ def test_prepack_makes_the_panels_at_load(monkeypatch):
     monkeypatch.setattr(P, "panel_weight", lambda w: packed.append(w.data_ptr()) or real(w))
     fresh = Linear(40, 56, bias=False)
     fresh.forms = ["gemv", "panels", "panels", "panels", "packed"]
-    gemm_pick.prepack(fresh)
+    model_forms.prepack(fresh)
     assert packed == [fresh.weight.data_ptr()]
     fresh.forms = ["gemv"] * len(gemm_pick.ROWS)
-    gemm_pick.prepack(fresh)
+    model_forms.prepack(fresh)
     assert len(packed) == 1
 
 

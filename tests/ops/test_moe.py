@@ -275,7 +275,7 @@ def test_experts_layer_packed_per_expert_path_matches_naive(T, monkeypatch):
 def test_experts_choose_their_path_by_timing_their_own_forward(monkeypatch, tmp_path):
     """apply_to asks the experts layer to time its whole forward in each form (not one product),
     caches that apart from a plain weight of the same shape, and leaves the layer's forms as set."""
-    from ouro.machine import gemm_pick
+    from ouro.machine import gemm_pick, model_forms
     from ouro.config import ModelConfig
     from ouro.layers.moe import Experts
     if not gemm_pick.packable(torch.zeros(2, 2)):
@@ -293,7 +293,7 @@ def test_experts_choose_their_path_by_timing_their_own_forward(monkeypatch, tmp_
     asked = []
     monkeypatch.setattr(Experts, "time_form", lambda self, form, rows: asked.append((form, rows)) or
                         {"linear": 1.0, "packed": 0.1 if rows < 16 else 2.0}[form])
-    gemm_pick.apply_to(torch.nn.ModuleList([layer]))
+    model_forms.apply_to(torch.nn.ModuleList([layer]))
     assert sorted(set(asked)) == sorted((f, r) for f in ("linear", "packed") for r in gemm_pick.ROWS)
     assert layer.forms == ["packed" if r < 16 else "linear" for r in gemm_pick.ROWS]
     saved = json.loads((tmp_path / "gemm_pick.json").read_text())

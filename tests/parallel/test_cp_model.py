@@ -7,7 +7,7 @@ single-rank tokens. Weights are random, with every constant-initialised tensor r
 import pytest
 import torch
 
-from ouro.machine.gemm_pick import apply_to
+from ouro.machine.model_forms import apply_to
 from ouro.layers.context import ForwardContext, ModelCache
 from ouro.models.loader import load_model
 from ouro.parallel.cp_forward import cp_forward

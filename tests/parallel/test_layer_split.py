@@ -8,7 +8,7 @@ reads its stale scratch changes the output (the comparison that catches it)."""
 import pytest
 import torch
 
-from ouro.machine.gemm_pick import apply_to
+from ouro.machine.model_forms import apply_to
 from ouro.layers.context import ForwardContext, ModelCache
 from ouro.models.loader import load_model
 from ouro.parallel import layer_split
